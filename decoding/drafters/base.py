@@ -1,0 +1,51 @@
+"""The drafter contract."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from decoding.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    tokens: tuple[int, ...]  # [k'] with k' <= k; may be empty
+    probs: torch.Tensor | None = None  # [k', vocab] the distribution each token was drawn from;
+    # None when the drafter is deterministic (verification treats it as one-hot)
+
+    @staticmethod
+    def empty() -> DraftProposal:
+        return DraftProposal(tokens=())
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may look at when proposing."""
+
+    token_ids: Sequence[int]  # every committed token: prompt then output
+    sampling: SamplingParams
+    generator: torch.Generator | None  # None when decoding greedily
+
+
+class Drafter(Protocol):
+    """Proposes up to k tokens per round; keeps per-sequence state it can roll back."""
+
+    name: str
+
+    def begin(self, prompt_ids: Sequence[int]) -> Any:
+        """Start a sequence; returns the drafter's state for it."""
+        ...
+
+    def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal: ...
+
+    def rollback(self, state: Any, length: int) -> None:
+        """The sequence now has ``length`` committed tokens; forget anything beyond."""
+        ...
+
+    def release(self, state: Any) -> None:
+        """The sequence is finished; free what its state holds."""
+        ...

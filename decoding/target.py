@@ -1,0 +1,112 @@
+"""A Hugging Face causal LM with its KV cache kept between rounds.
+
+The same runner serves as the target and as a model drafter: prefill a prompt,
+score a few tokens in one forward pass, roll the cache back to a length.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft and the target do not share a vocabulary."""
+
+
+@dataclass
+class CacheState:
+    """One sequence's KV cache and how many tokens it holds."""
+
+    cache: DynamicCache
+    length: int = 0
+
+
+class CausalLM:
+    """Prefill / score / rollback over a transformers causal LM."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str = "model") -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
+
+    @classmethod
+    def load(cls, path: str, dtype: str = "float32", device: str = "cpu") -> CausalLM:
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        model = model.to(device)  # type: ignore[arg-type]
+        return cls(model, tokenizer, name=str(path))
+
+    def new_state(self) -> CacheState:
+        return CacheState(cache=DynamicCache(config=self.model.config))
+
+    @torch.inference_mode()
+    def prefill(self, state: CacheState, token_ids: Sequence[int]) -> torch.Tensor:  # [vocab]
+        """Append ``token_ids`` to the cache; return the logits after the last one."""
+        return self._forward(state, token_ids, keep=1)[0]
+
+    @torch.inference_mode()
+    def score(self, state: CacheState, token_ids: Sequence[int]) -> torch.Tensor:  # [n, vocab]
+        """Append ``token_ids`` to the cache; return the logits after each of them."""
+        return self._forward(state, token_ids, keep=len(token_ids))
+
+    def rollback(self, state: CacheState, length: int) -> None:
+        """Forget every cached position at or after ``length``."""
+        if length < state.length:
+            state.cache.crop(length - state.length)  # transformers 5: a negative count
+            state.length = length
+
+    def _forward(self, state: CacheState, token_ids: Sequence[int], keep: int) -> torch.Tensor:
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(
+            input_ids=ids,
+            cache=state.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        state.length += ids.shape[1]
+        return out.logits[0]  # [keep, vocab]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def check_same_vocabulary(target_tokenizer: Any, draft_tokenizer: Any, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer differs from the target's."""
+    target_vocab = target_tokenizer.get_vocab()
+    draft_vocab = draft_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sum(1 for t, i in draft_vocab.items() if target_vocab.get(t) != i)
+    raise TokenizerMismatchError(
+        f"draft {draft_name!r} does not share the target's tokenizer: vocabularies of "
+        f"{len(draft_vocab)} and {len(target_vocab)} tokens differ on {differing} entries. "
+        "A draft must use exactly the target's tokenizer."
+    )

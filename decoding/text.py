@@ -1,0 +1,88 @@
+"""Incremental detokenization with stop strings.
+
+Text goes out only once it is final: a trailing incomplete UTF-8 sequence and
+a trailing prefix of any stop string are held back until the next tokens
+resolve them, so nothing is ever emitted and then retracted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True)
+class TextUpdate:
+    delta: str  # newly final text
+    stopped: bool  # a stop string was found
+    tokens_used: int  # of the pushed tokens, how many belong to the output
+
+
+class TextStream:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.token_ids: list[int] = []
+        self.emitted = ""  # text already handed out
+
+    def push(self, token_ids: Sequence[int]) -> TextUpdate:
+        """Add output tokens (EOS excluded); return the text that became final."""
+        before = len(self.token_ids)
+        self.token_ids.extend(token_ids)
+        text = self._decode(self.token_ids)
+        if self.stop:
+            cut = self._find_stop(text)
+            if cut is not None:
+                used = self._tokens_through_stop(before, len(token_ids))
+                del self.token_ids[before + used :]
+                return TextUpdate(delta=self._take(text[:cut]), stopped=True, tokens_used=used)
+        hold = _incomplete_tail(text) or self._stop_prefix_tail(text)
+        return TextUpdate(delta=self._take(text[: len(text) - hold]), stopped=False,
+                          tokens_used=len(token_ids))
+
+    def flush(self) -> str:
+        """At the end of the sequence, release whatever was held back."""
+        return self._take(self._decode(self.token_ids))
+
+    def _take(self, final: str) -> str:
+        if not final.startswith(self.emitted):  # a tokenizer that rewrites earlier text
+            final = self.emitted + final[len(self.emitted) :]
+        delta = final[len(self.emitted) :]
+        self.emitted = final
+        return delta
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True,
+                                         clean_up_tokenization_spaces=False))
+
+    def _find_stop(self, text: str) -> int | None:
+        start = len(self.emitted)
+        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _tokens_through_stop(self, before: int, pushed: int) -> int:
+        """The fewest pushed tokens whose text already contains a stop string."""
+        for used in range(1, pushed + 1):
+            if self._find_stop(self._decode(self.token_ids[: before + used])) is not None:
+                return used
+        return pushed
+
+    def _stop_prefix_tail(self, text: str) -> int:
+        tail = text[len(self.emitted) :]
+        hold = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(tail)), hold, -1):
+                if tail.endswith(s[:n]):
+                    hold = n
+                    break
+        return hold
+
+
+def _incomplete_tail(text: str) -> int:
+    n = 0
+    while n < len(text) and text[len(text) - 1 - n] == REPLACEMENT:
+        n += 1
+    return n

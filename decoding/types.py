@@ -1,0 +1,125 @@
+"""Value types shared by the decoding core and its callers.
+
+Everything here is a frozen dataclass: requests go in, events come out, and
+nothing is mutated on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a sequence ended, in OpenAI's vocabulary."""
+
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context was reached
+    CANCELLED = "cancelled"  # the client went away or the server is shutting down
+    TIMEOUT = "timeout"  # the request ran past its deadline
+    ERROR = "error"  # the model failed on this request
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy decoding."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    """Per-request control of speculation. ``enabled=False`` decodes plainly."""
+
+    enabled: bool = True
+    drafter: str | None = None  # a loaded drafter's name; None picks the server's default
+    max_draft_tokens: int | None = None  # caps the adaptive policy's k
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate. ``prompt_ids`` are already tokenized."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    logprobs: bool = False
+    top_logprobs: int = 0
+    speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    timeout_s: float | None = None
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.top_logprobs < 0:
+            raise ValueError("top_logprobs must be >= 0")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of an emitted token, with alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """Where one round's time went, in seconds."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    bookkeeping_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """What one speculation round produced for one sequence.
+
+    ``text`` is safe to show: incomplete UTF-8 and possible stop-string prefixes
+    are held back until they resolve. ``token_ids`` are the tokens committed in
+    this round (a stop string may end the text before the last of them).
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    draft_tokens: int  # proposed this round
+    accepted_tokens: int  # of those, accepted by verification
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    timing: RoundTiming = field(default_factory=RoundTiming)
+    round_index: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # committed so far, this round included
+    error: str | None = None  # set only with FinishReason.ERROR; safe to show
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,109 @@
+"""Verification of draft tokens against the target: the heart of speculation.
+
+Leviathan, Kalman and Matias, "Fast Inference from Transformers via Speculative
+Decoding", ICML 2023 (arXiv 2211.17192), Algorithm 1. Vocabulary follows vLLM:
+a draft token is *accepted* or rejected; on rejection the next token is
+*recovered* by sampling the residual distribution; when every draft token is
+accepted the target contributes one *bonus* token. The acceptance length of a
+round therefore includes that final token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # how many draft tokens were kept (a prefix of the draft)
+    next_token: int  # recovered (after a rejection) or bonus (all accepted)
+    bonus: bool  # True when next_token is the bonus token
+
+    def committed(self, draft_tokens: Sequence[int]) -> list[int]:
+        """The tokens this round adds to the sequence."""
+        return [*draft_tokens[: self.accepted], self.next_token]
+
+
+def verify(
+    draft_tokens: Sequence[int],  # [k]
+    draft_probs: torch.Tensor | None,  # [k, vocab]; None for a deterministic drafter
+    target_probs: torch.Tensor,  # [k + 1, vocab]
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Keep the longest acceptable prefix of the draft, plus one target token.
+
+    With ``generator=None`` decoding is greedy: a draft token is accepted while
+    it equals the target's argmax, so any monotone transform of the target's
+    probabilities (its processed logits) may be passed. The result is then
+    exactly the token sequence plain greedy decoding produces.
+
+    With a generator this is rejection sampling: draft token x at position i is
+    accepted with probability min(1, target_probs[i, x] / draft_probs[i, x]);
+    after the first rejection the next token is drawn from the residual
+    max(0, target_probs[i] - draft_probs[i]), renormalised. The output then has
+    exactly the target's distribution. ``draft_probs=None`` stands for a
+    deterministic drafter (a one-hot distribution on each proposed token).
+    """
+    k = len(draft_tokens)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens")
+    if generator is None:
+        return _verify_greedy(draft_tokens, target_probs)
+    return _verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+
+
+def _verify_greedy(draft_tokens: Sequence[int], target_scores: torch.Tensor) -> Verdict:
+    best = target_scores.argmax(dim=-1).tolist()  # [k + 1], one host sync
+    for i, token in enumerate(draft_tokens):
+        if token != best[i]:
+            return Verdict(accepted=i, next_token=best[i], bonus=False)
+    k = len(draft_tokens)
+    return Verdict(accepted=k, next_token=best[k], bonus=True)
+
+
+def _verify_sampled(
+    draft_tokens: Sequence[int],  # [k]
+    draft_probs: torch.Tensor | None,  # [k, vocab]
+    target_probs: torch.Tensor,  # [k + 1, vocab]
+    generator: torch.Generator,
+) -> Verdict:
+    k = len(draft_tokens)
+    if k:
+        index = torch.tensor(list(draft_tokens), dtype=torch.long, device=target_probs.device)
+        rows = torch.arange(k, device=target_probs.device)
+        p_target = target_probs[rows, index]  # [k]
+        if draft_probs is None:
+            p_draft = torch.ones_like(p_target)
+        else:
+            p_draft = draft_probs[rows, index].to(p_target.dtype)  # [k]
+        ratio = (p_target / p_draft.clamp_min(1e-30)).clamp(max=1.0)  # [k]
+        uniform = torch.rand(k, generator=generator, device=target_probs.device)  # [k]
+        rejected = (uniform >= ratio).tolist()
+        for i in range(k):
+            if rejected[i]:
+                residual = _residual(target_probs[i], draft_probs, i, draft_tokens[i])
+                token = int(torch.multinomial(residual, 1, generator=generator).item())
+                return Verdict(accepted=i, next_token=token, bonus=False)
+    token = int(torch.multinomial(target_probs[k], 1, generator=generator).item())
+    return Verdict(accepted=k, next_token=token, bonus=True)
+
+
+def _residual(
+    target_row: torch.Tensor,  # [vocab]
+    draft_probs: torch.Tensor | None,  # [k, vocab]
+    position: int,
+    draft_token: int,
+) -> torch.Tensor:  # [vocab]
+    """max(0, target - draft), renormalised; the target itself if that is empty."""
+    if draft_probs is None:
+        residual = target_row.clone()
+        residual[draft_token] = 0.0
+    else:
+        residual = (target_row - draft_probs[position].to(target_row.dtype)).clamp_min(0.0)
+    total = residual.sum()
+    if not torch.isfinite(total) or total.item() <= 0.0:
+        return target_row
+    return residual / total

@@ -1,0 +1,132 @@
+"""The ``specserve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from decoding import model_store
+from decoding.factory import load_drafter, load_target
+from decoding.prompting import encode_chat, encode_text
+from decoding.sequence import decode
+from decoding.types import GenerationRequest, SamplingParams
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("decoding.model_store").setLevel(logging.INFO)
+    if not hasattr(args, "func"):
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.func(args) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers()
+
+    models = sub.add_parser("models", help="manage local models")
+    models_sub = models.add_subparsers()
+    pull = models_sub.add_parser("pull", help="fetch and convert the default model")
+    pull.add_argument("--force", action="store_true", help="convert again even if present")
+    pull.set_defaults(func=_cmd_pull)
+    path = models_sub.add_parser("path", help="print where the default model lives")
+    path.set_defaults(func=lambda a: print(model_store.default_model_dir()))
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _model_flags(gen)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="compare decoding methods on the shipped prompt sets")
+    _model_flags(bench, draft_default=None)
+    bench.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
+    bench.add_argument("--json", default=None, help="write the results here")
+    bench.add_argument("--dtypes", default="float32,bfloat16")
+    bench.add_argument("--max-tokens", type=int, default=None)
+    bench.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    bench.set_defaults(func=_cmd_bench)
+
+    try:
+        from gateway.server import add_serve_command
+    except ImportError:  # the HTTP extras are part of the default install; be explicit anyway
+        pass
+    else:
+        add_serve_command(sub)
+    return parser
+
+
+def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "ngram") -> None:
+    p.add_argument("--target", default="default", help="model directory, hub id or 'default'")
+    p.add_argument("--draft", default=draft_default,
+                   help="'none', 'ngram', or a draft model directory (same tokenizer)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    path = model_store.pull_default(force=args.force)
+    print(path)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, args.dtype)
+    drafter = load_drafter(args.draft, target, args.dtype)
+    tok = target.tokenizer
+    ids = encode_chat(tok, [{"role": "user", "content": args.prompt}]) if args.chat \
+        else encode_text(tok, args.prompt)
+    request = GenerationRequest(
+        prompt_ids=tuple(ids), max_new_tokens=args.max_tokens, stop=tuple(args.stop),
+        sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed),
+    )
+    start = time.perf_counter()
+    drafted = accepted = rounds = tokens = 0
+    reason = None
+    for event in decode(target, drafter, request):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        drafted += event.draft_tokens
+        accepted += event.accepted_tokens
+        rounds += 1
+        tokens = event.completion_tokens
+        reason = event.finish_reason
+    sys.stdout.write("\n")
+    elapsed = time.perf_counter() - start
+    rate = accepted / drafted if drafted else 0.0
+    finish = reason.value if reason else None
+    print(f"[{tokens} tokens in {elapsed:.2f}s, {tokens / elapsed:.1f} tok/s, {rounds} rounds, "
+          f"drafted {drafted}, accepted {accepted} ({rate:.0%}), finish={finish}]",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from decoding.bench import run_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Metrics, tracing and structured logging."""

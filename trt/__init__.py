@@ -1,0 +1,1 @@
+"""Draft engines: ONNX export, ONNX Runtime and TensorRT drafters."""
