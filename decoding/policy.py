@@ -60,6 +60,8 @@ class AdaptiveSpeculation:
             if verify_s > 0:
                 self._step_s = _ema(self._step_s, verify_s)
             return
+        if verify_s > 0:  # a verify of k drafts costs about (1 + VERIFY_COST_PER_TOKEN * k) steps
+            self._step_s = _ema(self._step_s, verify_s / (1 + VERIFY_COST_PER_TOKEN * drafted))
         rejected = 1 if accepted < drafted else 0
         self._accepted = HISTORY_DECAY * self._accepted + accepted
         self._rejected = HISTORY_DECAY * self._rejected + rejected

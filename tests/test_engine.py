@@ -1,0 +1,148 @@
+"""The engine: interleaving, cancellation, queue bound, timeouts, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from decoding.drafters import NgramDrafter
+from decoding.engine import Engine, EngineClosedError, QueueFullError, UnknownDrafterError
+from decoding.prompting import encode_text
+from decoding.sequence import ContextOverflowError, decode
+from decoding.target import CausalLM
+from decoding.types import FinishReason, GenerationRequest, SamplingParams, SpeculationParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _request(target: CausalLM, text: str, n: int = 24, **kw: object) -> GenerationRequest:
+    ids = tuple(encode_text(target.tokenizer, text))
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=n, sampling=GREEDY, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture()
+def engine(tiny_target: CausalLM) -> Iterator[Engine]:
+    engine = Engine(tiny_target, {"ngram": NgramDrafter()}, default_drafter="ngram",
+                    max_queue=4, max_active=2)
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def test_outputs_match_decoding_alone(engine: Engine, tiny_target: CausalLM) -> None:
+    prompts = ["one two three one two", "Hello there", "x y z x y z x y", "The end"]
+    streams = [engine.submit(_request(tiny_target, p)) for p in prompts]
+    results = [[t for e in s for t in e.token_ids] for s in streams]
+    for prompt, got in zip(prompts, results, strict=True):
+        alone = [t for e in decode(tiny_target, None, _request(tiny_target, prompt))
+                 for t in e.token_ids]
+        assert got == alone, prompt
+
+
+def test_concurrent_requests_interleave(tiny_target: CausalLM) -> None:
+    engine = Engine(tiny_target, max_active=2)
+    order: list[int] = []
+    streams = [engine.submit(_request(tiny_target, f"stream {i}", n=12,
+                                      speculation=SpeculationParams(enabled=False)))
+               for i in range(2)]
+    engine.start()
+    try:
+        import threading
+
+        def consume(i: int) -> None:
+            for _ in streams[i]:
+                order.append(i)
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        engine.shutdown()
+    assert len(order) == 24
+    # both streams progress from the start: neither waits for the other to finish
+    assert set(order[:4]) == {0, 1}
+
+
+def test_cancel_frees_the_slot(engine: Engine, tiny_target: CausalLM) -> None:
+    stream = engine.submit(_request(tiny_target, "a b c", n=400))
+    first = next(iter(stream))
+    assert first.token_ids
+    stream.cancel()
+    deadline = time.monotonic() + 10
+    while engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    other = engine.submit(_request(tiny_target, "still works", n=5))
+    assert sum(len(e.token_ids) for e in other) == 5
+
+
+def test_queue_full_is_refused(tiny_target: CausalLM) -> None:
+    engine = Engine(tiny_target, max_queue=2)  # not started: nothing leaves the queue
+    engine.submit(_request(tiny_target, "a"))
+    engine.submit(_request(tiny_target, "b"))
+    with pytest.raises(QueueFullError):
+        engine.submit(_request(tiny_target, "c"))
+    engine.shutdown()
+
+
+def test_unknown_drafter_and_overflow_are_refused(engine: Engine, tiny_target: CausalLM) -> None:
+    with pytest.raises(UnknownDrafterError):
+        engine.submit(_request(tiny_target, "a", speculation=SpeculationParams(drafter="nope")))
+    too_long = GenerationRequest(prompt_ids=tuple([5] * tiny_target.max_context),
+                                 max_new_tokens=1)
+    with pytest.raises(ContextOverflowError):
+        engine.submit(too_long)
+
+
+def test_timeout_stops_the_work(engine: Engine, tiny_target: CausalLM) -> None:
+    stream = engine.submit(_request(tiny_target, "a b", n=100000, timeout_s=0.3))
+    events = list(stream)
+    assert events[-1].finish_reason is FinishReason.TIMEOUT
+    assert events[-1].completion_tokens < 100000
+    assert engine.num_running == 0
+
+
+def test_model_error_fails_only_that_request(
+    engine: Engine, tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A model fault cannot be caused from outside, so one is injected for one request.
+    real_prefill = tiny_target.prefill
+    poisoned = 31337
+
+    def prefill(state, token_ids):  # type: ignore[no-untyped-def]
+        if poisoned in token_ids:
+            raise RuntimeError("injected fault")
+        return real_prefill(state, token_ids)
+
+    monkeypatch.setattr(tiny_target, "prefill", prefill)
+    bad = engine.submit(GenerationRequest(prompt_ids=(poisoned,), max_new_tokens=8,
+                                          sampling=GREEDY, stop_token_ids=()))
+    good = engine.submit(_request(tiny_target, "fine request", n=8))
+    bad_events = list(bad)
+    good_events = list(good)
+    assert bad_events[-1].finish_reason is FinishReason.ERROR
+    assert bad_events[-1].error and "injected" not in bad_events[-1].error
+    assert sum(len(e.token_ids) for e in good_events) == 8
+
+
+def test_shutdown_refuses_new_work(tiny_target: CausalLM) -> None:
+    engine = Engine(tiny_target)
+    engine.start()
+    engine.shutdown()
+    with pytest.raises(EngineClosedError):
+        engine.submit(_request(tiny_target, "a"))
+
+
+async def test_async_consumption(engine: Engine, tiny_target: CausalLM) -> None:
+    streams = [engine.submit(_request(tiny_target, f"async {i}", n=10)) for i in range(3)]
+
+    async def collect(stream):  # type: ignore[no-untyped-def]
+        return [t async for e in stream for t in e.token_ids]
+
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    assert [len(r) for r in results] == [10, 10, 10]

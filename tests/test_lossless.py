@@ -1,0 +1,117 @@
+"""Greedy speculative decoding is token-identical to plain target decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoding.drafters import ModelDrafter, NgramDrafter
+from decoding.drafters.base import Drafter
+from decoding.prompting import encode_chat, encode_text
+from decoding.sequence import decode
+from decoding.target import CausalLM
+from decoding.types import FinishReason, GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+TINY_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "Hello",
+    "a b a b a b a b a b",
+]
+
+
+def _run(target: CausalLM, drafter: Drafter | None, request: GenerationRequest
+         ) -> tuple[list[int], str, int, int]:
+    ids: list[int] = []
+    text = ""
+    drafted = accepted = 0
+    for event in decode(target, drafter, request):
+        ids.extend(event.token_ids)
+        text += event.text
+        drafted += event.draft_tokens
+        accepted += event.accepted_tokens
+    return ids, text, drafted, accepted
+
+
+def _drafters(target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
+    return {
+        "ngram": NgramDrafter(),
+        "ngram-unigram": NgramDrafter(max_ngram=3, min_ngram=1),
+        "model-poor": ModelDrafter(tiny_draft, target),
+        "model-self": ModelDrafter(target, target),  # full acceptance
+    }
+
+
+@pytest.mark.parametrize("prompt", TINY_PROMPTS)
+def test_tiny_every_drafter_is_lossless(
+    tiny_target: CausalLM, tiny_draft: CausalLM, prompt: str
+) -> None:
+    ids = tuple(encode_text(tiny_target.tokenizer, prompt))
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=48, sampling=GREEDY)
+    plain = _run(tiny_target, None, request)
+    assert len(plain[0]) > 0
+    for name, drafter in _drafters(tiny_target, tiny_draft).items():
+        spec = _run(tiny_target, drafter, request)
+        assert spec[0] == plain[0], name
+        assert spec[1] == plain[1], name
+        if name == "model-self":
+            assert spec[2] > 0 and spec[3] == spec[2], "a draft equal to the target is always accepted"
+
+
+def test_tiny_lossless_with_penalties(tiny_target: CausalLM, tiny_draft: CausalLM) -> None:
+    params = SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.4)
+    ids = tuple(encode_text(tiny_target.tokenizer, TINY_PROMPTS[0]))
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=40, sampling=params)
+    plain = _run(tiny_target, None, request)
+    for name, drafter in _drafters(tiny_target, tiny_draft).items():
+        assert _run(tiny_target, drafter, request)[0] == plain[0], name
+
+
+def test_tiny_speculation_actually_happens(tiny_target: CausalLM) -> None:
+    ids = tuple(encode_text(tiny_target.tokenizer, TINY_PROMPTS[3]))
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=64, sampling=GREEDY)
+    events = list(decode(tiny_target, ModelDrafter(tiny_target, tiny_target), request))
+    assert len(events) < 64 / 2, "full acceptance should commit several tokens per round"
+    assert max(len(e.token_ids) for e in events) > 2
+
+
+def test_seeded_sampling_is_reproducible(tiny_target: CausalLM, tiny_draft: CausalLM) -> None:
+    ids = tuple(encode_text(tiny_target.tokenizer, TINY_PROMPTS[0]))
+    for drafter in (None, NgramDrafter(), ModelDrafter(tiny_draft, tiny_target)):
+        runs = []
+        for seed in (11, 11, 12):
+            params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=seed)
+            request = GenerationRequest(prompt_ids=ids, max_new_tokens=32, sampling=params)
+            runs.append(_run(tiny_target, drafter, request)[0])
+        assert runs[0] == runs[1]
+        assert runs[0] != runs[2]
+
+
+CHAT = [
+    "Correct the grammar: 'She don't like apples and she go to school every days.'",
+    "What is the capital of France? Answer in one sentence.",
+    "Repeat this list exactly: red, green, blue, yellow, red, green, blue, yellow.",
+]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("question", CHAT)
+def test_real_model_fp32_lossless(
+    default_target: CausalLM, tiny_draft: CausalLM, question: str
+) -> None:
+    ids = tuple(encode_chat(default_target.tokenizer, [{"role": "user", "content": question}]))
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=48, sampling=GREEDY)
+    plain = _run(default_target, None, request)
+    for drafter in (NgramDrafter(), ModelDrafter(tiny_draft, default_target)):
+        assert _run(default_target, drafter, request)[:2] == plain[:2], drafter.name
+
+
+@pytest.mark.real_model
+def test_real_model_eos_ends_the_answer(default_target: CausalLM) -> None:
+    ids = tuple(encode_chat(default_target.tokenizer, [{"role": "user", "content": CHAT[1]}]))
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=64, sampling=GREEDY)
+    events = list(decode(default_target, NgramDrafter(), request))
+    assert events[-1].finish_reason is FinishReason.STOP
+    assert events[-1].token_ids[-1] in default_target.eos_token_ids
+    text = "".join(e.text for e in events)
+    assert "Paris" in text and "<|im_end|>" not in text

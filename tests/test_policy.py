@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+from decoding.policy import MAX_DRAFT_TOKENS, PROBE_INTERVAL, AdaptiveSpeculation
+
+
+def test_grows_on_full_acceptance_up_to_the_bound() -> None:
+    policy = AdaptiveSpeculation()
+    start = policy.next_k(100)
+    for _ in range(20):
+        k = policy.next_k(100)
+        policy.update(k, k)
+    assert policy.next_k(100) > start
+    assert policy.next_k(100) == MAX_DRAFT_TOKENS
+
+
+def test_shrinks_on_early_rejection_and_backs_off_to_plain() -> None:
+    policy = AdaptiveSpeculation()
+    ks = []
+    for _ in range(12):
+        k = policy.next_k(100)
+        ks.append(k)
+        if k:
+            policy.update(k, 0)
+        else:
+            policy.update(0, 0)
+    assert ks[0] > ks[1] or ks[1] == 0
+    assert ks[-1] == 0, "poor acceptance falls back to plain decoding"
+
+
+def test_probes_again_after_backing_off() -> None:
+    policy = AdaptiveSpeculation()
+    for _ in range(10):
+        k = policy.next_k(100)
+        policy.update(k, 0)
+    ks = []
+    for _ in range(PROBE_INTERVAL + 2):
+        k = policy.next_k(100)
+        ks.append(k)
+        policy.update(k, k)  # drafts would now be accepted
+    assert any(ks), "a probe round happens after PROBE_INTERVAL plain rounds"
+    assert policy.next_k(100) > 0, "good probes bring speculation back"
+
+
+def test_respects_limit_and_cap() -> None:
+    policy = AdaptiveSpeculation(max_tokens=3)
+    for _ in range(10):
+        k = policy.next_k(100)
+        policy.update(k, k)
+    assert policy.next_k(100) == 3
+    assert policy.next_k(2) == 2
+    assert policy.next_k(0) == 0
+
+
+def test_expensive_drafts_need_higher_acceptance() -> None:
+    cheap, dear = AdaptiveSpeculation(), AdaptiveSpeculation(draft_cost_per_token=0.5)
+    for policy in (cheap, dear):
+        for _ in range(10):
+            policy.update(4, 1)
+    assert dear.best_k() < cheap.best_k() or dear.best_k() == 0

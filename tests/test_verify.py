@@ -1,0 +1,128 @@
+"""verify(): the cases a rejection sampler must get right, and its distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from decoding.verify import verify
+
+VOCAB = 6
+
+
+def _one_hot_logits(tokens: list[int], vocab: int = VOCAB) -> torch.Tensor:  # [n, vocab]
+    logits = torch.zeros(len(tokens), vocab)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return logits
+
+
+def test_greedy_all_accepted_adds_bonus() -> None:
+    verdict = verify([1, 2, 3], None, _one_hot_logits([1, 2, 3, 4]), None)
+    assert (verdict.accepted, verdict.next_token, verdict.bonus) == (3, 4, True)
+    assert verdict.committed([1, 2, 3]) == [1, 2, 3, 4]
+
+
+def test_greedy_early_mismatch_keeps_prefix_and_recovers() -> None:
+    verdict = verify([1, 5, 3], None, _one_hot_logits([1, 2, 3, 4]), None)
+    assert (verdict.accepted, verdict.next_token, verdict.bonus) == (1, 2, False)
+    assert verdict.committed([1, 5, 3]) == [1, 2]
+
+
+def test_greedy_first_token_rejected() -> None:
+    verdict = verify([0, 2], None, _one_hot_logits([4, 2, 3]), None)
+    assert (verdict.accepted, verdict.next_token) == (0, 4)
+
+
+def test_empty_draft_is_plain_decoding() -> None:
+    assert verify([], None, _one_hot_logits([3]), None).next_token == 3
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    verdict = verify([], None, probs, generator)
+    assert (verdict.accepted, verdict.next_token, verdict.bonus) == (0, 2, True)
+
+
+def test_row_count_is_checked() -> None:
+    with pytest.raises(ValueError, match="rows"):
+        verify([1, 2], None, _one_hot_logits([1, 2]), None)
+
+
+def test_sampled_accepts_when_draft_equals_target() -> None:
+    generator = torch.Generator().manual_seed(0)
+    target = torch.softmax(torch.randn(4, VOCAB, generator=generator), dim=-1)
+    draft_tokens = [int(torch.multinomial(target[i], 1, generator=generator)) for i in range(3)]
+    verdict = verify(draft_tokens, target[:3], target, generator)
+    assert verdict.accepted == 3 and verdict.bonus
+
+
+def test_sampled_never_accepts_a_token_the_target_forbids() -> None:
+    generator = torch.Generator().manual_seed(0)
+    target = torch.full((2, VOCAB), 1.0 / (VOCAB - 1))
+    target[0, 0] = 0.0
+    for _ in range(200):
+        verdict = verify([0], None, target, generator)
+        assert verdict.accepted == 0 and verdict.next_token != 0
+
+
+def test_seeded_determinism() -> None:
+    source = torch.Generator().manual_seed(1)
+    target = torch.softmax(torch.randn(5, VOCAB, generator=source), dim=-1)
+    draft = torch.softmax(torch.randn(4, VOCAB, generator=source), dim=-1)
+    tokens = [int(torch.multinomial(draft[i], 1, generator=source)) for i in range(4)]
+
+    def run(seed: int) -> list[tuple[int, int]]:
+        generator = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(50):
+            v = verify(tokens, draft, target, generator)
+            out.append((v.accepted, v.next_token))
+        return out
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_sampled_tokens_follow_the_target_distribution(deterministic_draft: bool) -> None:
+    """Chi-square: the first emitted token is distributed as target_probs[0],
+    whatever the draft proposed (Leviathan et al. 2023, Theorem 1)."""
+    source = torch.Generator().manual_seed(3)
+    target = torch.softmax(torch.randn(3, VOCAB, generator=source) * 1.5, dim=-1)  # [3, V]
+    draft = torch.softmax(torch.randn(2, VOCAB, generator=source) * 1.5, dim=-1)  # [2, V]
+    generator = torch.Generator().manual_seed(4)
+    samples = 20000
+    counts = torch.zeros(VOCAB)
+    for _ in range(samples):
+        if deterministic_draft:
+            tokens, probs = [2, 4], None
+        else:
+            tokens = [int(torch.multinomial(draft[i], 1, generator=generator)) for i in range(2)]
+            probs = draft
+        verdict = verify(tokens, probs, target, generator)
+        first = tokens[0] if verdict.accepted >= 1 else verdict.next_token
+        counts[first] += 1
+    expected = target[0] * samples
+    result = chisquare(counts.numpy(), expected.numpy())
+    assert result.pvalue > 1e-3, (counts, expected)
+    # and the test has power: the draft's own distribution is rejected
+    if not deterministic_draft:
+        assert chisquare(counts.numpy(), (draft[0] * samples).numpy()).pvalue < 1e-6
+
+
+def test_second_position_is_conditionally_exact() -> None:
+    """Given the first draft token was accepted, the second emitted token is
+    distributed as target_probs[1]."""
+    source = torch.Generator().manual_seed(5)
+    target = torch.softmax(torch.randn(3, VOCAB, generator=source), dim=-1)
+    target[0] = torch.tensor([0.9, 0.02, 0.02, 0.02, 0.02, 0.02])
+    draft = torch.softmax(torch.randn(2, VOCAB, generator=source), dim=-1)
+    draft[0] = torch.tensor([0.9, 0.02, 0.02, 0.02, 0.02, 0.02])
+    generator = torch.Generator().manual_seed(6)
+    counts = torch.zeros(VOCAB)
+    for _ in range(20000):
+        second = int(torch.multinomial(draft[1], 1, generator=generator))
+        verdict = verify([0, second], draft, target, generator)
+        if verdict.accepted >= 1:
+            counts[second if verdict.accepted == 2 else verdict.next_token] += 1
+    result = chisquare(counts.numpy(), (target[1] * counts.sum()).numpy())
+    assert result.pvalue > 1e-3
