@@ -55,7 +55,7 @@ def test_tiny_every_drafter_is_lossless(
         assert spec[0] == plain[0], name
         assert spec[1] == plain[1], name
         if name == "model-self":
-            assert spec[2] > 0 and spec[3] == spec[2], "a draft equal to the target is always accepted"
+            assert spec[2] > 0 and spec[3] == spec[2], "the target as its own draft: all accepted"
 
 
 def test_tiny_lossless_with_penalties(tiny_target: CausalLM, tiny_draft: CausalLM) -> None:
