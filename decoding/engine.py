@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.drafters.base import Drafter
+from decoding.prefix_cache import PrefixCache
 from decoding.sequence import ContextOverflowError, SequenceDecoder
 from decoding.target import CausalLM
 from decoding.types import FinishReason, GenerationRequest, RoundEvent, RoundTiming
@@ -111,8 +112,10 @@ class Engine:
         default_drafter: str | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_active: int = DEFAULT_MAX_ACTIVE,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target = target
+        self.prefix_cache = prefix_cache
         self.drafters = dict(drafters or {})
         if default_drafter is not None and default_drafter not in self.drafters:
             raise UnknownDrafterError(f"default drafter {default_drafter!r} is not loaded")
@@ -233,7 +236,8 @@ class Engine:
                 continue
             try:
                 drafter = self.drafters[stream.drafter] if stream.drafter else None
-                decoder = SequenceDecoder(self.target, drafter, stream.request)
+                decoder = SequenceDecoder(self.target, drafter, stream.request,
+                                          prefix_cache=self.prefix_cache)
             except Exception as exc:  # invalid for this model: fail this request only
                 log.exception("request %s could not start", stream.request.request_id)
                 self._fail(stream, str(exc))

@@ -6,14 +6,18 @@ import logging
 
 from decoding import model_store
 from decoding.drafters.base import Drafter
+from decoding.drafters.combined import CombinedDrafter
+from decoding.drafters.continuation import ContinuationDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
+from decoding.prefix_cache import PrefixCache
 from decoding.target import CausalLM
 
 log = logging.getLogger(__name__)
 
 NO_DRAFT = "none"
 NGRAM = "ngram"
+CACHE = "cache"
 
 
 def load_target(spec: str = "default", dtype: str = "float32", device: str = "cpu") -> CausalLM:
@@ -22,12 +26,39 @@ def load_target(spec: str = "default", dtype: str = "float32", device: str = "cp
     return CausalLM.load(path, dtype=dtype, device=device)
 
 
-def load_drafter(spec: str, target: CausalLM, dtype: str = "float32") -> Drafter | None:
-    """``none``, ``ngram``, or a path/hub id of a causal LM sharing the target's tokenizer."""
-    if spec == NO_DRAFT:
+def load_drafter(
+    spec: str,
+    target: CausalLM,
+    dtype: str = "float32",
+    prefix_cache: PrefixCache | None = None,
+) -> Drafter | None:
+    """Parse a draft spec: ``none``, ``ngram``, ``cache``, a model (path or hub id),
+    or several joined by ``+`` (e.g. ``ngram+cache``): the longest proposal wins,
+    and a model draft runs only when the cheap drafters found nothing."""
+    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    if not parts or parts == [NO_DRAFT]:
         return None
-    if spec == NGRAM:
-        return NgramDrafter()
+    cheap: list[Drafter] = []
+    model: Drafter | None = None
+    for part in parts:
+        if part == NGRAM:
+            cheap.append(NgramDrafter())
+        elif part == CACHE:
+            if prefix_cache is None:
+                raise ValueError("the 'cache' drafter needs the prefix cache to be enabled")
+            cheap.append(ContinuationDrafter(prefix_cache, target.vocab_size))
+        elif part == NO_DRAFT:
+            raise ValueError("'none' cannot be combined with other drafters")
+        elif model is not None:
+            raise ValueError(f"draft spec {spec!r} names more than one draft model")
+        else:
+            model = load_model_drafter(part, target, dtype)
+    if len(cheap) + (model is not None) == 1:
+        return cheap[0] if cheap else model
+    return CombinedDrafter(cheap, model)
+
+
+def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32") -> ModelDrafter:
     path = model_store.resolve(spec)
     log.info("loading draft model %s", path)
     model = CausalLM.load(path, dtype=dtype, device=str(target.device))

@@ -63,6 +63,24 @@ def resolve(name_or_path: str, pull: bool = True) -> str:
     return name_or_path  # a hub id; transformers fetches it where the hub is reachable
 
 
+def revision(path: str) -> str:
+    """A short content hash of a local model directory (config and weights), so that
+    cached state is never reused across changed weights; a hub id is its own revision."""
+    import hashlib
+
+    local = Path(path)
+    if not local.is_dir():
+        return path
+    digest = hashlib.blake2b(digest_size=12)
+    for file in sorted(local.iterdir()):
+        if file.suffix in {".json", ".safetensors", ".bin"} and file.is_file():
+            digest.update(file.name.encode())
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 22):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
 def pull_default(force: bool = False) -> Path:
     """Fetch and convert the default model; a no-op when it is already there."""
     target = default_model_dir()

@@ -9,6 +9,7 @@ the committed length.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal
 from decoding.policy import AdaptiveSpeculation
+from decoding.prefix_cache import PrefixCache
 from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
 from decoding.target import CacheState, CausalLM
 from decoding.text import TextStream
@@ -28,6 +30,11 @@ from decoding.types import (
     TokenLogprob,
 )
 from decoding.verify import verify
+
+log = logging.getLogger(__name__)
+
+
+_REMEMBERED = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 class ContextOverflowError(ValueError):
@@ -41,6 +48,7 @@ class SequenceDecoder:
         drafter: Drafter | None,
         request: GenerationRequest,
         policy: AdaptiveSpeculation | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         prompt_len = len(request.prompt_ids)
         if prompt_len >= target.max_context:
@@ -67,6 +75,9 @@ class SequenceDecoder:
         self.rounds = 0
         self.finish_reason: FinishReason | None = None
         self._counts: torch.Tensor | None = None
+        self.prefix_cache = prefix_cache
+        self.cached_tokens = 0
+        self._store_prefix_pending = prefix_cache is not None
 
     @property
     def finished(self) -> bool:
@@ -78,6 +89,8 @@ class SequenceDecoder:
             raise RuntimeError("the sequence has already finished")
         if self.rounds == 0:
             return self._first_round()
+        if self._store_prefix_pending:  # after the first token went out, not before
+            self._store_prefix()
         return self._speculative_round()
 
     def close(self) -> None:
@@ -89,11 +102,49 @@ class SequenceDecoder:
 
     def _first_round(self) -> RoundEvent:
         start = time.perf_counter()
-        logits = self.target.prefill(self.state, self.request.prompt_ids).unsqueeze(0)  # [1, V]
+        prompt = self.request.prompt_ids
+        self.cached_tokens = self._load_prefix()
+        rest = prompt[self.cached_tokens :]
+        logits = self.target.prefill(self.state, rest).unsqueeze(0)  # [1, V]
         verified = time.perf_counter()
         scores = self._process(logits, [])
         token = verify((), None, scores, self.generator).next_token
         return self._commit([token], 0, 0, logits, RoundTiming(0.0, verified - start, 0.0), start)
+
+    def _load_prefix(self) -> int:
+        """Reuse the KV of the longest cached prompt prefix; a failure is a miss."""
+        if self.prefix_cache is None:
+            return 0
+        try:
+            hit = self.prefix_cache.lookup(self.request.prompt_ids, self.target.num_layers)
+            if hit is None:
+                return 0
+            self.target.load_kv(self.state, hit.kv)
+            return hit.tokens
+        except Exception:
+            log.exception("prefix cache lookup failed; prefilling the whole prompt")
+            self.prefix_cache.stats.add(errors=1)
+            self.target.rollback(self.state, 0)
+            return 0
+
+    def _store_prefix(self) -> None:
+        self._store_prefix_pending = False
+        assert self.prefix_cache is not None
+        try:
+            skip = self.cached_tokens // self.prefix_cache.block_tokens
+            self.prefix_cache.store_prefix(self.request.prompt_ids, self.target.kv(self.state),
+                                           skip_blocks=skip)
+        except Exception:
+            log.exception("storing the prompt's KV failed")
+            self.prefix_cache.stats.add(errors=1)
+
+    def _remember_continuation(self) -> None:
+        assert self.prefix_cache is not None
+        try:
+            self.prefix_cache.remember(self.tokens, start=len(self.request.prompt_ids))
+        except Exception:
+            log.exception("remembering the continuation failed")
+            self.prefix_cache.stats.add(errors=1)
 
     def _speculative_round(self) -> RoundEvent:
         start = time.perf_counter()
@@ -166,6 +217,10 @@ class SequenceDecoder:
         logprobs = self._logprobs(new, logits) if self.request.logprobs else ()
         self.rounds += 1
         if finish is not None:
+            if self._store_prefix_pending:  # finished in its first round
+                self._store_prefix()
+            if self.prefix_cache is not None and finish in _REMEMBERED:
+                self._remember_continuation()
             self.close()
         bookkeeping = time.perf_counter() - start - timing.draft_s - timing.verify_s
         return RoundEvent(
@@ -179,6 +234,7 @@ class SequenceDecoder:
             round_index=self.rounds - 1,
             prompt_tokens=len(self.request.prompt_ids),
             completion_tokens=len(self.output),
+            cached_tokens=self.cached_tokens if self.rounds == 1 else 0,
         )
 
     def _logprobs(self, new: list[int], logits: torch.Tensor) -> tuple[TokenLogprob, ...]:
@@ -203,9 +259,10 @@ def decode(
     drafter: Drafter | None,
     request: GenerationRequest,
     policy: AdaptiveSpeculation | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[RoundEvent]:
     """Run one request to the end in the calling thread, yielding each round."""
-    decoder = SequenceDecoder(target, drafter, request, policy)
+    decoder = SequenceDecoder(target, drafter, request, policy, prefix_cache)
     try:
         while not decoder.finished:
             yield decoder.step()

@@ -73,6 +73,26 @@ class CausalLM:
             state.cache.crop(length - state.length)  # transformers 5: a negative count
             state.length = length
 
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def load_kv(
+        self, state: CacheState, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Start an empty cache from saved KV: per layer [1, heads, tokens, head_dim] each."""
+        if state.length:
+            raise ValueError("load_kv needs an empty cache")
+        for layer, (keys, values) in enumerate(kv):
+            state.cache.update(keys.to(self.device, self.dtype), values.to(self.device, self.dtype),
+                               layer)
+        state.length = int(kv[0][0].shape[2]) if kv else 0
+
+    def kv(self, state: CacheState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The cached KV, per layer [1, heads, length, head_dim] each (views, not copies)."""
+        layers: list[Any] = list(state.cache.layers)
+        return [(layer.keys, layer.values) for layer in layers]
+
     def _forward(self, state: CacheState, token_ids: Sequence[int], keep: int) -> torch.Tensor:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(

@@ -118,6 +118,7 @@ class RoundEvent:
     round_index: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0  # committed so far, this round included
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first round)
     error: str | None = None  # set only with FinishReason.ERROR; safe to show
 
     @property

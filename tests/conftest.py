@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,3 +85,67 @@ def tiny_target(tiny_target_dir: Path) -> CausalLM:
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_draft_dir: Path) -> CausalLM:
     return CausalLM.load(str(tiny_draft_dir), dtype="float32")
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port, no persistence."""
+
+    def __init__(self, *extra: str) -> None:
+        import shutil
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed (.ci/run installs it: apt-get install "
+                        "redis-server)")
+        self.binary = binary
+        self.extra = extra
+        self.port = _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh redis-server for one test (killable, restartable)."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_url(redis_server: RedisServer) -> str:
+    """REDIS_URL when given (a shared server), else a throwaway one."""
+    return os.environ.get("REDIS_URL") or redis_server.url

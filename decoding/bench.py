@@ -1,0 +1,208 @@
+"""``specserve bench``: our decoding methods against transformers' generate().
+
+Every method runs greedily on the same prompts, in one process, on the same
+loaded model, per dtype. Each method gets one warm-up generation first; then
+the prompts are taken one at a time and every method generates for that
+prompt before the next one, so that load from other processes spreads over
+all methods alike. Each generation is timed as one whole call.
+
+The output is a table on stdout and, with ``--json``, a JSON report; progress
+goes to the log (stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from decoding.bench_methods import (
+    ALL_METHODS,
+    DRAFT_METHODS,
+    HF_METHODS,
+    PLAIN,
+    Generation,
+    Runner,
+    build_runners,
+    method_settings,
+)
+from decoding.bench_report import machine_info, summarise, write_table
+from decoding.drafters.model import ModelDrafter
+from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target
+from decoding.prompting import encode_chat
+from decoding.target import CausalLM
+
+log = logging.getLogger(__name__)
+
+PROMPT_SETS = ("chat", "grounded")
+QUICK_PROMPTS = 4  # per prompt set
+QUICK_MAX_TOKENS = 64
+FULL_MAX_TOKENS = 192
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark prompt: an id and its chat messages."""
+
+    id: str
+    messages: tuple[dict[str, str], ...]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str | None  # a draft model's path, or None
+    dtypes: tuple[str, ...]
+    prompt_sets: tuple[str, ...]
+    prompts_per_set: int | None  # None: every prompt
+    max_new_tokens: int
+    methods: tuple[str, ...]
+    quick: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
+        draft = args.draft if args.draft not in (None, NO_DRAFT, NGRAM) else None
+        prompts = args.prompts if args.prompts is not None else (
+            QUICK_PROMPTS if args.quick else None)
+        max_tokens = args.max_tokens or (QUICK_MAX_TOKENS if args.quick else FULL_MAX_TOKENS)
+        return cls(
+            target=args.target,
+            draft=draft,
+            dtypes=_split(args.dtypes),
+            prompt_sets=_split(args.prompt_sets),
+            prompts_per_set=prompts,
+            max_new_tokens=max_tokens,
+            methods=select_methods(args.methods, has_draft=draft is not None, hf=not args.no_hf),
+            quick=args.quick,
+        )
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def select_methods(wanted: str | None, has_draft: bool, hf: bool) -> tuple[str, ...]:
+    """The methods to run, in canonical order; ``plain`` always, as the reference."""
+    chosen = set(_split(wanted)) if wanted else set(ALL_METHODS)
+    unknown = chosen - set(ALL_METHODS)
+    if unknown:
+        raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {list(ALL_METHODS)}")
+    if not has_draft:
+        chosen -= DRAFT_METHODS
+    if not hf:
+        chosen -= HF_METHODS
+    chosen.add(PLAIN)
+    return tuple(m for m in ALL_METHODS if m in chosen)
+
+
+def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
+    """A shipped prompt set (``decoding/prompts/<name>.json``), the first ``limit`` prompts."""
+    if name not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {name!r}; choose from {list(PROMPT_SETS)}")
+    text = resources.files("decoding").joinpath("prompts", f"{name}.json").read_text("utf-8")
+    data = json.loads(text)
+    prompts = [Prompt(id=p["id"], messages=tuple(p["messages"])) for p in data["prompts"]]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The ``bench`` command: run, print the table, write the JSON."""
+    log.setLevel(logging.INFO)  # progress is part of this command's output
+    config = BenchConfig.from_args(args)
+    prompt_sets = {name: load_prompts(name, config.prompts_per_set) for name in config.prompt_sets}
+    report = run_all(config, prompt_sets)
+    write_table(report["runs"], sys.stdout)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        log.info("wrote %s", args.json)
+    return 0
+
+
+def run_all(config: BenchConfig, prompt_sets: dict[str, list[Prompt]]) -> dict[str, Any]:
+    """Every dtype, prompt set and method; returns the JSON report."""
+    machine = machine_info()
+    runs: list[dict[str, Any]] = []
+    for dtype in config.dtypes:
+        runs.extend(_run_dtype(config, dtype, prompt_sets))
+        gc.collect()
+    return {"machine": machine, "config": _config_record(config, prompt_sets), "runs": runs}
+
+
+def _config_record(config: BenchConfig, prompt_sets: dict[str, list[Prompt]]) -> dict[str, Any]:
+    record = asdict(config)
+    record.update(
+        greedy=True,
+        warmup_tokens=WARMUP_TOKENS,
+        prompts={name: [p.id for p in prompts] for name, prompts in prompt_sets.items()},
+        method_settings={m: s for m, s in method_settings().items() if m in config.methods},
+        order="per prompt, every method in turn, after one warm-up per method",
+    )
+    return record
+
+
+def _run_dtype(
+    config: BenchConfig, dtype: str, prompt_sets: dict[str, list[Prompt]]
+) -> list[dict[str, Any]]:
+    log.info("loading %s in %s", config.target, dtype)
+    target = load_target(config.target, dtype)
+    draft = _load_draft(config, target, dtype)
+    runners = build_runners(config.methods, target, draft)
+    first = next(p for prompts in prompt_sets.values() for p in prompts)
+    _warm_up(runners, _encode(target, first))
+    runs: list[dict[str, Any]] = []
+    for name, prompts in prompt_sets.items():
+        outputs = _run_set(runners, target, name, dtype, prompts, config.max_new_tokens)
+        reference = outputs.get(PLAIN)
+        ids = [p.id for p in prompts]
+        runs.extend(summarise(name, method, dtype, ids, generations, reference)
+                    for method, generations in outputs.items())
+    return runs
+
+
+def _load_draft(config: BenchConfig, target: CausalLM, dtype: str) -> ModelDrafter | None:
+    if config.draft is None or not DRAFT_METHODS & set(config.methods):
+        return None
+    drafter = load_drafter(config.draft, target, dtype)
+    if not isinstance(drafter, ModelDrafter):
+        raise ValueError(f"--draft {config.draft!r} is not a draft model")
+    return drafter
+
+
+def _encode(target: CausalLM, prompt: Prompt) -> list[int]:
+    return encode_chat(target.tokenizer, prompt.messages)
+
+
+def _warm_up(runners: dict[str, Runner], prompt_ids: Sequence[int]) -> None:
+    """One short generation per method, untimed: first-call costs stay out of the numbers."""
+    for method, runner in runners.items():
+        log.info("warm-up %s", method)
+        runner(prompt_ids, WARMUP_TOKENS)
+
+
+def _run_set(
+    runners: dict[str, Runner],
+    target: CausalLM,
+    name: str,
+    dtype: str,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+) -> dict[str, list[Generation]]:
+    """Each prompt in turn, every method on it; the generations per method."""
+    outputs: dict[str, list[Generation]] = {method: [] for method in runners}
+    for index, prompt in enumerate(prompts, start=1):
+        prompt_ids = _encode(target, prompt)
+        for method, runner in runners.items():
+            generation = runner(prompt_ids, max_new_tokens)
+            outputs[method].append(generation)
+            log.info("%s %s %d/%d %-17s %4d tokens in %6.2fs (%.1f tok/s)", dtype, name, index,
+                     len(prompts), method, len(generation.token_ids), generation.seconds,
+                     len(generation.token_ids) / max(generation.seconds, 1e-9))
+    return outputs

@@ -1,0 +1,219 @@
+"""Prefix KV reuse and continuation drafts, in process and on a real Redis."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from decoding.drafters.continuation import ContinuationDrafter
+from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
+from decoding.prompting import encode_text
+from decoding.sequence import decode
+from decoding.target import CausalLM
+from decoding.types import GenerationRequest, RoundEvent, SamplingParams
+from gateway.redis_store import RedisStore
+from tests.conftest import RedisServer
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 16
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp "
+    "and a notebook in which he recorded the wind, the tide and the ships that passed. "
+)
+
+
+def _cache(store: PrefixStore) -> PrefixCache:
+    return PrefixCache(store, namespace=f"test-{uuid.uuid4().hex}", block_tokens=BLOCK)
+
+
+def _ids(target: CausalLM, text: str) -> tuple[int, ...]:
+    return tuple(encode_text(target.tokenizer, text))
+
+
+def _run(target: CausalLM, prompt: tuple[int, ...], cache: PrefixCache | None,
+         drafter: ContinuationDrafter | None = None, n: int = 24) -> list[RoundEvent]:
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=n, sampling=GREEDY)
+    return list(decode(target, drafter, request, prefix_cache=cache))
+
+
+def _tokens(events: list[RoundEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def test_in_process_lru_respects_its_byte_bound() -> None:
+    store = InProcessStore(max_bytes=1000)
+    store.put_many([(b"a", b"x" * 400), (b"b", b"x" * 400)])
+    assert store.get_many([b"a"]) == [b"x" * 400]  # a is now the most recent
+    store.put_many([(b"c", b"x" * 400)])
+    assert store.get_many([b"a", b"b", b"c"]) == [b"x" * 400, None, b"x" * 400]
+    assert store.size_bytes <= 1000
+
+
+def test_in_process_ttl_expires() -> None:
+    store = InProcessStore(ttl_s=0.05)
+    store.put_many([(b"k", b"v")])
+    assert store.get_many([b"k"]) == [b"v"]
+    time.sleep(0.1)
+    assert store.get_many([b"k"]) == [None]
+
+
+def test_block_keys_chain_on_the_whole_prefix() -> None:
+    cache = _cache(InProcessStore())
+    a = cache.block_keys(list(range(64)))
+    b = cache.block_keys([*range(16), 99, *range(17, 64)])  # differs in block 1
+    assert len(a) == 4 and a[0] == b[0] and a[1] != b[1] and a[3] != b[3]
+    other_model = PrefixCache(cache.store, namespace="another-model", block_tokens=BLOCK)
+    assert other_model.block_keys(list(range(64)))[0] != a[0]
+
+
+def test_prefix_hit_is_token_identical(tiny_target: CausalLM) -> None:
+    cache = _cache(InProcessStore())
+    prompt = _ids(tiny_target, PASSAGE * 3)
+    cold = _run(tiny_target, prompt, None)
+    first = _run(tiny_target, prompt, cache)
+    second = _run(tiny_target, prompt, cache)
+    assert first[0].cached_tokens == 0
+    assert second[0].cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK > 0
+    assert _tokens(first) == _tokens(second) == _tokens(cold)
+    assert cache.stats.hits == 1 and cache.stats.hit_tokens == second[0].cached_tokens
+
+
+def test_longest_prefix_across_block_boundaries(tiny_target: CausalLM) -> None:
+    cache = _cache(InProcessStore())
+    base = _ids(tiny_target, PASSAGE * 3)
+    _run(tiny_target, base, cache, n=2)
+    shared = 2 * BLOCK + 5  # diverges inside block 2
+    other = (*base[:shared], *_ids(tiny_target, " A different ending about the sea."))
+    events = _run(tiny_target, other, cache)
+    assert events[0].cached_tokens == 2 * BLOCK
+    assert _tokens(events) == _tokens(_run(tiny_target, other, None))
+
+
+def test_corrupt_value_is_a_miss(tiny_target: CausalLM) -> None:
+    store = InProcessStore()
+    cache = _cache(store)
+    prompt = _ids(tiny_target, PASSAGE * 2)
+    expected = _tokens(_run(tiny_target, prompt, cache))
+    keys = cache.block_keys(prompt[:-1])
+    value = store.get_many([keys[1]])[0]
+    assert value is not None
+    store.put_many([(keys[1], value[:100] + bytes([value[100] ^ 0xFF]) + value[101:])])
+    events = _run(tiny_target, prompt, cache)
+    assert events[0].cached_tokens == BLOCK  # block 0 still good, block 1 rejected
+    assert cache.stats.errors == 1
+    assert _tokens(events) == expected
+
+
+def test_continuation_drafts_repeat_earlier_work(tiny_target: CausalLM) -> None:
+    cache = _cache(InProcessStore())
+    drafter = ContinuationDrafter(cache, tiny_target.vocab_size)
+    prompt = _ids(tiny_target, "Write the alphabet: a b c")
+    plain = _tokens(_run(tiny_target, prompt, None, n=40))
+    first = _run(tiny_target, prompt, cache, drafter, n=40)
+    again = _run(tiny_target, prompt, cache, drafter, n=40)
+    assert _tokens(first) == _tokens(again) == plain
+    assert sum(e.accepted_tokens for e in first) == 0
+    assert sum(e.accepted_tokens for e in again) >= 30
+    assert len(again) < len(first) / 3
+
+
+# -- Redis -------------------------------------------------------------------------
+
+
+def test_redis_shared_by_two_instances(tiny_target: CausalLM, redis_url: str) -> None:
+    namespace = f"shared-{uuid.uuid4().hex}"
+    replica_a = PrefixCache(RedisStore(redis_url), namespace, block_tokens=BLOCK)
+    replica_b = PrefixCache(RedisStore(redis_url), namespace, block_tokens=BLOCK)
+    prompt = _ids(tiny_target, PASSAGE * 3)
+    a = _run(tiny_target, prompt, replica_a)
+    b = _run(tiny_target, prompt, replica_b)
+    assert a[0].cached_tokens == 0 and b[0].cached_tokens > 0
+    assert _tokens(a) == _tokens(b)
+    assert replica_b.stats.hits == 1 and replica_b.stats.errors == 0
+
+
+def test_redis_ttl_expires(tiny_target: CausalLM, redis_url: str) -> None:
+    cache = PrefixCache(RedisStore(redis_url, ttl_s=1), f"ttl-{uuid.uuid4().hex}", BLOCK)
+    prompt = _ids(tiny_target, PASSAGE * 2)
+    _run(tiny_target, prompt, cache, n=2)
+    assert _run(tiny_target, prompt, cache, n=2)[0].cached_tokens > 0
+    time.sleep(2.1)
+    assert _run(tiny_target, prompt, cache, n=2)[0].cached_tokens == 0
+
+
+def test_redis_eviction_under_its_memory_cap(tiny_target: CausalLM) -> None:
+    server = RedisServer("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")
+    server.start()
+    try:
+        store = RedisStore(server.url)
+        cache = PrefixCache(store, f"cap-{uuid.uuid4().hex}", BLOCK)
+        prompts = [_ids(tiny_target, f"Story number {i}. " + PASSAGE * 5) for i in range(60)]
+        for prompt in prompts:
+            _run(tiny_target, prompt, cache, n=1)
+        # newest first: a lookup that misses stores its blocks again and evicts others
+        hits = [_run(tiny_target, p, cache, n=1)[0].cached_tokens > 0 for p in prompts[::-1]]
+        assert hits[0], "the most recent prompt is still cached"
+        assert not all(hits), "older prompts were evicted to respect maxmemory"
+        assert store.stats.errors == 0
+    finally:
+        server.stop()
+
+
+def test_redis_killed_and_restarted(tiny_target: CausalLM, redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, circuit_open_s=0.2)
+    cache = PrefixCache(store, f"fault-{uuid.uuid4().hex}", BLOCK)
+    prompt = _ids(tiny_target, PASSAGE * 2)
+    expected = _tokens(_run(tiny_target, prompt, None))
+    assert _tokens(_run(tiny_target, prompt, cache)) == expected
+    redis_server.stop()
+    for _ in range(3):
+        assert _tokens(_run(tiny_target, prompt, cache)) == expected
+    assert store.stats.errors >= 1
+    redis_server.start()  # same port, empty
+    time.sleep(0.3)
+    assert _tokens(_run(tiny_target, prompt, cache)) == expected  # miss, then stored again
+    assert _run(tiny_target, prompt, cache)[0].cached_tokens > 0, "reconnected by itself"
+
+
+@pytest.fixture()
+def silent_server() -> Iterator[str]:
+    """A TCP server that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_redis_that_never_answers(tiny_target: CausalLM, silent_server: str) -> None:
+    store = RedisStore(silent_server, timeout_s=0.05, circuit_open_s=10)
+    cache = PrefixCache(store, "silent", BLOCK)
+    prompt = _ids(tiny_target, PASSAGE * 2)
+    expected = _tokens(_run(tiny_target, prompt, None))
+    start = time.monotonic()
+    for _ in range(3):
+        assert _tokens(_run(tiny_target, prompt, cache)) == expected
+    assert time.monotonic() - start < 5
+    assert store.stats.errors == 1, "one timeout, then the circuit skips Redis"
