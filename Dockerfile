@@ -32,7 +32,7 @@ FROM ${PYTHON_IMAGE} AS cpu-deps
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Optional extras of the project to include (onnx adds the ONNX Runtime draft backend).
-ARG EXTRAS=redis,otlp
+ARG EXTRAS=otlp
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
@@ -59,7 +59,7 @@ FROM gpu-base AS gpu-deps
 ARG TORCH_VERSION=2.13.0
 ARG TENSORRT_PACKAGE=tensorrt-cu13
 ARG TENSORRT_VERSION=11.4.0.106
-ARG EXTRAS=redis,otlp,onnx
+ARG EXTRAS=otlp,onnx
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
@@ -75,6 +75,10 @@ RUN python pyproject_requirements.py pyproject.toml "${EXTRAS}" > requirements.t
 # GPU runtime.
 FROM gpu-base AS gpu
 ARG BAKE_MODEL=false
+LABEL org.opencontainers.image.title="specserve" \
+      org.opencontainers.image.description="OpenAI-compatible LLM server with lossless speculative decoding (NVIDIA GPU)" \
+      org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.licenses="Apache-2.0"
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -84,6 +88,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     SPECSERVE_HOME=/var/lib/specserve \
     HF_HOME=/var/lib/specserve/huggingface \
     XDG_CACHE_HOME=/tmp/.cache \
+    TRITON_CACHE_DIR=/tmp/.triton \
     SPECSERVE_DRAFT_BACKEND=auto \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
@@ -97,7 +102,10 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-deps /wheels/specserve-*.whl
 COPY --chmod=0755 deploy/docker-entrypoint.sh /opt/specserve/docker-entrypoint.sh
 COPY deploy/healthcheck.py /opt/specserve/healthcheck.py
-RUN if [ "${BAKE_MODEL}" = "true" ]; then SPECSERVE_HOME=/opt/specserve specserve models pull; fi
+RUN if [ "${BAKE_MODEL}" = "true" ]; then \
+        SPECSERVE_HOME=/opt/specserve HF_HOME=/tmp/bake-hf specserve models pull \
+        && rm -rf /tmp/bake-hf; \
+    fi
 USER 10001:10001
 WORKDIR /home/specserve
 VOLUME ["/var/lib/specserve"]
@@ -111,6 +119,10 @@ CMD []
 # CPU runtime (the default target, so it comes last).
 FROM ${PYTHON_IMAGE} AS cpu
 ARG BAKE_MODEL=false
+LABEL org.opencontainers.image.title="specserve" \
+      org.opencontainers.image.description="OpenAI-compatible LLM server with lossless speculative decoding (CPU)" \
+      org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.licenses="Apache-2.0"
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -130,7 +142,10 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-deps /wheels/specserve-*.whl
 COPY --chmod=0755 deploy/docker-entrypoint.sh /opt/specserve/docker-entrypoint.sh
 COPY deploy/healthcheck.py /opt/specserve/healthcheck.py
-RUN if [ "${BAKE_MODEL}" = "true" ]; then SPECSERVE_HOME=/opt/specserve specserve models pull; fi
+RUN if [ "${BAKE_MODEL}" = "true" ]; then \
+        SPECSERVE_HOME=/opt/specserve HF_HOME=/tmp/bake-hf specserve models pull \
+        && rm -rf /tmp/bake-hf; \
+    fi
 USER 10001:10001
 WORKDIR /home/specserve
 VOLUME ["/var/lib/specserve"]

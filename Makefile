@@ -4,9 +4,10 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 
-.PHONY: install model run test lint typecheck pytest test-long bench clean
+.PHONY: install model run test lint typecheck pytest test-long bench clean deploy-tools image image-gpu
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,16 +33,26 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: model
+# helm, hadolint, kubernetes-validate and the docker compose plugin, for tests/deploy/
+deploy-tools: install
+	PYTHON=$(abspath $(PY)) scripts/install-deploy-tools.sh $(TOOLS)
+
+pytest: model deploy-tools
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
-test-long: model
+test-long: model deploy-tools
 	$(BIN)/pytest --runslow $(PYTEST_ARGS)
 
 bench: model
 	$(BIN)/specserve bench --quick --json bench-results/bench.json
+
+image:
+	docker build -t specserve:0.1.0 .
+
+image-gpu:
+	docker build --target gpu -t specserve:0.1.0-gpu .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -17,11 +17,11 @@ def requirements(pyproject: str, extras: str = "") -> list[str]:
         project = tomllib.load(f)["project"]
     wanted = [name.strip() for name in extras.split(",") if name.strip()]
     optional = project.get("optional-dependencies", {})
-    unknown = sorted(set(wanted) - set(optional))
-    if unknown:
-        raise SystemExit(f"unknown extras: {', '.join(unknown)}")
     found = list(project.get("dependencies", []))
     for name in wanted:
+        if name not in optional:  # like pip: warn, and go on without it
+            print(f"warning: {pyproject} has no extra {name!r}", file=sys.stderr)
+            continue
         found.extend(optional[name])
     return found
 

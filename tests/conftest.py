@@ -24,9 +24,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA; none is present")
     skip_slow = pytest.mark.skip(reason="long-running; run with --runslow (make test-long)")
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        if "slow" in item.keywords and not config.getoption("--runslow"):
+        if item.get_closest_marker("slow") and not config.getoption("--runslow"):
             item.add_marker(skip_slow)
 
 
