@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 
-.PHONY: install model run test lint typecheck pytest test-long bench clean deploy-tools image image-gpu
+.PHONY: install model run test lint typecheck pytest test-long bench bench-http clean deploy-tools \
+	image image-gpu
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,9 @@ test-long: model deploy-tools
 
 bench: model
 	$(BIN)/specserve bench --quick --json bench-results/bench.json
+
+bench-http: model
+	$(BIN)/python -m gateway.bench_http --threads 1 --json bench-results/http.json
 
 image:
 	docker build -t specserve:0.1.0 .

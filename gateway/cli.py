@@ -55,11 +55,21 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="compare decoding methods on the shipped prompt sets")
     _model_flags(bench, draft_default=None)
-    bench.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
+    bench.add_argument("--quick", action="store_true",
+                       help="4 prompts per set and 64 new tokens (a few minutes on a CPU)")
     bench.add_argument("--json", default=None, help="write the results here")
-    bench.add_argument("--dtypes", default="float32,bfloat16")
-    bench.add_argument("--max-tokens", type=int, default=None)
+    bench.add_argument("--dtypes", default="float32,bfloat16",
+                       help="comma-separated dtypes to measure (used instead of --dtype)")
+    bench.add_argument("--max-tokens", type=int, default=None,
+                       help="new tokens per prompt (default 64 with --quick, else 192)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated subset of plain, spec:ngram, spec:draft, hf:plain, "
+                            "hf:assisted-ngram, hf:assisted-draft (plain always runs)")
+    bench.add_argument("--prompt-sets", default="chat,grounded",
+                       help="comma-separated shipped prompt sets")
+    bench.add_argument("--prompts", type=int, default=None,
+                       help="prompts per set (default: 4 with --quick, else all)")
     bench.set_defaults(func=_cmd_bench)
 
     try:

@@ -1,0 +1,240 @@
+"""Typed API errors and the one place that turns them into OpenAI error JSON.
+
+Handlers raise an :class:`APIError` subclass; :func:`install_error_handlers`
+maps it, pydantic validation errors, unknown routes and unexpected exceptions
+to ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from decoding.engine import EngineClosedError, QueueFullError, UnknownDrafterError
+from decoding.sequence import ContextOverflowError
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1  # what a 429 suggests; the queue drains round by round
+
+
+class APIError(Exception):
+    """An error with an HTTP status, shown to the client in OpenAI's format."""
+
+    status_code = 500
+    error_type = "server_error"
+    default_code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+class InvalidRequestError(APIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class NotFoundError(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class PayloadTooLargeError(APIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class RateLimitError(APIError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "queue_full"
+
+
+class InternalError(APIError):
+    status_code = 500
+    error_type = "server_error"
+    default_code = "internal_error"
+
+
+class ServiceUnavailableError(APIError):
+    status_code = 503
+    error_type = "server_error"
+    default_code = "unavailable"
+
+
+class GenerationTimeoutError(APIError):
+    status_code = 504
+    error_type = "timeout_error"
+    default_code = "request_timeout"
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def model_not_found(name: str) -> NotFoundError:
+    return NotFoundError(f"The model `{name}` does not exist.", param="model",
+                         code="model_not_found")
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """Translate the engine's admission errors into API errors."""
+    try:
+        yield
+    except QueueFullError as exc:
+        raise RateLimitError(
+            f"The server is busy: {exc}. Retry after {RETRY_AFTER_SECONDS} s.",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        ) from exc
+    except EngineClosedError as exc:
+        raise ServiceUnavailableError(str(exc), code="shutting_down") from exc
+    except UnknownDrafterError as exc:
+        raise InvalidRequestError(str(exc), param="speculation.drafter",
+                                  code="unknown_drafter") from exc
+    except ContextOverflowError as exc:
+        raise InvalidRequestError(str(exc), param="messages",
+                                  code="context_length_exceeded") from exc
+
+
+# -- pydantic errors ---------------------------------------------------------------
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names the union member that failed (``list[str]``); not a field."""
+    return part in _UNION_TAGS or "[" in part or "(" in part or part.startswith("function-")
+
+
+def format_location(loc: Sequence[int | str]) -> str:
+    """``("messages", 0, "content")`` -> ``"messages[0].content"``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, str) and _is_union_tag(part):
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError:
+    """The first pydantic error as one 400 naming the offending field."""
+    if not errors:
+        return InvalidRequestError("The request is invalid.")
+    # A union reports one error per member; the deepest one is the informative one.
+    head = tuple(errors[0].get("loc", ()))[:1]
+    first = max((e for e in errors if tuple(e.get("loc", ()))[:1] == head),
+                key=lambda e: len(e.get("loc", ())))
+    others = len({tuple(e.get("loc", ()))[:1] for e in errors}) - 1
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    param = format_location(loc) or (first.get("ctx") or {}).get("param")
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+        code = "unknown_parameter"
+    elif kind == "unsupported_parameter":
+        message = str(first.get("msg"))
+        code = "unsupported_parameter"
+    elif kind == "missing":
+        message = f"Missing required parameter: '{param}'."
+        code = "missing_required_parameter"
+    else:
+        message = f"Invalid value for '{param}': {first.get('msg')}" if param \
+            else str(first.get("msg"))
+        code = "invalid_value"
+    if others:
+        message += f" ({others} more invalid field(s) in the request)"
+    return InvalidRequestError(message, param=param, code=code)
+
+
+# -- handlers ----------------------------------------------------------------------
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    if exc.status_code >= 500:
+        level = logging.INFO if exc.status_code == 503 else logging.WARNING
+        log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status_code,
+                exc.message)
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError | ValidationError)
+    return error_response(from_validation_errors(exc.errors()))
+
+
+_HTTP_STATUS_ERRORS: dict[int, type[APIError]] = {
+    400: InvalidRequestError, 401: AuthenticationError, 404: NotFoundError,
+    413: PayloadTooLargeError, 429: RateLimitError, 503: ServiceUnavailableError,
+}
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        error: APIError = NotFoundError(f"Unknown route: {request.method} {request.url.path}")
+    elif exc.status_code == 405:
+        error = InvalidRequestError(
+            f"Method {request.method} is not allowed on {request.url.path}",
+            code="method_not_allowed")
+        error.status_code = 405
+    else:
+        cls = _HTTP_STATUS_ERRORS.get(exc.status_code, InternalError)
+        error = cls(str(exc.detail))
+        error.status_code = exc.status_code
+    error.headers.update(exc.headers or {})
+    return error_response(error)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(InternalError("The server had an error while processing the request."))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,179 @@
+"""Engine events as OpenAI JSON: chat (``chat.completion`` / ``chat.completion.chunk``)
+and legacy completions (``text_completion``), streamed or whole.
+
+A format keeps per-choice state (first chunk sent, running ``text_offset``,
+accumulated logprobs) for one API request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from decoding.types import RoundEvent
+from gateway.generation import ChoiceTotals, finish_reason_text, usage_of
+from gateway.params import Prompt
+from gateway.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    SpeculationStats,
+    Usage,
+)
+from gateway.tokens import LegacyLogprobs, TokenTexts, chat_logprobs, merge_legacy, visible
+
+
+@dataclass(frozen=True)
+class Job:
+    """One API request as the formats need to know it."""
+
+    id: str
+    created: int
+    model: str
+    prompts: Sequence[Prompt]
+    per_prompt: int  # choices per prompt (n)
+    logprobs: bool
+    echo: bool = False
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.per_prompt]
+
+
+class Format(Protocol):
+    def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> BaseModel | None:
+        """The stream chunk for one round of one choice (None when it adds nothing)."""
+        ...
+
+    def observe(self, index: int, event: RoundEvent) -> None:
+        """Remember one round for the whole response."""
+        ...
+
+    def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> BaseModel: ...
+
+    def response(self, totals: Sequence[ChoiceTotals]) -> BaseModel: ...
+
+
+def _stats(totals: Sequence[ChoiceTotals]) -> SpeculationStats:
+    return SpeculationStats.total([t.stats() for t in totals])
+
+
+class ChatFormat:
+    def __init__(self, job: Job, texts: TokenTexts, hidden_ids: frozenset[int]) -> None:
+        self.job = job
+        self.texts = texts
+        self.hidden_ids = hidden_ids
+        count = len(job.prompts) * job.per_prompt
+        self._started = [False] * count
+        self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+
+    def _logprobs_of(self, event: RoundEvent) -> list[dict[str, Any]]:
+        return chat_logprobs(self.texts, visible(event.logprobs, self.hidden_ids)
+                             if event.finished else event.logprobs)
+
+    def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals
+              ) -> ChatCompletionChunk | None:
+        first = not self._started[index]
+        content = self._logprobs_of(event) if self.job.logprobs else None
+        finish = finish_reason_text(event.finish_reason)
+        if not (first or event.text or content or finish):
+            return None
+        self._started[index] = True
+        delta = ChatDelta(role="assistant" if first else None, content=event.text)
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
+                                 logprobs={"content": content, "refusal": None}
+                                 if content is not None else None)
+        return ChatCompletionChunk(
+            id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
+            speculation=totals.stats() if event.finished else None)
+
+    def observe(self, index: int, event: RoundEvent) -> None:
+        if self.job.logprobs:
+            self._logprobs[index].extend(self._logprobs_of(event))
+
+    def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.job.id, created=self.job.created, model=self.job.model, choices=[],
+            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals))
+
+    def response(self, totals: Sequence[ChoiceTotals]) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatMessageOut(content="".join(t.text)),
+                logprobs={"content": self._logprobs[i], "refusal": None}
+                if self.job.logprobs else None,
+                finish_reason=finish_reason_text(t.finish_reason),
+            )
+            for i, t in enumerate(totals)
+        ]
+        return ChatCompletion(
+            id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
+            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals))
+
+
+class CompletionFormat:
+    def __init__(self, job: Job, texts: TokenTexts, hidden_ids: frozenset[int]) -> None:
+        self.job = job
+        self.texts = texts
+        self.hidden_ids = hidden_ids
+        count = len(job.prompts) * job.per_prompt
+        self._started = [False] * count
+        self._legacy = [
+            LegacyLogprobs(texts, len(job.prompt_of(i).text) if job.echo else 0)
+            for i in range(count)
+        ]
+        self._parts: list[list[dict[str, list[Any]]]] = [[] for _ in range(count)]
+
+    def _prefix(self, index: int) -> str:
+        """The echoed prompt, once, before a choice's first text."""
+        if self._started[index] or not self.job.echo:
+            return ""
+        return self.job.prompt_of(index).text
+
+    def _logprobs_of(self, index: int, event: RoundEvent) -> dict[str, list[Any]]:
+        logprobs = visible(event.logprobs, self.hidden_ids) if event.finished \
+            else event.logprobs
+        return self._legacy[index].chunk(logprobs)
+
+    def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> Completion | None:
+        text = self._prefix(index) + event.text
+        logprobs = self._logprobs_of(index, event) if self.job.logprobs else None
+        finish = finish_reason_text(event.finish_reason)
+        if not (text or (logprobs and logprobs["tokens"]) or finish):
+            return None
+        self._started[index] = True
+        choice = CompletionChoice(text=text, index=index, logprobs=logprobs,
+                                  finish_reason=finish)
+        return Completion(
+            id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
+            speculation=totals.stats() if event.finished else None)
+
+    def observe(self, index: int, event: RoundEvent) -> None:
+        if self.job.logprobs:
+            self._parts[index].append(self._logprobs_of(index, event))
+
+    def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> Completion:
+        return Completion(
+            id=self.job.id, created=self.job.created, model=self.job.model, choices=[],
+            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals))
+
+    def response(self, totals: Sequence[ChoiceTotals]) -> Completion:
+        choices = []
+        for i, t in enumerate(totals):
+            prefix = self.job.prompt_of(i).text if self.job.echo else ""
+            choices.append(CompletionChoice(
+                text=prefix + "".join(t.text), index=i,
+                logprobs=merge_legacy(self._parts[i]) if self.job.logprobs else None,
+                finish_reason=finish_reason_text(t.finish_reason)))
+        usage: Usage = usage_of(totals, self.job.per_prompt)
+        return Completion(
+            id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
+            usage=usage, speculation=_stats(totals))

@@ -1,0 +1,181 @@
+"""From a validated API request to the engine's ``GenerationRequest``s.
+
+Everything here builds new objects; the API request is never modified. One
+engine request is made per choice: ``n`` per prompt, in prompt-major order,
+the j-th choice of a seeded request using ``seed + j`` so that choices differ
+and each is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from decoding.prompting import encode_chat, encode_text
+from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from gateway.errors import InvalidRequestError
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+AnyRequest = ChatCompletionRequest | CompletionRequest
+SEED_MODULUS = 1 << 64
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server allows, from the settings and the model."""
+
+    max_context: int
+    max_prompt_tokens: int | None
+    max_tokens: int
+    timeout_s: float | None
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    text: str  # what ``echo`` shows
+
+
+def stop_sequences(request: AnyRequest) -> tuple[str, ...]:
+    if request.stop is None:
+        return ()
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop
+    return tuple(s for s in stops if s)
+
+
+def include_usage(request: AnyRequest) -> bool:
+    options = request.stream_options
+    return bool(request.stream and options is not None and options.include_usage)
+
+
+def choices_per_prompt(request: AnyRequest) -> int:
+    return request.n or 1
+
+
+def sampling_params(request: AnyRequest, choice: int = 0) -> SamplingParams:
+    temperature = 1.0 if request.temperature is None else request.temperature
+    top_p = 1.0 if request.top_p is None else request.top_p
+    if top_p == 0.0:  # the limit of top-p sampling: only the most likely token
+        temperature, top_p = 0.0, 1.0
+    seed = None if request.seed is None else (request.seed + choice) % SEED_MODULUS
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=request.top_k or 0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        seed=seed,
+    )
+
+
+def speculation_params(request: AnyRequest) -> SpeculationParams:
+    options = request.speculation
+    if options is None:
+        return SpeculationParams()
+    return SpeculationParams(enabled=options.enabled, drafter=options.drafter,
+                             max_draft_tokens=options.max_draft_tokens)
+
+
+def logprob_options(request: AnyRequest) -> tuple[bool, int]:
+    """Whether to return logprobs, and how many alternatives per token."""
+    if isinstance(request, ChatCompletionRequest):
+        return bool(request.logprobs), request.top_logprobs or 0
+    if request.logprobs is None:
+        return False, 0
+    return True, request.logprobs
+
+
+# -- prompts --------------------------------------------------------------------------
+
+
+def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> Prompt:
+    messages = [{"role": m.template_role(), "content": m.text()} for m in request.messages]
+    try:
+        ids = encode_chat(tokenizer, messages)
+    except Exception as exc:  # a template that refuses the conversation (role order, ...)
+        raise InvalidRequestError(f"The messages could not be formatted: {exc}",
+                                  param="messages") from exc
+    return Prompt(ids=tuple(ids), text="")
+
+
+def completion_prompts(tokenizer: Any, request: CompletionRequest, vocab_size: int
+                       ) -> list[Prompt]:
+    prompts = []
+    for i, item in enumerate(request.prompt_list()):
+        if isinstance(item, str):
+            prompts.append(Prompt(ids=tuple(encode_text(tokenizer, item)), text=item))
+            continue
+        bad = next((t for t in item if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"Token id {bad} is outside the vocabulary (0..{vocab_size - 1}).",
+                param=f"prompt[{i}]", code="invalid_value")
+        text = str(tokenizer.decode(item, skip_special_tokens=False,
+                                    clean_up_tokenization_spaces=False))
+        prompts.append(Prompt(ids=tuple(item), text=text))
+    return prompts
+
+
+# -- limits ---------------------------------------------------------------------------
+
+
+def check_prompt(prompt: Prompt, limits: Limits, param: str) -> None:
+    size = len(prompt.ids)
+    if size == 0:
+        raise InvalidRequestError("The prompt is empty: it must contain at least one token.",
+                                  param=param, code="invalid_value")
+    if limits.max_prompt_tokens is not None and size > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            f"The prompt has {size} tokens; this server accepts at most "
+            f"{limits.max_prompt_tokens}.", param=param, code="context_length_exceeded")
+    if size >= limits.max_context:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limits.max_context} tokens, and the "
+            f"prompt has {size}: no room is left to generate.",
+            param=param, code="context_length_exceeded")
+
+
+def max_new_tokens(request: AnyRequest, prompt_len: int, limits: Limits) -> int:
+    asked, field = request.requested_max_tokens()
+    room = limits.max_context - prompt_len
+    if asked is None:
+        return max(1, min(limits.max_tokens, room))
+    if asked > limits.max_tokens:
+        raise InvalidRequestError(
+            f"{field} is {asked}; this server allows at most {limits.max_tokens}.",
+            param=field, code="invalid_value")
+    if asked > room:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limits.max_context} tokens. However, "
+            f"you requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
+            f"in the completion).", param=field, code="context_length_exceeded")
+    return asked
+
+
+def generation_requests(
+    request: AnyRequest, prompts: Sequence[Prompt], limits: Limits, request_id: str
+) -> list[GenerationRequest]:
+    """One engine request per choice, in choice-index order."""
+    param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    logprobs, top_logprobs = logprob_options(request)
+    speculation = speculation_params(request)
+    stops = stop_sequences(request)
+    out: list[GenerationRequest] = []
+    for p, prompt in enumerate(prompts):
+        check_prompt(prompt, limits, param if len(prompts) == 1 else f"{param}[{p}]")
+        new_tokens = max_new_tokens(request, len(prompt.ids), limits)
+        for j in range(choices_per_prompt(request)):
+            out.append(GenerationRequest(
+                prompt_ids=prompt.ids,
+                max_new_tokens=new_tokens,
+                sampling=sampling_params(request, j),
+                stop=stops,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                speculation=speculation,
+                timeout_s=limits.timeout_s,
+                request_id=f"{request_id}-{len(out)}",
+            ))
+    return out

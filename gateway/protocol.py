@@ -1,0 +1,252 @@
+"""OpenAI request bodies for ``/v1/chat/completions`` and ``/v1/completions``.
+
+Fields follow the order of OpenAI's API reference; the non-OpenAI extras sit in
+one marked block at the end of each model. Every field OpenAI defines but this
+server does not implement is declared with :func:`refuse`, so it is accepted
+only when absent or neutral (``null``, ``[]``, ``{"type": "text"}``, ...) and
+refused with a 400 naming it otherwise; any other unknown field is refused by
+``extra="forbid"``. Nothing a client asks for is silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+from pydantic_core.core_schema import ValidationInfo
+
+MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n per prompt
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1
+
+
+def refuse(*neutral: Any) -> BeforeValidator:
+    """A validator for a field this server does not implement: ``None`` and the
+    given neutral values pass (as ``None``), anything else is refused by name."""
+
+    def check(value: Any, info: ValidationInfo) -> None:
+        if value is None or any(value == ok for ok in neutral):
+            return None
+        raise PydanticCustomError(
+            "unsupported_parameter",
+            "'{field}' is not supported by this server.",
+            {"field": info.field_name},
+        )
+
+    return BeforeValidator(check)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SpeculationOptions(_Strict):
+    """Extra: per-request control of speculative decoding."""
+
+    enabled: bool = True
+    drafter: str | None = None  # a loaded drafter by name ("ngram", "draft"), "none" = off
+    max_draft_tokens: int | None = Field(default=None, ge=0, le=64)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+def _content(value: Any) -> Any:
+    """String content or an array of text parts; other part types are refused."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("invalid_content", "content must be a string or an array "
+                                                     "of content parts")
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "content part {index} has type '{kind}'; only 'text' parts are supported.",
+                {"index": i, "kind": str(kind)},
+            )
+    return value
+
+
+class ChatMessage(_Strict):
+    """A system, developer, user or assistant message (tool messages are not supported)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str | list[TextPart], BeforeValidator(_content)]
+    name: Annotated[Any, refuse()] = None
+    # Assistant-message fields a client may echo back from an earlier response.
+    audio: Annotated[Any, refuse()] = None
+    function_call: Annotated[Any, refuse()] = None
+    refusal: Annotated[Any, refuse()] = None
+    tool_calls: Annotated[Any, refuse([])] = None
+    annotations: Annotated[Any, refuse([])] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
+
+
+def _stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+        raise PydanticCustomError("too_many_stop", "at most {n} stop sequences are allowed",
+                                  {"n": MAX_STOP_SEQUENCES})
+    return value
+
+
+StopField = Annotated[str | list[str] | None, BeforeValidator(_stop)]
+
+
+def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
+    if request.stream_options is not None and not request.stream:
+        raise PydanticCustomError(
+            "invalid_value", "stream_options is only allowed when stream is true",
+            {"param": "stream_options"})
+
+
+class ChatCompletionRequest(_Strict):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    audio: Annotated[Any, refuse()] = None
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    function_call: Annotated[Any, refuse("none")] = None
+    functions: Annotated[Any, refuse([])] = None
+    logit_bias: Annotated[Any, refuse({})] = None
+    logprobs: bool | None = False
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    metadata: Annotated[Any, refuse({})] = None
+    modalities: Annotated[Any, refuse(["text"])] = None
+    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
+    parallel_tool_calls: Annotated[Any, refuse()] = None
+    prediction: Annotated[Any, refuse()] = None
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    prompt_cache_key: Annotated[Any, refuse()] = None
+    reasoning_effort: Annotated[Any, refuse()] = None
+    response_format: Annotated[Any, refuse({"type": "text"})] = None
+    safety_identifier: Annotated[Any, refuse()] = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    service_tier: Annotated[Any, refuse("auto", "default")] = None
+    stop: StopField = None
+    store: Annotated[Any, refuse(False)] = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    tool_choice: Annotated[Any, refuse("none")] = None
+    tools: Annotated[Any, refuse([])] = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_p: float | None = Field(default=1.0, ge=0.0, le=1.0)
+    user: str | None = None
+    verbosity: Annotated[Any, refuse()] = None
+    web_search_options: Annotated[Any, refuse()] = None
+    # -- extras (not in OpenAI's API) ----------------------------------------------------
+    top_k: int | None = Field(default=None, ge=0)
+    speculation: SpeculationOptions | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        _check_common(self)
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError(
+                "invalid_value", "top_logprobs requires logprobs to be true",
+                {"param": "top_logprobs"})
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise PydanticCustomError(
+                "invalid_value", "max_tokens and max_completion_tokens disagree; send one",
+                {"param": "max_tokens"})
+        return self
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The asked-for limit and the field that carried it."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+def _prompt(value: Any) -> Any:
+    """A string, a list of strings, a token-id list, or a list of token-id lists."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise PydanticCustomError(
+            "invalid_prompt", "prompt must be a string, a non-empty array of strings, an "
+                              "array of token ids or an array of token-id arrays")
+    if all(isinstance(v, str) for v in value):
+        return value
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return value
+    if all(isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool)
+                                             for t in v) for v in value):
+        return value
+    raise PydanticCustomError(
+        "invalid_prompt", "prompt must be a string, an array of strings, an array of token "
+                          "ids or an array of non-empty token-id arrays (not a mix)")
+
+
+PromptField = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_prompt)]
+
+
+class CompletionRequest(_Strict):
+    """``POST /v1/completions`` (the legacy text endpoint)."""
+
+    model: str
+    prompt: PromptField
+    best_of: Annotated[Any, refuse(1)] = None
+    echo: bool | None = False
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: Annotated[Any, refuse({})] = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopField = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: Annotated[Any, refuse("")] = None
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, ge=0.0, le=1.0)
+    user: str | None = None
+    # -- extras (not in OpenAI's API) ----------------------------------------------------
+    top_k: int | None = Field(default=None, ge=0)
+    speculation: SpeculationOptions | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        _check_common(self)
+        if self.echo and self.logprobs is not None:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "'echo' together with 'logprobs' (prompt logprobs) is not supported by this "
+                "server.", {"param": "echo"})
+        return self
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts as a list: strings, or token-id lists."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        ids = [p for p in self.prompt if isinstance(p, int)]
+        if ids:
+            return [ids]
+        return [p for p in self.prompt if isinstance(p, str | list)]

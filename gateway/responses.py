@@ -1,0 +1,133 @@
+"""OpenAI response bodies and stream chunks, plus the speculation statistics
+every response carries in the extra top-level ``speculation`` field.
+
+Fields follow OpenAI's reference order; extras sit in one marked block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculationStats(BaseModel):
+    """Extra: how speculation went. ``accepted_tokens`` counts accepted drafts
+    only (not the target's own token per round); the rate is accepted/drafted."""
+
+    drafter: str | None
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float | None
+
+    @classmethod
+    def of(cls, drafter: str | None, rounds: int, drafted: int, accepted: int
+           ) -> SpeculationStats:
+        rate = round(accepted / drafted, 4) if drafted else None
+        return cls(drafter=drafter, rounds=rounds, draft_tokens=drafted,
+                   accepted_tokens=accepted, acceptance_rate=rate)
+
+    @classmethod
+    def total(cls, parts: list[SpeculationStats]) -> SpeculationStats:
+        drafters = {p.drafter for p in parts}
+        drafter = drafters.pop() if len(drafters) == 1 else None
+        return cls.of(drafter, sum(p.rounds for p in parts), sum(p.draft_tokens for p in parts),
+                      sum(p.accepted_tokens for p in parts))
+
+
+# -- chat ------------------------------------------------------------------------------
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    # -- extras (not in OpenAI's API) ----------------------------------------------------
+    speculation: SpeculationStats
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    # -- extras (not in OpenAI's API) ----------------------------------------------------
+    speculation: SpeculationStats | None = None
+
+
+# -- completions ----------------------------------------------------------------------
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    """Also the streamed chunk: OpenAI uses ``text_completion`` for both."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    # -- extras (not in OpenAI's API) ----------------------------------------------------
+    speculation: SpeculationStats | None = None
+
+
+# -- models ---------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specserve"
+    # -- extras (not in OpenAI's API) ----------------------------------------------------
+    max_model_len: int
+    metadata: dict[str, Any]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,210 @@
+"""The HTTP endpoints: completions, models, health and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from decoding.engine import Engine
+from gateway.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    from_validation_errors,
+    model_not_found,
+)
+from gateway.formats import ChatFormat, CompletionFormat, Format, Job
+from gateway.generation import submit_all
+from gateway.params import (
+    AnyRequest,
+    Prompt,
+    chat_prompt,
+    choices_per_prompt,
+    completion_prompts,
+    generation_requests,
+    logprob_options,
+)
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses import ModelCard, ModelList
+from gateway.state import BACKEND, GatewayState
+from gateway.streaming import ResponseRun
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def gateway_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+async def require_api_key(request: Request) -> None:
+    """Bearer-key check when keys are configured (constant-time comparison)."""
+    keys = gateway_state(request).settings.api_keys
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthenticationError(
+            "Missing API key: send it as 'Authorization: Bearer <key>'.")
+    given = token.strip().encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given, key.encode())
+    if not matched:
+        raise AuthenticationError("Incorrect API key provided.")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed ``limit``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"The request body is larger than {limit} bytes.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"The request body is larger than {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise InvalidRequestError("The request body is not valid JSON.",
+                                  code="invalid_json") from exc
+    if not isinstance(payload, dict):
+        raise InvalidRequestError("The request body must be a JSON object.",
+                                  code="invalid_json")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from exc
+
+
+async def _parse(request: Request, state: GatewayState, model: type[M]) -> M:
+    state.require_engine()
+    body = await read_body(request, state.settings.max_body_bytes)
+    parsed = parse_body(model, body)
+    name = getattr(parsed, "model", "")
+    if name not in state.aliases:
+        raise model_not_found(name)
+    return parsed
+
+
+router = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = gateway_state(request)
+    api_request = await _parse(request, state, ChatCompletionRequest)
+    engine = state.require_engine()
+    prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, api_request)
+    return await _run(request, state, engine, api_request, [prompt], "chatcmpl")
+
+
+@v1.post("/completions")
+async def completions(request: Request) -> Response:
+    state = gateway_state(request)
+    api_request = await _parse(request, state, CompletionRequest)
+    engine = state.require_engine()
+    prompts = await asyncio.to_thread(completion_prompts, engine.target.tokenizer, api_request,
+                                      engine.target.vocab_size)
+    return await _run(request, state, engine, api_request, prompts, "cmpl")
+
+
+async def _run(request: Request, state: GatewayState, engine: Engine, api_request: AnyRequest,
+               prompts: list[Prompt], prefix: str) -> Response:
+    job_id = f"{prefix}-{uuid.uuid4().hex}"
+    requests = generation_requests(api_request, prompts, state.limits(), job_id)
+    job = Job(
+        id=job_id, created=int(time.time()), model=state.settings.model_name, prompts=prompts,
+        per_prompt=choices_per_prompt(api_request), logprobs=logprob_options(api_request)[0],
+        echo=bool(getattr(api_request, "echo", False)),
+    )
+    hidden = engine.target.eos_token_ids
+    fmt: Format = (ChatFormat(job, state.token_texts(), hidden)
+                   if isinstance(api_request, ChatCompletionRequest)
+                   else CompletionFormat(job, state.token_texts(), hidden))
+    streams = submit_all(engine, requests)
+    run = ResponseRun(state, job, fmt, streams, endpoint=request.url.path,
+                      user=api_request.user)
+    if api_request.stream:
+        return run.streaming_response(api_request)
+    return await run.whole_response(request.receive)
+
+
+def _card(state: GatewayState) -> ModelCard:
+    engine = state.require_engine()
+    settings = state.settings
+    return ModelCard(
+        id=settings.model_name,
+        created=state.created,
+        max_model_len=engine.target.max_context,
+        metadata={
+            "target": settings.target,
+            "draft": settings.draft,
+            "drafters": [*sorted(engine.drafters), "none"],
+            "default_drafter": engine.default_drafter or "none",
+            "backend": BACKEND,
+            "dtype": settings.dtype,
+            "aliases": sorted(state.aliases),
+        },
+    )
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(gateway_state(request))])
+
+
+@v1.get("/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> ModelCard:
+    state = gateway_state(request)
+    if model_id not in state.aliases:
+        raise model_not_found(model_id)
+    return _card(state)
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Liveness: the process answers; 503 only when the model failed to load."""
+    state = gateway_state(request)
+    if state.load_error is not None:
+        return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 once the models are loaded and warm, 503 before and while draining."""
+    state = gateway_state(request)
+    body: dict[str, Any]
+    if state.accepting:
+        body = {"status": "ready", "running": state.engine.num_running if state.engine else 0,
+                "waiting": state.engine.num_waiting if state.engine else 0}
+        return JSONResponse(body)
+    if state.draining:
+        body = {"status": "draining"}
+    elif state.load_error is not None:
+        body = {"status": "failed"}
+    else:
+        body = {"status": "loading"}
+    return JSONResponse(body, status_code=503)
+
+
+router.include_router(v1)

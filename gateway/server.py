@@ -1,0 +1,190 @@
+"""The composition root: ``create_app(settings, engine=None)`` and ``specserve serve``.
+
+With no engine injected, the lifespan loads the target and drafters in the
+background (``/health`` answers at once, ``/ready`` turns 200 once they are
+loaded and warm) and shuts the engine down on exit. An injected engine belongs
+to the caller, who starts and stops it.
+
+``specserve serve`` runs uvicorn with a graceful drain: the first SIGTERM (or
+SIGINT) stops admitting (``/ready`` and new requests answer 503), lets in-flight
+requests finish for up to ``--shutdown-timeout`` seconds, cancels the rest, and
+then exits with status 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from types import FrameType
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from pydantic import ValidationError
+
+from decoding.drafters.base import Drafter
+from decoding.engine import Engine
+from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target
+from gateway.errors import install_error_handlers
+from gateway.routes import router
+from gateway.settings import Settings, add_settings_flags, settings_from_args
+from gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+UVICORN_GRACE_SECONDS = 5.0  # after our own drain, for responses still being written
+ENGINE_JOIN_SECONDS = 0.0  # the drain already waited; cancel whatever is left
+
+
+def build_engine(settings: Settings) -> Engine:
+    """Load the target and drafters named in the settings, warm them up, start."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    target = load_target(settings.target, settings.dtype)
+    drafters: dict[str, Drafter] = {}
+    ngram = load_drafter(NGRAM, target)
+    assert ngram is not None
+    drafters[ngram.name] = ngram  # prompt lookup is free: always offered per request
+    default = None if settings.draft == NO_DRAFT else ngram.name
+    if settings.draft not in (NO_DRAFT, NGRAM):
+        model = load_drafter(settings.draft, target, settings.dtype)
+        assert model is not None
+        drafters[model.name] = model
+        default = model.name
+    engine = Engine(target, drafters, default, max_queue=settings.max_queue,
+                    max_active=settings.max_active)
+    log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
+    engine.warmup()
+    engine.start()
+    return engine
+
+
+def create_app(
+    settings: Settings,
+    engine: Engine | None = None,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The API application. ``on_fatal`` is told when loading the models fails."""
+    state = GatewayState(settings=settings, aliases=settings.model_aliases())
+    if engine is not None:
+        state.attach(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = None if engine is not None else asyncio.create_task(_load(state, on_fatal))
+        try:
+            yield
+        finally:
+            state.draining = True
+            if loader is not None and not loader.done():
+                loader.cancel()
+            if state.owns_engine and state.engine is not None:
+                await asyncio.to_thread(state.engine.shutdown, ENGINE_JOIN_SECONDS)
+
+    app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = state
+    install_error_handlers(app)
+    app.include_router(router)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"],
+        )
+    return app
+
+
+async def _load(state: GatewayState, on_fatal: Callable[[BaseException], None] | None) -> None:
+    try:
+        engine = await asyncio.to_thread(build_engine, state.settings)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("loading the models failed")
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        if on_fatal is not None:
+            on_fatal(exc)
+        return
+    state.owns_engine = True
+    state.attach(engine)
+    log.info("ready: serving %s", state.settings.model_name)
+
+
+# -- running under uvicorn -----------------------------------------------------------------
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a graceful drain on the first termination signal."""
+
+    def __init__(self, config: uvicorn.Config, state: GatewayState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain is not None or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._drain is not None
+            return
+        log.info("received signal %d: draining for up to %.0f s", sig,
+                 self.state.settings.shutdown_timeout)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.state.drain(self.state.settings.shutdown_timeout)
+        finally:
+            self.should_exit = True
+
+    def fail(self, exc: BaseException) -> None:
+        """Exit with status 1 (the models could not be loaded)."""
+        self.exit_code = 1
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(setattr, self, "should_exit", True)
+        else:
+            self.should_exit = True
+
+
+def serve(settings: Settings) -> int:
+    server_box: list[DrainingServer] = []
+    app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc))
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        timeout_graceful_shutdown=int(UVICORN_GRACE_SECONDS), access_log=True,
+    )
+    server = DrainingServer(config, app.state.gateway)
+    server_box.append(server)
+    server.run()
+    return server.exit_code
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_settings_flags(parser)
+    parser.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        log.error("invalid settings:\n%s", exc)
+        return 2
+    logging.getLogger().setLevel(settings.log_level.upper())
+    for name in ("gateway", "decoding"):
+        logging.getLogger(name).setLevel(settings.log_level.upper())
+    return serve(settings)

@@ -1,0 +1,141 @@
+"""Server configuration: one ``Settings`` object, from ``SPECSERVE_*`` variables
+and the flags of ``specserve serve`` (a flag wins over its variable).
+
+List settings (``SPECSERVE_API_KEYS``, ``SPECSERVE_CORS_ORIGINS``) are comma
+separated in the environment; a JSON array works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from decoding import model_store
+
+ENV_PREFIX = "SPECSERVE_"
+MIB = 1 << 20
+
+CommaList = Annotated[list[str], NoDecode]
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+class Settings(BaseSettings):
+    """Everything ``specserve serve`` can be told; validated once at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    metrics_port: int = Field(default=9100, ge=0, le=65535)
+    target: str = "default"
+    draft: str = "ngram"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    threads: int | None = Field(default=None, ge=1)
+    api_keys: CommaList = Field(default_factory=list)
+    max_queue: int = Field(default=64, ge=0)
+    max_active: int = Field(default=16, ge=1)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int = Field(default=512, ge=1)
+    request_timeout: float | None = Field(default=600.0, gt=0)
+    cors_origins: CommaList = Field(default_factory=list)
+    shutdown_timeout: float = Field(default=30.0, ge=0)
+    log_level: LogLevel = "info"
+    served_model_name: str | None = None
+    max_body_bytes: int = Field(default=4 * MIB, ge=1024)
+    sse_ping_interval: float = Field(default=15.0, gt=0)
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @property
+    def model_name(self) -> str:
+        """The name shown in ``/v1/models``: the flag, else derived from the target."""
+        return self.served_model_name or derive_model_name(self.target)
+
+    def model_aliases(self) -> frozenset[str]:
+        """Every name a request's ``model`` may use for the served target."""
+        names = {self.model_name, self.target, derive_model_name(self.target)}
+        if self.target in model_store.DEFAULT_ALIASES:
+            names |= model_store.DEFAULT_ALIASES
+        return frozenset(names)
+
+
+def derive_model_name(target: str) -> str:
+    if target in model_store.DEFAULT_ALIASES:
+        return model_store.DEFAULT_MODEL
+    path = Path(target).expanduser()
+    if path.exists():
+        return path.resolve().name
+    return target  # a hub id such as "org/model"
+
+
+# -- command-line flags --------------------------------------------------------------
+
+_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--host", {"help": "interface to listen on (SPECSERVE_HOST, default 0.0.0.0)"}),
+    ("--port", {"type": int, "help": "API port (SPECSERVE_PORT, default 8000)"}),
+    ("--metrics-port", {"type": int,
+                        "help": "Prometheus metrics port (SPECSERVE_METRICS_PORT, default 9100)"}),
+    ("--target", {"help": "target model: 'default', a model directory or a hub id "
+                          "(SPECSERVE_TARGET)"}),
+    ("--draft", {"help": "'none', 'ngram' or a draft model directory sharing the target's "
+                         "tokenizer (SPECSERVE_DRAFT, default ngram)"}),
+    ("--dtype", {"choices": ["float32", "bfloat16"], "help": "SPECSERVE_DTYPE, default float32"}),
+    ("--threads", {"type": int, "help": "CPU threads for PyTorch (SPECSERVE_THREADS)"}),
+    ("--api-key", {"dest": "api_keys", "action": "append",
+                   "help": "accepted bearer key, repeatable (SPECSERVE_API_KEYS, comma "
+                           "separated); none configured = no authentication"}),
+    ("--max-queue", {"type": int, "help": "requests waiting before 429 (SPECSERVE_MAX_QUEUE)"}),
+    ("--max-active", {"type": int,
+                      "help": "requests decoded at once (SPECSERVE_MAX_ACTIVE)"}),
+    ("--max-prompt-tokens", {"type": int,
+                             "help": "longest prompt accepted (SPECSERVE_MAX_PROMPT_TOKENS; "
+                                     "default: the model's context)"}),
+    ("--max-tokens", {"type": int, "help": "default and cap of max_tokens "
+                                           "(SPECSERVE_MAX_TOKENS, default 512)"}),
+    ("--request-timeout", {"type": float, "help": "seconds a request may take, queue included "
+                                                  "(SPECSERVE_REQUEST_TIMEOUT, default 600)"}),
+    ("--cors-origin", {"dest": "cors_origins", "action": "append",
+                       "help": "allowed CORS origin, repeatable (SPECSERVE_CORS_ORIGINS, comma "
+                               "separated); CORS is off when none is given"}),
+    ("--shutdown-timeout", {"type": float, "help": "seconds in-flight requests may finish "
+                                                   "after SIGTERM (SPECSERVE_SHUTDOWN_TIMEOUT, "
+                                                   "default 30)"}),
+    ("--log-level", {"help": "critical|error|warning|info|debug (SPECSERVE_LOG_LEVEL)"}),
+    ("--served-model-name", {"help": "model id shown in /v1/models (SPECSERVE_SERVED_MODEL_NAME;"
+                                     " default derived from the target)"}),
+    ("--max-body-bytes", {"type": int, "help": "largest request body accepted "
+                                               "(SPECSERVE_MAX_BODY_BYTES, default 4 MiB)"}),
+    ("--sse-ping-interval", {"type": float, "help": "seconds between SSE keep-alive comments "
+                                                    "(SPECSERVE_SSE_PING_INTERVAL, default 15)"}),
+)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; unset flags leave the variable or default in force."""
+    for flag, options in _FLAGS:
+        parser.add_argument(flag, default=None, **options)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, overridden by the flags that were given."""
+    given = {name: value for name, value in vars(args).items()
+             if name in Settings.model_fields and value is not None}
+    return Settings(**given)

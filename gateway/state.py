@@ -1,0 +1,120 @@
+"""What the HTTP layer knows about the server's life: the engine once loaded,
+readiness, draining, and the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from decoding.engine import Engine, RequestStream
+from gateway.errors import ServiceUnavailableError
+from gateway.params import Limits
+from gateway.settings import Settings
+from gateway.tokens import TokenTexts
+
+log = logging.getLogger(__name__)
+
+DRAIN_POLL_SECONDS = 0.05
+BACKEND = "torch"
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    aliases: frozenset[str] = frozenset()  # names a request's ``model`` may use
+    engine: Engine | None = None
+    owns_engine: bool = False  # built by the lifespan, so shut down by it
+    ready: bool = False
+    draining: bool = False
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    texts: TokenTexts | None = None
+    _inflight: int = 0
+    _streams: dict[int, RequestStream] = field(default_factory=dict)  # by id()
+    _idle: asyncio.Event | None = None
+
+    def attach(self, engine: Engine) -> None:
+        """The engine is loaded and warm: start serving."""
+        self.engine = engine
+        self.texts = TokenTexts(engine.target.tokenizer)
+        self.ready = True
+
+    @property
+    def accepting(self) -> bool:
+        return (self.ready and not self.draining and self.engine is not None
+                and self.engine.accepting)
+
+    def require_engine(self) -> Engine:
+        """The engine, or a 503 saying why there is none to use."""
+        if self.draining or (self.engine is not None and not self.engine.accepting):
+            raise ServiceUnavailableError("The server is shutting down.", code="shutting_down")
+        if self.engine is None or not self.ready:
+            if self.load_error is not None:
+                raise ServiceUnavailableError("The model failed to load.", code="load_failed")
+            raise ServiceUnavailableError("The model is still loading; retry shortly.",
+                                          code="not_ready")
+        return self.engine
+
+    def limits(self) -> Limits:
+        engine = self.require_engine()
+        return Limits(
+            max_context=engine.target.max_context,
+            max_prompt_tokens=self.settings.max_prompt_tokens,
+            max_tokens=self.settings.max_tokens,
+            timeout_s=self.settings.request_timeout,
+            vocab_size=engine.target.vocab_size,
+        )
+
+    def token_texts(self) -> TokenTexts:
+        if self.texts is None:
+            raise ServiceUnavailableError("The model is still loading; retry shortly.",
+                                          code="not_ready")
+        return self.texts
+
+    # -- in-flight requests -------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def begin(self, streams: list[RequestStream]) -> None:
+        """Count a request as in flight until :meth:`end` (its response is done)."""
+        self._inflight += 1
+        self._streams.update((id(s), s) for s in streams)
+
+    def end(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            stream.cancel()  # a no-op for finished streams; frees the engine's slot otherwise
+            self._streams.pop(id(stream), None)
+        self._inflight -= 1
+        if self._inflight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting, wait up to ``timeout`` s for in-flight requests, then cancel
+        what is left. Returns whether everything finished in time."""
+        self.draining = True
+        if self.engine is not None:
+            self.engine.stop_admitting()
+        log.info("draining: %d request(s) in flight, waiting up to %.0f s",
+                 self._inflight, timeout)
+        finished = await self._wait_idle(timeout)
+        if not finished:
+            log.warning("drain timeout: cancelling %d request(s)", len(self._streams))
+            for stream in list(self._streams.values()):
+                stream.cancel()
+            await self._wait_idle(timeout=2.0)
+        return finished
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        if self._inflight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return self._inflight == 0

@@ -1,0 +1,111 @@
+"""Gateway fixtures: engines on the tiny model, the app in-process (httpx
+ASGITransport) and on a real uvicorn server bound to a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from decoding.drafters.model import ModelDrafter
+from decoding.drafters.ngram import NgramDrafter
+from decoding.engine import Engine
+from decoding.target import CausalLM
+from gateway.server import create_app
+from gateway.settings import Settings
+
+TINY = "tiny"
+CHAT = [{"role": "user", "content": "Say something."}]
+
+
+def tiny_settings(**overrides: Any) -> Settings:
+    values: dict[str, Any] = {"served_model_name": TINY, "api_keys": [], "cors_origins": []}
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture(autouse=True)
+def _no_specserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings come from each test, not from the caller's environment."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SPECSERVE_") and name != "SPECSERVE_HOME":
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_target: CausalLM, tiny_draft: CausalLM) -> Iterator[Engine]:
+    drafters = {"ngram": NgramDrafter(), "draft": ModelDrafter(tiny_draft, tiny_target)}
+    engine = Engine(tiny_target, drafters, default_drafter="ngram")
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@asynccontextmanager
+async def in_process(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with its lifespan running, reached through httpx's ASGI transport."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=60) as client:
+            yield client
+
+
+@pytest.fixture
+async def client(tiny_engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
+    async with in_process(create_app(tiny_settings(), engine=tiny_engine)) as c:
+        yield c
+
+
+@contextmanager
+def live_server(app: FastAPI) -> Iterator[str]:
+    """Run ``app`` on a real uvicorn server in a thread; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_url(tiny_engine: Engine) -> Iterator[str]:
+    with live_server(create_app(tiny_settings(), engine=tiny_engine)) as url:
+        yield url
+
+
+def openai_client(base_url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

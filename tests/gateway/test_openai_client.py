@@ -1,0 +1,243 @@
+"""A real uvicorn server on the tiny model, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from decoding.engine import Engine
+from decoding.target import CausalLM
+from gateway.server import create_app
+from tests.gateway.conftest import (
+    CHAT,
+    TINY,
+    live_server,
+    openai_client,
+    tiny_settings,
+)
+from tests.gateway.test_inprocess import FailingDrafter
+
+
+@pytest.fixture(scope="module")
+def client(tiny_url: str) -> openai.OpenAI:
+    return openai_client(tiny_url)
+
+
+def stream_chat(client: openai.OpenAI, **kwargs: Any) -> list[Any]:
+    return list(client.chat.completions.create(model=TINY, messages=CHAT, stream=True,
+                                               **kwargs))
+
+
+def texts_by_index(chunks: list[Any]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            out[choice.index] = out.get(choice.index, "") + (piece or "")
+    return out
+
+
+def test_streamed_chat_equals_whole_chat(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"max_tokens": 10, "temperature": 0.9, "seed": 5}
+    whole = client.chat.completions.create(model=TINY, messages=CHAT, **kwargs)
+    chunks = stream_chat(client, **kwargs)
+    assert texts_by_index(chunks) == {0: whole.choices[0].message.content}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    finishes = [c.choices[0].finish_reason for c in chunks]
+    assert finishes[-1] == whole.choices[0].finish_reason == "length"
+    assert finishes[:-1] == [None] * (len(chunks) - 1)
+    assert chunks[-1].model_extra["speculation"]["rounds"] >= 1
+    assert whole.model_extra["speculation"]["drafter"] == "ngram"
+
+
+def test_n_choices_stream_interleaved(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2}
+    whole = client.chat.completions.create(model=TINY, messages=CHAT, **kwargs)
+    chunks = stream_chat(client, **kwargs)
+    assert all(len(c.choices) == 1 for c in chunks)
+    order = [c.choices[0].index for c in chunks]
+    assert set(order) == {0, 1} and order != sorted(order)  # interleaved, not one after another
+    streamed = texts_by_index(chunks)
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+    assert streamed[0] != streamed[1]  # seed and seed + 1
+    assert [c.choices[0].finish_reason for c in chunks].count("length") == 2
+
+
+def test_seed_reproducibility(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        r = client.completions.create(model=TINY, prompt="Once upon a time", max_tokens=8,
+                                      temperature=1.0, seed=seed)
+        return r.choices[0].text
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    base: dict[str, Any] = {"model": TINY, "prompt": "The weather", "max_tokens": 12,
+                            "temperature": 0}
+    full = client.completions.create(**base).choices[0].text
+    words = full.split()
+    stop = words[len(words) // 2]
+    expected = full[: full.index(stop)]
+    cut = client.completions.create(**base, stop=[stop, "never-there"]).choices[0]
+    assert (cut.text, cut.finish_reason) == (expected, "stop")
+    chunks = list(client.completions.create(**base, stop=stop, stream=True))
+    assert texts_by_index(chunks) == {0: expected}
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "logprobs": True,
+                              "top_logprobs": 3}
+    whole = client.chat.completions.create(model=TINY, messages=CHAT, **kwargs)
+    choice = whole.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    assert "".join(t.token for t in content) == choice.message.content
+    for entry in content:
+        assert bytes(entry.bytes).decode() == entry.token
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-4)  # greedy picks the top token
+    streamed = [e for c in stream_chat(client, **kwargs) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == \
+        [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_completion_logprobs_legacy_format(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=TINY, prompt="Hello", max_tokens=5, temperature=0.5,
+                                  seed=1, logprobs=2)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == choice.text
+    for token, offset, top, value in zip(lp.tokens, lp.text_offset, lp.top_logprobs,
+                                         lp.token_logprobs, strict=True):
+        assert choice.text[offset:offset + len(token)] == token
+        assert isinstance(top, dict) and len(top) <= 2 and value <= 0
+    chunks = list(client.completions.create(model=TINY, prompt="Hello", max_tokens=5,
+                                            temperature=0.5, seed=1, logprobs=2, stream=True))
+    offsets = [o for c in chunks for o in (c.choices[0].logprobs.text_offset
+                                           if c.choices[0].logprobs else [])]
+    assert offsets == lp.text_offset  # offsets keep running across chunks
+
+
+def test_usage_in_stream(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=5)
+    chunks = stream_chat(client, max_tokens=5, stream_options={"include_usage": True})
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert last.usage.completion_tokens == 5 and last.usage.total_tokens == whole.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert set(last.model_extra["speculation"]) == {"drafter", "rounds", "draft_tokens",
+                                                    "accepted_tokens", "acceptance_rate"}
+    without = stream_chat(client, max_tokens=2)
+    assert all(c.choices for c in without)
+
+
+def test_echo(client: openai.OpenAI) -> None:
+    prompt = "Echo this prompt:"
+    whole = client.completions.create(model=TINY, prompt=prompt, max_tokens=3, temperature=0,
+                                      echo=True)
+    plain = client.completions.create(model=TINY, prompt=prompt, max_tokens=3, temperature=0)
+    assert whole.choices[0].text == prompt + plain.choices[0].text
+    chunks = list(client.completions.create(model=TINY, prompt=prompt, max_tokens=3,
+                                            temperature=0, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert texts_by_index(chunks) == {0: whole.choices[0].text}
+
+
+def test_speculation_per_request(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": TINY, "prompt": "one two three one two three one",
+                              "max_tokens": 12, "temperature": 0}
+    plain = client.completions.create(**kwargs, extra_body={"speculation": {"enabled": False}})
+    drafted = client.completions.create(
+        **kwargs, extra_body={"speculation": {"drafter": "draft", "max_draft_tokens": 3}})
+    assert drafted.choices[0].text == plain.choices[0].text  # lossless under greedy
+    assert plain.model_extra["speculation"]["draft_tokens"] == 0
+    stats = drafted.model_extra["speculation"]
+    assert stats["drafter"] == "draft" and stats["draft_tokens"] > 0
+    assert stats["rounds"] < 12 or stats["accepted_tokens"] == 0
+
+
+def test_errors_through_the_sdk(client: openai.OpenAI, tiny_url: str) -> None:
+    with pytest.raises(openai.BadRequestError) as tools:
+        client.chat.completions.create(model=TINY, messages=CHAT, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert tools.value.param == "tools"
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=TINY, messages=CHAT,
+                                       response_format={"type": "json_object"})
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        client.completions.create(model=TINY, prompt="x", extra_body={"top_k": -1})
+
+
+def test_error_after_stream_began_is_an_api_error(tiny_target: CausalLM) -> None:
+    engine = Engine(tiny_target, {"boom": FailingDrafter()}, default_drafter="boom")
+    engine.start()
+    try:
+        with live_server(create_app(tiny_settings(), engine=engine)) as url:
+            stream = openai_client(url).chat.completions.create(
+                model=TINY, messages=CHAT, max_tokens=5, stream=True)
+            received = []
+            with pytest.raises(openai.APIError, match="model failed"):
+                for chunk in stream:
+                    received.append(chunk)
+            assert received and received[0].choices[0].delta.role == "assistant"
+    finally:
+        engine.shutdown()
+
+
+def test_concurrent_streams_all_progress(client: openai.OpenAI, tiny_engine: Engine) -> None:
+    arrivals: dict[int, list[float]] = {}
+
+    def run(i: int) -> None:
+        times = arrivals.setdefault(i, [])
+        for _ in client.completions.create(model=TINY, prompt=f"Stream number {i}",
+                                           max_tokens=16, temperature=0, stream=True):
+            times.append(time.monotonic())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(len(arrivals[i]) >= 2 for i in range(4))
+    # Every stream had output before any stream was done: they advanced together.
+    assert max(times[0] for times in arrivals.values()) < min(
+        times[-1] for times in arrivals.values())
+    assert tiny_engine.num_running == 0
+
+
+@pytest.fixture
+def stalled_url(tiny_target: CausalLM) -> Iterator[str]:
+    """A server whose engine is never started: requests wait in its queue."""
+    engine = Engine(tiny_target)
+    with live_server(create_app(tiny_settings(sse_ping_interval=0.2), engine=engine)) as url:
+        yield url
+
+
+def test_keep_alive_comments_while_queued(stalled_url: str) -> None:
+    payload = {"model": TINY, "messages": CHAT, "stream": True}
+    lines: list[str] = []
+    with httpx.Client(timeout=10) as http, \
+            http.stream("POST", f"{stalled_url}/v1/chat/completions", json=payload) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            lines.append(line)
+            if sum(1 for x in lines if x.startswith(":")) >= 2:
+                break
+    assert not any(line.startswith("data:") for line in lines)
