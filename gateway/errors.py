@@ -238,3 +238,14 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
+
+
+_ERROR_TYPES = {400: "invalid_request", 401: "authentication", 404: "not_found",
+                413: "payload_too_large", 429: "rate_limited", 503: "unavailable", 504: "timeout"}
+
+
+def error_type_of(status: int, code: str | None = None) -> str:
+    """The bounded ``type`` label of specserve_request_errors_total for a failure."""
+    if code == "generation_error":
+        return "model_error"
+    return _ERROR_TYPES.get(status, "internal" if status >= 500 else "invalid_request")

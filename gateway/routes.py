@@ -19,6 +19,7 @@ from gateway.errors import (
     AuthenticationError,
     InvalidRequestError,
     PayloadTooLargeError,
+    error_type_of,
     from_validation_errors,
     model_not_found,
 )
@@ -140,9 +141,27 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
     fmt: Format = (ChatFormat(job, state.token_texts(), hidden)
                    if isinstance(api_request, ChatCompletionRequest)
                    else CompletionFormat(job, state.token_texts(), hidden))
-    streams = submit_all(engine, requests)
+    trace = None
+    if state.telemetry is not None:
+        first = requests[0]
+        trace = state.telemetry.request(
+            request.url.path, job_id, request.headers, arrived=request.state.arrived,
+            attributes={
+                "gen_ai.request.max_tokens": first.max_new_tokens,
+                "gen_ai.request.temperature": api_request.temperature,
+                "gen_ai.request.top_p": api_request.top_p,
+                "gen_ai.request.seed": api_request.seed,
+                "gen_ai.request.choice.count": len(requests),
+            })
+    try:
+        streams = submit_all(engine, requests)
+    except Exception as exc:
+        if trace is not None:
+            status = getattr(exc, "status_code", 500)
+            trace.finish(status, error_type_of(status), count_error=False)  # the middleware counts
+        raise
     run = ResponseRun(state, job, fmt, streams, endpoint=request.url.path,
-                      user=api_request.user)
+                      user=api_request.user, trace=trace)
     if api_request.stream:
         return run.streaming_response(api_request)
     return await run.whole_response(request.receive)

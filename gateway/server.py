@@ -27,13 +27,22 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from pydantic import ValidationError
 
+from decoding import model_store
 from decoding.drafters.base import Drafter
 from decoding.engine import Engine
-from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target
+from decoding.factory import CACHE, NGRAM, NO_DRAFT, load_drafter, load_target
+from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
+from decoding.target import CausalLM
 from gateway.errors import install_error_handlers
+from gateway.middleware import RequestMetricsMiddleware
+from gateway.redis_store import RedisStore
 from gateway.routes import router
 from gateway.settings import Settings, add_settings_flags, settings_from_args
 from gateway.state import GatewayState
+from observability.logging import configure_logging
+from observability.metrics import start_metrics_server
+from observability.telemetry import Telemetry
+from observability.tracing import build_tracer_provider
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +50,50 @@ UVICORN_GRACE_SECONDS = 5.0  # after our own drain, for responses still being wr
 ENGINE_JOIN_SECONDS = 0.0  # the drain already waited; cancel whatever is left
 
 
+def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | None:
+    """The prompt/continuation cache: on Redis when a URL is set, else in process."""
+    if not settings.prefix_cache:
+        return None
+    store: PrefixStore
+    if settings.redis_url:
+        store = RedisStore(settings.redis_url, ttl_s=settings.cache_ttl,
+                           timeout_s=settings.redis_timeout)
+        log.info("prefix cache on Redis %s (reachable now: %s)", settings.redis_url,
+                 store.ping())
+    else:
+        store = InProcessStore(max_bytes=settings.prefix_cache_bytes, ttl_s=settings.cache_ttl)
+    namespace = "|".join([settings.model_name, model_store.revision(target.name),
+                          str(target.dtype).removeprefix("torch.")])
+    return PrefixCache(store, namespace, block_tokens=settings.prefix_block_tokens)
+
+
+def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | None
+                   ) -> tuple[dict[str, Drafter], str | None]:
+    """Every drafter a request may ask for by name, and the default one."""
+    cheap = [NGRAM, *([CACHE] if cache is not None else [])]
+    specs = [*cheap, "+".join(cheap)]  # free to offer: no model behind them
+    if settings.draft != NO_DRAFT:
+        specs.append(settings.draft)
+    drafters: dict[str, Drafter] = {}
+    default = None
+    for spec in dict.fromkeys(specs):
+        drafter = load_drafter(spec, target, settings.dtype, cache)
+        assert drafter is not None
+        drafters[drafter.name] = drafter
+        if spec == settings.draft:
+            default = drafter.name
+    return drafters, default
+
+
 def build_engine(settings: Settings) -> Engine:
     """Load the target and drafters named in the settings, warm them up, start."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     target = load_target(settings.target, settings.dtype)
-    drafters: dict[str, Drafter] = {}
-    ngram = load_drafter(NGRAM, target)
-    assert ngram is not None
-    drafters[ngram.name] = ngram  # prompt lookup is free: always offered per request
-    default = None if settings.draft == NO_DRAFT else ngram.name
-    if settings.draft not in (NO_DRAFT, NGRAM):
-        model = load_drafter(settings.draft, target, settings.dtype)
-        assert model is not None
-        drafters[model.name] = model
-        default = model.name
+    cache = build_prefix_cache(settings, target)
+    drafters, default = build_drafters(settings, target, cache)
     engine = Engine(target, drafters, default, max_queue=settings.max_queue,
-                    max_active=settings.max_active)
+                    max_active=settings.max_active, prefix_cache=cache)
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
     engine.warmup()
     engine.start()
@@ -68,9 +104,16 @@ def create_app(
     settings: Settings,
     engine: Engine | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
+    telemetry: Telemetry | None = None,
 ) -> FastAPI:
-    """The API application. ``on_fatal`` is told when loading the models fails."""
-    state = GatewayState(settings=settings, aliases=settings.model_aliases())
+    """The API application. ``on_fatal`` is told when loading the models fails;
+    ``telemetry`` (metrics registry, tracer) is built from the settings unless given."""
+    if telemetry is None:
+        provider = build_tracer_provider(otlp_endpoint=settings.otlp_endpoint)
+        telemetry = Telemetry(settings.model_name, tracer_provider=provider,
+                              log_prompts=settings.log_prompts)
+    state = GatewayState(settings=settings, aliases=settings.model_aliases(),
+                         telemetry=telemetry)
     if engine is not None:
         state.attach(engine)
 
@@ -85,11 +128,13 @@ def create_app(
                 loader.cancel()
             if state.owns_engine and state.engine is not None:
                 await asyncio.to_thread(state.engine.shutdown, ENGINE_JOIN_SECONDS)
+            await asyncio.to_thread(telemetry.shutdown)  # flush spans
 
     app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
+    app.add_middleware(RequestMetricsMiddleware, metrics=telemetry.metrics)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
@@ -162,13 +207,20 @@ class DrainingServer(uvicorn.Server):
 def serve(settings: Settings) -> int:
     server_box: list[DrainingServer] = []
     app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc))
+    state: GatewayState = app.state.gateway
+    assert state.telemetry is not None
+    metrics_server = start_metrics_server(state.telemetry.metrics, settings.host,
+                                          settings.metrics_port)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         timeout_graceful_shutdown=int(UVICORN_GRACE_SECONDS), access_log=True,
     )
     server = DrainingServer(config, app.state.gateway)
     server_box.append(server)
-    server.run()
+    try:
+        server.run()
+    finally:
+        metrics_server.shutdown()
     return server.exit_code
 
 
@@ -184,7 +236,5 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         log.error("invalid settings:\n%s", exc)
         return 2
-    logging.getLogger().setLevel(settings.log_level.upper())
-    for name in ("gateway", "decoding"):
-        logging.getLogger(name).setLevel(settings.log_level.upper())
+    configure_logging(settings.log_level, json_lines=settings.log_format == "json")
     return serve(settings)

@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     metrics_port: int = Field(default=9100, ge=0, le=65535)
     target: str = "default"
-    draft: str = "ngram"
+    draft: str = "ngram+cache"
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int | None = Field(default=None, ge=1)
     api_keys: CommaList = Field(default_factory=list)
@@ -48,6 +48,17 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     max_body_bytes: int = Field(default=4 * MIB, ge=1024)
     sse_ping_interval: float = Field(default=15.0, gt=0)
+    # -- prefix cache ------------------------------------------------------------------
+    prefix_cache: bool = True
+    redis_url: str | None = None
+    prefix_cache_bytes: int = Field(default=512 * MIB, ge=0)
+    cache_ttl: int = Field(default=3600, ge=1)
+    prefix_block_tokens: int = Field(default=64, ge=1, le=4096)
+    redis_timeout: float = Field(default=0.05, gt=0)
+    # -- observability -----------------------------------------------------------------
+    otlp_endpoint: str | None = None
+    log_format: Literal["json", "text"] = "json"
+    log_prompts: bool = False
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
@@ -95,8 +106,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                         "help": "Prometheus metrics port (SPECSERVE_METRICS_PORT, default 9100)"}),
     ("--target", {"help": "target model: 'default', a model directory or a hub id "
                           "(SPECSERVE_TARGET)"}),
-    ("--draft", {"help": "'none', 'ngram' or a draft model directory sharing the target's "
-                         "tokenizer (SPECSERVE_DRAFT, default ngram)"}),
+    ("--draft", {"help": "'none', 'ngram', 'cache' (continuations), a draft model directory "
+                         "sharing the target's tokenizer, or several joined by '+' "
+                         "(SPECSERVE_DRAFT, default ngram+cache)"}),
     ("--dtype", {"choices": ["float32", "bfloat16"], "help": "SPECSERVE_DTYPE, default float32"}),
     ("--threads", {"type": int, "help": "CPU threads for PyTorch (SPECSERVE_THREADS)"}),
     ("--api-key", {"dest": "api_keys", "action": "append",
@@ -125,6 +137,24 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                                "(SPECSERVE_MAX_BODY_BYTES, default 4 MiB)"}),
     ("--sse-ping-interval", {"type": float, "help": "seconds between SSE keep-alive comments "
                                                     "(SPECSERVE_SSE_PING_INTERVAL, default 15)"}),
+    ("--no-prefix-cache", {"dest": "prefix_cache", "action": "store_const", "const": False,
+                           "help": "disable prompt KV reuse and continuation drafts "
+                                   "(SPECSERVE_PREFIX_CACHE=false)"}),
+    ("--redis-url", {"help": "share the prefix cache through Redis, e.g. redis://host:6379/0 "
+                             "(SPECSERVE_REDIS_URL; default: in-process)"}),
+    ("--prefix-cache-bytes", {"type": int, "help": "in-process cache bound "
+                                                   "(SPECSERVE_PREFIX_CACHE_BYTES, 512 MiB)"}),
+    ("--cache-ttl", {"type": int, "help": "seconds a cache entry lives (SPECSERVE_CACHE_TTL, "
+                                          "default 3600)"}),
+    ("--prefix-block-tokens", {"type": int, "help": "tokens per cached KV block "
+                                                    "(SPECSERVE_PREFIX_BLOCK_TOKENS, default 64)"}),
+    ("--redis-timeout", {"type": float, "help": "seconds per Redis call before it counts as a "
+                                                "miss (SPECSERVE_REDIS_TIMEOUT, default 0.05)"}),
+    ("--otlp-endpoint", {"help": "OTLP/HTTP endpoint for traces (SPECSERVE_OTLP_ENDPOINT; the "
+                                 "standard OTEL_EXPORTER_OTLP_* variables work too)"}),
+    ("--log-format", {"choices": ["json", "text"], "help": "SPECSERVE_LOG_FORMAT, default json"}),
+    ("--log-prompts", {"action": "store_const", "const": True,
+                       "help": "include prompt text in request logs (SPECSERVE_LOG_PROMPTS)"}),
 )
 
 

@@ -14,6 +14,7 @@ from gateway.errors import ServiceUnavailableError
 from gateway.params import Limits
 from gateway.settings import Settings
 from gateway.tokens import TokenTexts
+from observability.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class GatewayState:
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     texts: TokenTexts | None = None
+    telemetry: Telemetry | None = None
     _inflight: int = 0
     _streams: dict[int, RequestStream] = field(default_factory=dict)  # by id()
     _idle: asyncio.Event | None = None
@@ -40,6 +42,12 @@ class GatewayState:
         """The engine is loaded and warm: start serving."""
         self.engine = engine
         self.texts = TokenTexts(engine.target.tokenizer)
+        if self.telemetry is not None:
+            metrics = self.telemetry.metrics
+            metrics.track_engine(lambda: engine.num_running, lambda: engine.num_waiting)
+            if engine.prefix_cache is not None:
+                kind = "redis" if self.settings.redis_url else "in-process"
+                metrics.track_cache(engine.prefix_cache.stats, kind)
         self.ready = True
 
     @property

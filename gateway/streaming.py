@@ -22,6 +22,8 @@ from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from decoding.engine import RequestStream
+from decoding.types import RoundEvent
+from gateway.errors import error_type_of
 from gateway.formats import Format, Job
 from gateway.generation import (
     ChoiceTotals,
@@ -34,6 +36,7 @@ from gateway.generation import (
 from gateway.params import AnyRequest, include_usage
 from gateway.responses import SpeculationStats
 from gateway.state import GatewayState
+from observability.telemetry import RequestTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +77,8 @@ class ResponseRun:
     """One API request's choices on the engine, and their delivery."""
 
     def __init__(self, state: GatewayState, job: Job, fmt: Format,
-                 streams: list[RequestStream], endpoint: str, user: str | None = None) -> None:
+                 streams: list[RequestStream], endpoint: str, user: str | None = None,
+                 trace: RequestTelemetry | None = None) -> None:
         self.state = state
         self.job = job
         self.fmt = fmt
@@ -84,6 +88,10 @@ class ResponseRun:
         self.totals = [ChoiceTotals(drafter=s.drafter) for s in streams]
         self.started = time.monotonic()
         self.outcome = "disconnected"
+        self.trace = trace
+        self.stream_error: str | None = None  # error type of a failure after streaming began
+        self.status = 200
+        self.error_code: str | None = None
         state.begin(streams)
 
     # -- streaming ------------------------------------------------------------------------
@@ -105,11 +113,13 @@ class ResponseRun:
                 totals.end(item)
             else:
                 totals.add(item)
+                self._observe(index, item)
                 chunk = self.fmt.chunk(index, item, totals)
                 if chunk is not None:
                     yield chunk_json(chunk)
             if totals.error is not None:
                 self.outcome = f"error {totals.error.status_code}"
+                self.stream_error = error_type_of(totals.error.status_code, totals.error.code)
                 yield json.dumps(totals.error.body())
                 return
         if usage:
@@ -128,6 +138,8 @@ class ResponseRun:
             error = next((t.error for t in self.totals if t.error is not None), None)
             if error is not None:
                 self.outcome = f"error {error.status_code}"
+                self.status = error.status_code
+                self.error_code = error.code
                 raise error
             self.outcome = "ok"
             body = self.fmt.response(self.totals).model_dump(mode="json")
@@ -141,8 +153,13 @@ class ResponseRun:
                 self.totals[index].end(item)
             else:
                 self.totals[index].add(item)
+                self._observe(index, item)
                 self.fmt.observe(index, item)
         return True
+
+    def _observe(self, index: int, event: RoundEvent) -> None:
+        if self.trace is not None:
+            self.trace.round(event, self.streams[index].drafter)
 
     def _client_gone(self) -> None:
         for stream in self.streams:
@@ -152,6 +169,17 @@ class ResponseRun:
 
     def _close(self) -> None:
         self.state.end(self.streams)
+        if self.trace is not None:
+            for stream in self.streams:
+                self.trace.queued(stream.submitted_at, stream.started_at)
+            status = CLIENT_CLOSED_STATUS if self.outcome == "disconnected" else self.status
+            error = self.stream_error or (
+                error_type_of(self.status, self.error_code)
+                if self.status >= 400 else None)
+            # Statuses sent before the body are counted by the middleware; a failure
+            # inside a stream is counted here.
+            self.trace.finish(status, error, count_error=self.stream_error is not None,
+                              user=self.user)
         if self.outcome == "disconnected":
             log.info("request %s: client disconnected; cancelled %d choice(s)",
                      self.job.id, len(self.streams))

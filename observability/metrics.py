@@ -1,0 +1,153 @@
+"""Every Prometheus metric specserve exports, in one place.
+
+Naming: prefix ``specserve_``, base units with suffixes (``_seconds``),
+``_total`` only on counters, no colons, bounded labels (model, endpoint,
+status, finish_reason, drafter, phase, position, type). Speculation is counted,
+never pre-averaged, so that PromQL derives the rates:
+
+    acceptance rate         = rate(specserve_spec_decode_num_accepted_tokens_total[5m])
+                              / rate(specserve_spec_decode_num_draft_tokens_total[5m])
+    mean acceptance length  = 1 + rate(specserve_spec_decode_num_accepted_tokens_total[5m])
+                                  / rate(specserve_spec_decode_num_drafts_total[5m])
+    (the 1 is the recovered or bonus token every verified round adds)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from decoding.policy import MAX_DRAFT_TOKENS
+from decoding.prefix_cache import CacheStats
+
+PREFIX = "specserve"
+# Request-scale latencies reach minutes on CPUs and long generations.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                   160.0, 320.0, 640.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+                         0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
+                 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+ERROR_TYPES = (
+    "invalid_request",  # 400
+    "authentication",  # 401
+    "not_found",  # 404
+    "payload_too_large",  # 413
+    "rate_limited",  # 429
+    "unavailable",  # 503: not ready or shutting down
+    "timeout",  # the request ran past its deadline
+    "model_error",  # the model failed on this request
+    "internal",  # anything else (500)
+)
+
+
+class Metrics:
+    """The registry and its metrics; one per server (no module-level state)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+
+        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, list(labels), registry=r)
+
+        def histogram(name: str, doc: str, labels: Iterable[str], buckets: tuple[float, ...]
+                      ) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, list(labels), buckets=buckets, registry=r)
+
+        self.requests = counter("requests", "Finished HTTP requests.", ("endpoint", "status"))
+        self.request_errors = counter("request_errors", "Failed requests by error type.",
+                                      ("endpoint", "type"))
+        self.finished = counter("request_success", "Generations finished, by finish reason.",
+                                ("model", "finish_reason"))
+        self.e2e_latency = histogram("e2e_request_latency_seconds",
+                                     "Time from request arrival to its last byte.",
+                                     ("model", "endpoint"), LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.",
+                              ("model", "endpoint"), LATENCY_BUCKETS)
+        self.inter_token = histogram("inter_token_latency_seconds",
+                                     "Time per output token after the first "
+                                     "(round time divided by the tokens it committed).",
+                                     ("model",), TOKEN_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time a request waited before its first round.",
+                                    ("model",), LATENCY_BUCKETS)
+        self.round_duration = histogram("round_duration_seconds",
+                                        "Time of one speculation round, by phase.",
+                                        ("model", "drafter", "phase"), ROUND_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.", ("model",))
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.", ("model",))
+        self.drafts = counter("spec_decode_num_drafts",
+                              "Speculation rounds that verified at least one draft token.",
+                              ("model", "drafter"))
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                    ("model", "drafter"))
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted by verification.",
+                                       ("model", "drafter"))
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the draft (0-based).",
+                                        ("model", "drafter", "position"))
+        self.running = Gauge(f"{PREFIX}_num_requests_running", "Requests being decoded.",
+                             registry=r)
+        self.waiting = Gauge(f"{PREFIX}_num_requests_waiting", "Requests queued.", registry=r)
+
+    def track_engine(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
+        """Read the engine's occupancy at scrape time."""
+        self.running.set_function(lambda: float(running()))
+        self.waiting.set_function(lambda: float(waiting()))
+
+    def track_cache(self, stats: CacheStats, store: str) -> None:
+        """Export a prefix cache's counters (read at scrape time)."""
+        self.registry.register(_CacheCollector(stats, store))
+
+    def record_round(self, model: str, drafter: str, drafted: int, accepted: int,
+                     draft_s: float, verify_s: float) -> None:
+        if drafted > 0:
+            self.drafts.labels(model, drafter).inc()
+            self.draft_tokens.labels(model, drafter).inc(drafted)
+            self.accepted_tokens.labels(model, drafter).inc(accepted)
+            for position in range(min(accepted, MAX_DRAFT_TOKENS)):
+                self.accepted_per_pos.labels(model, drafter, str(position)).inc()
+            self.round_duration.labels(model, drafter, "draft").observe(draft_s)
+        self.round_duration.labels(model, drafter, "verify").observe(verify_s)
+
+
+class _CacheCollector(Collector):
+    def __init__(self, stats: CacheStats, store: str) -> None:
+        self.stats = stats
+        self.store = store
+
+    def collect(self) -> Iterable[Metric]:
+        fields = {
+            "prefix_cache_lookups": ("lookups", "Prefix cache lookups (one per request)."),
+            "prefix_cache_hits": ("hits", "Lookups that reused at least one cached block."),
+            "prefix_cache_hit_tokens": ("hit_tokens", "Prompt tokens whose KV was reused."),
+            "continuation_cache_lookups": ("continuation_lookups",
+                                           "Continuation drafter lookups."),
+            "continuation_cache_hits": ("continuation_hits",
+                                        "Continuation lookups that found tokens."),
+            "cache_errors": ("errors", "Cache store failures and rejected values."),
+        }
+        for name, (attr, doc) in fields.items():
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["store"])
+            family.add_metric([self.store], float(getattr(self.stats, attr)))
+            yield family
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+
+def start_metrics_server(metrics: Metrics, host: str, port: int) -> Any:
+    """Serve ``/metrics`` on its own port (a daemon thread); returns the server,
+    whose ``shutdown()`` stops it and whose ``server_port`` is the bound port."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return server

@@ -1,0 +1,231 @@
+"""Metrics, spans and request logs produced by real requests."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from decoding.engine import Engine
+from gateway.server import create_app
+from observability.metrics import Metrics, start_metrics_server
+from observability.telemetry import Telemetry
+from observability.tracing import build_tracer_provider
+from tests.conftest import _free_port
+from tests.gateway.conftest import TINY, in_process, live_server, openai_client, tiny_settings
+
+REPEAT = [{"role": "user", "content": "a b a b a b a b a b"}]  # the tiny model repeats here
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+
+
+def _telemetry() -> tuple[Telemetry, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = build_tracer_provider(exporter=exporter)
+    return Telemetry(TINY, tracer_provider=provider), exporter
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(metrics.registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
+           **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all(dict(ls).get(k) == x for k, x in labels.items()))
+
+
+async def test_metrics_agree_with_what_the_client_received(tiny_engine: Engine) -> None:
+    telemetry, _ = _telemetry()
+    app = create_app(tiny_settings(), engine=tiny_engine, telemetry=telemetry)
+    async with in_process(app) as client:
+        received = 0
+        for stream in (False, True):
+            body = {"model": TINY, "messages": REPEAT, "max_tokens": 24, "temperature": 0,
+                    "stream": stream, "stream_options": {"include_usage": True} if stream
+                    else None}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200
+            if stream:
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                received += chunks[-1]["usage"]["completion_tokens"]
+            else:
+                received += r.json()["usage"]["completion_tokens"]
+        missing = await client.post("/v1/chat/completions",
+                                    json={"model": "nope", "messages": REPEAT})
+        assert missing.status_code == 404
+    s = _samples(telemetry.metrics)
+    assert _total(s, "specserve_generation_tokens_total") == received
+    drafted = _total(s, "specserve_spec_decode_num_draft_tokens_total")
+    accepted = _total(s, "specserve_spec_decode_num_accepted_tokens_total")
+    per_pos = _total(s, "specserve_spec_decode_num_accepted_tokens_per_pos_total")
+    assert 0 < accepted <= drafted
+    assert per_pos == accepted
+    assert _total(s, "specserve_spec_decode_num_drafts_total") > 0
+    assert _total(s, "specserve_requests_total", endpoint="/v1/chat/completions",
+                  status="200") == 2
+    assert _total(s, "specserve_requests_total", endpoint="/v1/chat/completions",
+                  status="404") == 1
+    assert _total(s, "specserve_request_errors_total", type="not_found") == 1
+    assert _total(s, "specserve_time_to_first_token_seconds_count") == 2
+    assert _total(s, "specserve_e2e_request_latency_seconds_count") == 2
+    assert _total(s, "specserve_round_duration_seconds_count", phase="verify") > 0
+    assert _total(s, "specserve_request_success_total", finish_reason="length") == 2
+    for name, labels in s:
+        assert ":" not in name and name.startswith("specserve_")
+        assert "request_id" not in dict(labels)
+
+
+async def test_one_span_per_request_and_one_child_per_round(tiny_engine: Engine) -> None:
+    telemetry, exporter = _telemetry()
+    app = create_app(tiny_settings(), engine=tiny_engine, telemetry=telemetry)
+    async with in_process(app) as client:
+        r = await client.post("/v1/chat/completions", headers={"traceparent": TRACEPARENT},
+                              json={"model": TINY, "messages": REPEAT, "max_tokens": 16,
+                                    "temperature": 0, "seed": 3})
+        assert r.status_code == 200
+        rounds = r.json()["speculation"]["rounds"]
+    telemetry.tracer_provider.force_flush()
+    spans = exporter.get_finished_spans()
+    servers = [s for s in spans if s.name == f"chat {TINY}"]
+    assert len(servers) == 1
+    server = servers[0]
+    assert f"{server.context.trace_id:032x}" == TRACE_ID, "traceparent honoured"
+    attrs = dict(server.attributes or {})
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.request.model"] == TINY
+    assert attrs["gen_ai.request.max_tokens"] == 16
+    assert attrs["gen_ai.request.seed"] == 3
+    assert attrs["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"]
+    assert attrs["gen_ai.response.finish_reasons"] == ("length",)
+    children = [s for s in spans if s.parent is not None
+                and s.parent.span_id == server.context.span_id]
+    assert len(children) == rounds
+    first = dict(children[0].attributes or {})
+    for key in ("specserve.round.index", "specserve.round.draft_tokens",
+                "specserve.round.accepted_tokens", "specserve.round.draft_ms",
+                "specserve.round.verify_ms", "specserve.round.drafter"):
+        assert key in first
+
+
+async def test_one_json_log_line_per_request(tiny_engine: Engine,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    telemetry, _ = _telemetry()
+    app = create_app(tiny_settings(), engine=tiny_engine, telemetry=telemetry)
+    with caplog.at_level(logging.INFO, logger="specserve.requests"):
+        async with in_process(app) as client:
+            await client.post("/v1/completions", json={"model": TINY, "prompt": "secret words",
+                                                       "max_tokens": 4})
+    records = [r for r in caplog.records if r.name == "specserve.requests"]
+    assert len(records) == 1
+    from observability.logging import JsonFormatter
+
+    line = json.loads(JsonFormatter().format(records[0]))
+    assert line["status"] == 200 and line["completion_tokens"] == 4
+    assert line["request_id"].startswith("cmpl-")
+    assert "secret words" not in json.dumps(line)
+
+
+def test_metrics_port_serves_a_scrape(tiny_engine: Engine) -> None:
+    telemetry, _ = _telemetry()
+    server = start_metrics_server(telemetry.metrics, "127.0.0.1", 0)
+    try:
+        with live_server(create_app(tiny_settings(), engine=tiny_engine,
+                                    telemetry=telemetry)) as url:
+            openai_client(url).completions.create(model=TINY, prompt="a b a b a b", max_tokens=8)
+            text = httpx.get(f"http://127.0.0.1:{server.server_port}/metrics").text
+    finally:
+        server.shutdown()
+    assert re.search(r'^specserve_requests_total\{endpoint="/v1/completions",status="200"\} 1',
+                     text, re.M)
+    assert "specserve_num_requests_running" in text
+    assert "specserve_prefix_cache" not in text  # this engine has no cache
+
+
+@pytest.fixture()
+def prometheus_binary() -> str:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the prometheus binary is not installed (.ci/run installs Debian's "
+                    "'prometheus' package)")
+    return binary
+
+
+@pytest.fixture()
+def prometheus(prometheus_binary: str, tmp_path: Path) -> Iterator[tuple[int, int]]:
+    """A real Prometheus scraping a metrics server every second; yields both ports."""
+    telemetry_port = _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: specserve\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{telemetry_port}']}}]\n")
+    port = _free_port()
+    process = subprocess.Popen(
+        [prometheus_binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'db'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield port, telemetry_port
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def _query(port: int, expr: str) -> list[dict[str, object]]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?query={urllib.request.quote(expr)}"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        result: list[dict[str, object]] = json.load(response)["data"]["result"]
+        return result
+
+
+def test_real_prometheus_computes_the_acceptance_rate(
+    tiny_engine: Engine, prometheus: tuple[int, int]
+) -> None:
+    prom_port, metrics_port = prometheus
+    telemetry, _ = _telemetry()
+    server = start_metrics_server(telemetry.metrics, "127.0.0.1", metrics_port)
+    try:
+        with live_server(create_app(tiny_settings(), engine=tiny_engine,
+                                    telemetry=telemetry)) as url:
+            client = openai_client(url)
+            deadline = time.monotonic() + 60
+            expr = ("sum(specserve_spec_decode_num_accepted_tokens_total) / "
+                    "sum(specserve_spec_decode_num_draft_tokens_total)")
+            result: list[dict[str, object]] = []
+            while time.monotonic() < deadline and not result:
+                client.chat.completions.create(model=TINY, messages=REPEAT,  # type: ignore[arg-type]
+                                               max_tokens=24, temperature=0)
+                time.sleep(1.0)
+                try:
+                    result = _query(prom_port, expr)
+                except OSError:
+                    continue
+            assert result, "Prometheus never scraped the metrics port"
+            value = float(result[0]["value"][1])  # type: ignore[index]
+            s = _samples(telemetry.metrics)
+            expected = (_total(s, "specserve_spec_decode_num_accepted_tokens_total")
+                        / _total(s, "specserve_spec_decode_num_draft_tokens_total"))
+            assert 0 < value <= 1
+            assert value == pytest.approx(expected, rel=0.5)
+    finally:
+        server.shutdown()
