@@ -19,7 +19,7 @@ from gateway.errors import (
     ServiceUnavailableError,
     engine_errors,
 )
-from gateway.responses import SpeculationStats, Usage
+from gateway.responses import PromptTokensDetails, SpeculationStats, Usage
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class ChoiceTotals:
 
     drafter: str | None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     rounds: int = 0
     drafted: int = 0
@@ -93,6 +94,7 @@ class ChoiceTotals:
 
     def add(self, event: RoundEvent) -> None:
         self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
         if event.token_ids:
             self.rounds += 1
@@ -137,9 +139,11 @@ def finish_reason_text(reason: FinishReason | None) -> str | None:
 def usage_of(totals: Sequence[ChoiceTotals], per_prompt: int) -> Usage:
     """Prompt tokens count once per prompt (not per choice), as OpenAI does."""
     prompt = sum(t.prompt_tokens for t in totals[::per_prompt])
+    cached = sum(t.cached_tokens for t in totals[::per_prompt])
     completion = sum(t.completion_tokens for t in totals)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion)
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, object]]]) -> None:

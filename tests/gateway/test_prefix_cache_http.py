@@ -1,0 +1,61 @@
+"""Two server instances sharing one real Redis: the second reuses the first's work."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from decoding.engine import Engine
+from gateway.server import build_engine, create_app
+from tests.conftest import RedisServer
+from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings
+
+PASSAGE = ("The harbour master kept a ledger of every vessel that entered the bay, noting its "
+           "name, its cargo, the weather and the hour of arrival. ") * 4
+
+
+@pytest.fixture()
+def replicas(tiny_target_dir: Path, redis_server: RedisServer) -> Iterator[list[Engine]]:
+    engines = []
+    for _ in range(2):
+        settings = tiny_settings(target=str(tiny_target_dir), redis_url=redis_server.url,
+                                 prefix_block_tokens=16, draft="ngram+cache")
+        engines.append(build_engine(settings))
+    yield engines
+    for engine in engines:
+        engine.shutdown()
+
+
+def _complete(url: str, **extra: object) -> tuple[str, int, dict[str, int]]:
+    reply = openai_client(url).completions.create(
+        model=TINY, prompt=PASSAGE, max_tokens=24, temperature=0, **extra)  # type: ignore[call-overload]
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return (reply.choices[0].text, usage.prompt_tokens_details.cached_tokens or 0,
+            reply.model_extra["speculation"])
+
+
+def test_second_replica_hits_and_outputs_are_unchanged(
+    replicas: list[Engine], redis_server: RedisServer, tiny_target_dir: Path
+) -> None:
+    settings = tiny_settings(target=str(tiny_target_dir), redis_url=redis_server.url)
+    apps = [create_app(settings, engine=e) for e in replicas]
+    with live_server(apps[0]) as url_a, live_server(apps[1]) as url_b:
+        text_a, cached_a, _ = _complete(url_a)
+        text_b, cached_b, _ = _complete(url_b)
+        assert cached_a == 0 and cached_b > 0
+        assert text_a == text_b
+        # the continuation drafter replays the earlier answer as drafts
+        text_c, _, spec = _complete(url_b, extra_body={"speculation": {"drafter": "cache"}})
+        assert text_c == text_a and spec["accepted_tokens"] >= 15
+        redis_server.stop()  # Redis dies: requests still succeed, unchanged
+        for _ in range(2):
+            assert _complete(url_b)[0] == text_a
+    scrape = generate_latest(apps[1].state.gateway.telemetry.metrics.registry).decode()
+    assert 'specserve_cache_errors_total{store="redis"}' in scrape
+    errors = [line for line in scrape.splitlines()
+              if line.startswith('specserve_cache_errors_total{store="redis"}')]
+    assert float(errors[0].split()[-1]) >= 1
