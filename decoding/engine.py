@@ -222,11 +222,23 @@ class Engine:
                     self._lock.wait()
                 if self._stopping:
                     break
+                self._expire_waiting()
                 self._admit()
                 batch = list(self._active)
             for active in batch:
                 self._round(active)
         self._drain_all()
+
+    def _expire_waiting(self) -> None:
+        """A request whose deadline passes while it waits ends with ``timeout``."""
+        now = time.monotonic()
+        for stream in [s for s in self._waiting if s.request.timeout_s is not None
+                       and now > s.submitted_at + s.request.timeout_s]:
+            self._waiting.remove(stream)
+            stream._put(RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,
+                                   finish_reason=FinishReason.TIMEOUT,
+                                   prompt_tokens=len(stream.request.prompt_ids)))
+            stream._put(_END)
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_active:

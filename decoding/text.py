@@ -27,12 +27,18 @@ class TextStream:
         self.stop = tuple(s for s in stop if s)
         self.token_ids: list[int] = []
         self.emitted = ""  # text already handed out
+        # Incremental decoding: text of token_ids[:_read] is _settled; decoding restarts a
+        # little earlier, at _prefix, so tokenizers that drop a leading space stay exact.
+        self._settled = ""
+        self._prefix = 0
+        self._read = 0
+        self._prefix_text = ""
 
     def push(self, token_ids: Sequence[int]) -> TextUpdate:
         """Add output tokens (EOS excluded); return the text that became final."""
         before = len(self.token_ids)
         self.token_ids.extend(token_ids)
-        text = self._decode(self.token_ids)
+        text = self._text()
         if self.stop:
             cut = self._find_stop(text)
             if cut is not None:
@@ -42,6 +48,18 @@ class TextStream:
         hold = _incomplete_tail(text) or self._stop_prefix_tail(text)
         return TextUpdate(delta=self._take(text[: len(text) - hold]), stopped=False,
                           tokens_used=len(token_ids))
+
+    def _text(self) -> str:
+        """The text of all tokens so far, decoding only those since the last settle."""
+        window = self._decode(self.token_ids[self._prefix :])
+        if not window.startswith(self._prefix_text):  # should not happen; stay exact
+            return self._decode(self.token_ids)
+        text = self._settled + window[len(self._prefix_text) :]
+        if not text.endswith(REPLACEMENT):
+            self._settled = text
+            self._prefix, self._read = self._read, len(self.token_ids)
+            self._prefix_text = self._decode(self.token_ids[self._prefix : self._read])
+        return text
 
     def flush(self) -> str:
         """At the end of the sequence, release whatever was held back."""

@@ -146,3 +146,17 @@ async def test_async_consumption(engine: Engine, tiny_target: CausalLM) -> None:
 
     results = await asyncio.gather(*(collect(s) for s in streams))
     assert [len(r) for r in results] == [10, 10, 10]
+
+
+def test_timeout_while_waiting_in_the_queue(tiny_target: CausalLM) -> None:
+    engine = Engine(tiny_target, max_active=1)
+    engine.start()
+    try:
+        busy = engine.submit(_request(tiny_target, "busy", n=300))
+        waiting = engine.submit(_request(tiny_target, "waits", n=5, timeout_s=0.2))
+        events = list(waiting)
+        assert events[-1].finish_reason is FinishReason.TIMEOUT
+        assert events[-1].completion_tokens == 0
+        busy.cancel()
+    finally:
+        engine.shutdown()

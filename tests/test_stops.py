@@ -98,3 +98,14 @@ def test_context_limit_ends_with_length(tiny_target: CausalLM) -> None:
     events = list(decode(tiny_target, NgramDrafter(), request))
     assert events[-1].completion_tokens == room
     assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_incremental_text_equals_decoding_everything_at_once(default_target: CausalLM) -> None:
+    tok = default_target.tokenizer
+    text = "Grüße aus Köln! 東京タワー 🚲 — «quotes», tabs\tand  double  spaces.\nNew line."
+    ids = encode_text(tok, text * 3)
+    for chunk in (1, 2, 3, 5):
+        stream = TextStream(tok)
+        out = "".join(stream.push(ids[i : i + chunk]).delta for i in range(0, len(ids), chunk))
+        out += stream.flush()
+        assert out == tok.decode(ids, skip_special_tokens=True)
