@@ -113,9 +113,11 @@ class Engine:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_active: int = DEFAULT_MAX_ACTIVE,
         prefix_cache: PrefixCache | None = None,
+        info: Mapping[str, str] | None = None,
     ) -> None:
         self.target = target
         self.prefix_cache = prefix_cache
+        self.info = dict(info or {})  # descriptive facts for clients (e.g. the draft backend)
         self.drafters = dict(drafters or {})
         if default_drafter is not None and default_drafter not in self.drafters:
             raise UnknownDrafterError(f"default drafter {default_drafter!r} is not loaded")

@@ -11,10 +11,13 @@ from collections.abc import Sequence
 import torch
 
 from decoding import model_store
-from decoding.factory import load_drafter, load_target
+from decoding.factory import load_target
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
 from decoding.types import GenerationRequest, SamplingParams
+from trt.backends import BACKENDS, load_draft
+from trt.cli import add_export_command
+from trt.errors import DraftBackendError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,6 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("decoding.model_store").setLevel(logging.INFO)
+    logging.getLogger("trt.backends").setLevel(logging.INFO)  # which engine runs the draft
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return 2
@@ -71,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", type=int, default=None,
                        help="prompts per set (default: 4 with --quick, else all)")
     bench.set_defaults(func=_cmd_bench)
+    add_export_command(sub)
 
     try:
         from gateway.server import add_serve_command
@@ -84,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
 def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "ngram") -> None:
     p.add_argument("--target", default="default", help="model directory, hub id or 'default'")
     p.add_argument("--draft", default=draft_default,
-                   help="'none', 'ngram', or a draft model directory (same tokenizer)")
+                   help="'none', 'ngram', a draft model directory (same tokenizer), "
+                        "'default-truncated:N', or an export directory")
+    p.add_argument("--draft-backend", default="auto", choices=BACKENDS,
+                   help="where a draft model runs: auto (TensorRT with a GPU, else ONNX "
+                        "Runtime when an export exists, else PyTorch), torch, onnx, tensorrt")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -100,7 +109,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, args.dtype)
-    drafter = load_drafter(args.draft, target, args.dtype)
+    try:
+        drafter, _ = load_draft(args.draft, target, args.draft_backend, args.dtype)
+    except DraftBackendError as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 2
     tok = target.tokenizer
     ids = encode_chat(tok, [{"role": "user", "content": args.prompt}]) if args.chat \
         else encode_text(tok, args.prompt)

@@ -6,9 +6,10 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -25,6 +26,7 @@ from gateway.errors import (
 )
 from gateway.formats import ChatFormat, CompletionFormat, Format, Job
 from gateway.generation import submit_all
+from gateway.openapi import MODEL_ERRORS, completion_route, error_responses
 from gateway.params import (
     AnyRequest,
     Prompt,
@@ -35,8 +37,18 @@ from gateway.params import (
     logprob_options,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.responses import ModelCard, ModelList
-from gateway.state import BACKEND, GatewayState
+from gateway.responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    Health,
+    HealthFailure,
+    ModelCard,
+    ModelList,
+    NotReady,
+    Readiness,
+)
+from gateway.state import GatewayState
 from gateway.streaming import ResponseRun
 
 log = logging.getLogger(__name__)
@@ -81,11 +93,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def parse_body(model: type[M], body: bytes) -> M:
-    try:
-        payload = json.loads(body)
-    except ValueError as exc:
-        raise InvalidRequestError("The request body is not valid JSON.",
-                                  code="invalid_json") from exc
+    payload = load_json(body)
     if not isinstance(payload, dict):
         raise InvalidRequestError("The request body must be a JSON object.",
                                   code="invalid_json")
@@ -93,6 +101,40 @@ def parse_body(model: type[M], body: bytes) -> M:
         return model.model_validate(payload)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from exc
+
+
+def load_json(body: bytes) -> Any:
+    """The body as JSON: UTF-8 text whose strings are all valid Unicode."""
+    try:
+        text = body.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError("The request body is not valid UTF-8.",
+                                  code="invalid_json") from exc
+    try:
+        payload = json.loads(text)
+    except RecursionError as exc:
+        raise InvalidRequestError("The request body is nested too deeply.",
+                                  code="invalid_json") from exc
+    except ValueError as exc:
+        raise InvalidRequestError("The request body is not valid JSON.",
+                                  code="invalid_json") from exc
+    if _ESCAPED_SURROGATE.search(text) is not None and not _encodable(payload):
+        raise InvalidRequestError(
+            "The request body contains an unpaired UTF-16 surrogate escape (\\ud800 to "
+            "\\udfff); strings must be valid Unicode.", code="invalid_json")
+    return payload
+
+
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _encodable(payload: Any) -> bool:
+    """Whether every string in ``payload`` can be encoded as UTF-8 (no lone surrogate)."""
+    try:
+        json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _parse(request: Request, state: GatewayState, model: type[M]) -> M:
@@ -109,7 +151,8 @@ router = APIRouter()
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions",
+         **completion_route(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk))
 async def chat_completions(request: Request) -> Response:
     state = gateway_state(request)
     api_request = await _parse(request, state, ChatCompletionRequest)
@@ -118,7 +161,7 @@ async def chat_completions(request: Request) -> Response:
     return await _run(request, state, engine, api_request, [prompt], "chatcmpl")
 
 
-@v1.post("/completions")
+@v1.post("/completions", **completion_route(CompletionRequest, Completion, Completion))
 async def completions(request: Request) -> Response:
     state = gateway_state(request)
     api_request = await _parse(request, state, CompletionRequest)
@@ -179,19 +222,19 @@ def _card(state: GatewayState) -> ModelCard:
             "draft": settings.draft,
             "drafters": [*sorted(engine.drafters), "none"],
             "default_drafter": engine.default_drafter or "none",
-            "backend": BACKEND,
+            "draft_backend": engine.info.get("draft_backend", "torch"),
             "dtype": settings.dtype,
             "aliases": sorted(state.aliases),
         },
     )
 
 
-@v1.get("/models")
+@v1.get("/models", responses=error_responses(*MODEL_ERRORS))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_card(gateway_state(request))])
 
 
-@v1.get("/models/{model_id:path}")
+@v1.get("/models/{model_id:path}", responses=error_responses(404, *MODEL_ERRORS))
 async def get_model(request: Request, model_id: str) -> ModelCard:
     state = gateway_state(request)
     if model_id not in state.aliases:
@@ -199,31 +242,33 @@ async def get_model(request: Request, model_id: str) -> ModelCard:
     return _card(state)
 
 
-@router.get("/health")
+@router.get("/health", responses={
+    200: {"model": Health, "description": "The process is alive."},
+    503: {"model": HealthFailure, "description": "Loading the models failed."}})
 async def health(request: Request) -> JSONResponse:
     """Liveness: the process answers; 503 only when the model failed to load."""
     state = gateway_state(request)
     if state.load_error is not None:
-        return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
-    return JSONResponse({"status": "ok"})
+        return JSONResponse(HealthFailure(error=state.load_error).model_dump(), status_code=503)
+    return JSONResponse(Health().model_dump())
 
 
-@router.get("/ready")
+@router.get("/ready", responses={
+    200: {"model": Readiness, "description": "Loaded, warm and admitting requests."},
+    503: {"model": NotReady, "description": "Loading, failed to load, or draining."}})
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once the models are loaded and warm, 503 before and while draining."""
     state = gateway_state(request)
-    body: dict[str, Any]
-    if state.accepting:
-        body = {"status": "ready", "running": state.engine.num_running if state.engine else 0,
-                "waiting": state.engine.num_waiting if state.engine else 0}
-        return JSONResponse(body)
+    if state.accepting and state.engine is not None:
+        engine = state.engine
+        body = Readiness(running=engine.num_running, waiting=engine.num_waiting)
+        return JSONResponse(body.model_dump())
+    status: Literal["loading", "draining", "failed"] = "loading"
     if state.draining:
-        body = {"status": "draining"}
+        status = "draining"
     elif state.load_error is not None:
-        body = {"status": "failed"}
-    else:
-        body = {"status": "loading"}
-    return JSONResponse(body, status_code=503)
+        status = "failed"
+    return JSONResponse(NotReady(status=status).model_dump(), status_code=503)
 
 
 router.include_router(v1)

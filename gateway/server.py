@@ -35,6 +35,7 @@ from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import CausalLM
 from gateway.errors import install_error_handlers
 from gateway.middleware import RequestMetricsMiddleware
+from gateway.openapi import install_openapi
 from gateway.redis_store import RedisStore
 from gateway.routes import router
 from gateway.settings import Settings, add_settings_flags, settings_from_args
@@ -43,6 +44,7 @@ from observability.logging import configure_logging
 from observability.metrics import start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import build_tracer_provider
+from trt.backends import load_draft
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +70,23 @@ def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | No
 
 
 def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | None
-                   ) -> tuple[dict[str, Drafter], str | None]:
-    """Every drafter a request may ask for by name, and the default one."""
+                   ) -> tuple[dict[str, Drafter], str | None, str]:
+    """Every drafter a request may ask for by name, the default one, and the backend
+    its draft model runs on (``builtin`` when no model runs)."""
     cheap = [NGRAM, *([CACHE] if cache is not None else [])]
-    specs = [*cheap, "+".join(cheap)]  # free to offer: no model behind them
-    if settings.draft != NO_DRAFT:
-        specs.append(settings.draft)
     drafters: dict[str, Drafter] = {}
-    default = None
-    for spec in dict.fromkeys(specs):
+    for spec in dict.fromkeys([*cheap, "+".join(cheap)]):  # free: no model behind them
         drafter = load_drafter(spec, target, settings.dtype, cache)
         assert drafter is not None
         drafters[drafter.name] = drafter
-        if spec == settings.draft:
-            default = drafter.name
-    return drafters, default
+    if settings.draft == NO_DRAFT:
+        return drafters, None, "none"
+    default, backend = load_draft(settings.draft, target, settings.draft_backend,
+                                  settings.dtype, cache)
+    assert default is not None
+    drafters.setdefault(default.name, default)
+    log.info("default drafter %s (draft backend: %s)", default.name, backend)
+    return drafters, default.name, backend
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -91,9 +95,10 @@ def build_engine(settings: Settings) -> Engine:
         torch.set_num_threads(settings.threads)
     target = load_target(settings.target, settings.dtype)
     cache = build_prefix_cache(settings, target)
-    drafters, default = build_drafters(settings, target, cache)
+    drafters, default, backend = build_drafters(settings, target, cache)
     engine = Engine(target, drafters, default, max_queue=settings.max_queue,
-                    max_active=settings.max_active, prefix_cache=cache)
+                    max_active=settings.max_active, prefix_cache=cache,
+                    info={"draft_backend": backend})
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
     engine.warmup()
     engine.start()
@@ -134,6 +139,7 @@ def create_app(
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
+    install_openapi(app, bearer=bool(settings.api_keys))
     app.add_middleware(RequestMetricsMiddleware, metrics=telemetry.metrics)
     if settings.cors_origins:
         app.add_middleware(

@@ -34,10 +34,11 @@ class Settings(BaseSettings):
     metrics_port: int = Field(default=9100, ge=0, le=65535)
     target: str = "default"
     draft: str = "ngram+cache"
+    draft_backend: Literal["auto", "torch", "onnx", "tensorrt"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int | None = Field(default=None, ge=1)
     api_keys: CommaList = Field(default_factory=list)
-    max_queue: int = Field(default=64, ge=0)
+    max_queue: int = Field(default=64, ge=1)
     max_active: int = Field(default=16, ge=1)
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int = Field(default=512, ge=1)
@@ -109,6 +110,10 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--draft", {"help": "'none', 'ngram', 'cache' (continuations), a draft model directory "
                          "sharing the target's tokenizer, or several joined by '+' "
                          "(SPECSERVE_DRAFT, default ngram+cache)"}),
+    ("--draft-backend", {"choices": ["auto", "torch", "onnx", "tensorrt"],
+                         "help": "where a draft model runs: auto (TensorRT with a GPU, else ONNX "
+                                 "Runtime when an export exists, else PyTorch) "
+                                 "(SPECSERVE_DRAFT_BACKEND, default auto)"}),
     ("--dtype", {"choices": ["float32", "bfloat16"], "help": "SPECSERVE_DTYPE, default float32"}),
     ("--threads", {"type": int, "help": "CPU threads for PyTorch (SPECSERVE_THREADS)"}),
     ("--api-key", {"dest": "api_keys", "action": "append",

@@ -19,7 +19,6 @@ from observability.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_SECONDS = 0.05
-BACKEND = "torch"
 
 
 @dataclass
@@ -74,6 +73,7 @@ class GatewayState:
             max_tokens=self.settings.max_tokens,
             timeout_s=self.settings.request_timeout,
             vocab_size=engine.target.vocab_size,
+            max_choices=engine.max_queue,
         )
 
     def token_texts(self) -> TokenTexts:

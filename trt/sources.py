@@ -95,7 +95,7 @@ class DraftSource:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
         config = self.load_config()
         with _quiet_transformers(self.layers is not None):
-            model = AutoModelForCausalLM.from_pretrained(
+            model: Any = AutoModelForCausalLM.from_pretrained(
                 self.path, config=config, dtype=DTYPES[dtype])
         return model.to(torch.device(device)).eval()
 
