@@ -17,7 +17,7 @@ import gc
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,11 +33,12 @@ from decoding.bench_methods import (
     build_runners,
     method_settings,
 )
-from decoding.bench_report import machine_info, summarise, write_table
+from decoding.bench_report import load_average, machine_info, summarise, write_table
+from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target
 from decoding.prompting import encode_chat
-from decoding.target import CausalLM
+from decoding.target import DTYPES, CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Prompt:
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """What one ``bench`` invocation measures, as recorded in the report."""
+
     target: str
     draft: str | None  # a draft model's path, or None
     dtypes: tuple[str, ...]
@@ -73,10 +76,14 @@ class BenchConfig:
         prompts = args.prompts if args.prompts is not None else (
             QUICK_PROMPTS if args.quick else None)
         max_tokens = args.max_tokens or (QUICK_MAX_TOKENS if args.quick else FULL_MAX_TOKENS)
+        dtypes = _split(args.dtypes)
+        unknown = [d for d in dtypes if d not in DTYPES]
+        if unknown or not dtypes:
+            raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
         return cls(
             target=args.target,
             draft=draft,
-            dtypes=_split(args.dtypes),
+            dtypes=dtypes,
             prompt_sets=_split(args.prompt_sets),
             prompts_per_set=prompts,
             max_new_tokens=max_tokens,
@@ -113,26 +120,41 @@ def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
     return prompts[:limit] if limit is not None else prompts
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    """The ``bench`` command: run, print the table, write the JSON."""
+DraftLoader = Callable[[str, CausalLM, str], Drafter]
+
+
+def run_bench(args: argparse.Namespace, draft_loader: DraftLoader | None = None) -> int:
+    """The ``bench`` command: run, print the table, write the JSON. ``draft_loader``
+    builds the drafter that spec:draft uses (on another backend, say); the
+    transformers baseline always gets the PyTorch draft."""
     log.setLevel(logging.INFO)  # progress is part of this command's output
-    config = BenchConfig.from_args(args)
-    prompt_sets = {name: load_prompts(name, config.prompts_per_set) for name in config.prompt_sets}
-    report = run_all(config, prompt_sets)
+    try:
+        config = BenchConfig.from_args(args)
+        prompt_sets = {name: load_prompts(name, config.prompts_per_set)
+                       for name in config.prompt_sets}
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    json_path = Path(args.json) if args.json else None
+    if json_path is not None:  # fail before the run, not after it
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    report = run_all(config, prompt_sets, draft_loader)
     write_table(report["runs"], sys.stdout)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        log.info("wrote %s", args.json)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        log.info("wrote %s", json_path)
     return 0
 
 
-def run_all(config: BenchConfig, prompt_sets: dict[str, list[Prompt]]) -> dict[str, Any]:
+def run_all(config: BenchConfig, prompt_sets: dict[str, list[Prompt]],
+            draft_loader: DraftLoader | None = None) -> dict[str, Any]:
     """Every dtype, prompt set and method; returns the JSON report."""
     machine = machine_info()
     runs: list[dict[str, Any]] = []
     for dtype in config.dtypes:
-        runs.extend(_run_dtype(config, dtype, prompt_sets))
+        runs.extend(_run_dtype(config, dtype, prompt_sets, draft_loader))
         gc.collect()
+    machine["load_average_1m_end"] = load_average()
     return {"machine": machine, "config": _config_record(config, prompt_sets), "runs": runs}
 
 
@@ -149,12 +171,16 @@ def _config_record(config: BenchConfig, prompt_sets: dict[str, list[Prompt]]) ->
 
 
 def _run_dtype(
-    config: BenchConfig, dtype: str, prompt_sets: dict[str, list[Prompt]]
+    config: BenchConfig, dtype: str, prompt_sets: dict[str, list[Prompt]],
+    draft_loader: DraftLoader | None = None,
 ) -> list[dict[str, Any]]:
     log.info("loading %s in %s", config.target, dtype)
     target = load_target(config.target, dtype)
     draft = _load_draft(config, target, dtype)
-    runners = build_runners(config.methods, target, draft)
+    spec_draft: Drafter | None = draft
+    if draft is not None and draft_loader is not None and config.draft is not None:
+        spec_draft = draft_loader(config.draft, target, dtype)
+    runners = build_runners(config.methods, target, draft, spec_draft)
     first = next(p for prompts in prompt_sets.values() for p in prompts)
     _warm_up(runners, _encode(target, first))
     runs: list[dict[str, Any]] = []

@@ -58,6 +58,7 @@ class Generation:
     token_ids: tuple[int, ...]
     seconds: float
     rounds: int = 0
+    draft_rounds: int = 0  # rounds in which the drafter proposed at least one token
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # of those, accepted
     committed: int = 0  # tokens committed (accepted + recovered/bonus)
@@ -95,6 +96,7 @@ def _from_events(events: Sequence[RoundEvent], seconds: float) -> Generation:
         token_ids=tokens,
         seconds=seconds,
         rounds=len(later),
+        draft_rounds=sum(1 for e in later if e.draft_tokens > 0),
         drafted=sum(e.draft_tokens for e in later),
         accepted=sum(e.accepted_tokens for e in later),
         committed=sum(len(e.token_ids) for e in later),
@@ -106,9 +108,7 @@ def _from_events(events: Sequence[RoundEvent], seconds: float) -> Generation:
     )
 
 
-def hf_runner(
-    target: CausalLM, assistant: Any = None, **settings: Any
-) -> Runner:
+def hf_runner(target: CausalLM, assistant: Any = None, **settings: Any) -> Runner:
     """transformers' ``generate()`` on the target's model, greedy.
 
     ``assistant`` is a draft model for assisted generation; ``settings`` are
@@ -117,7 +117,7 @@ def hf_runner(
     model = target.model
     pad = target.tokenizer.pad_token_id
     eos = sorted(target.eos_token_ids)
-    extra = {} if assistant is None else {"assistant_model": assistant}
+    extra: dict[str, Any] = {} if assistant is None else {"assistant_model": assistant}
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
         config = GenerationConfig(
@@ -137,24 +137,27 @@ def hf_runner(
 
 
 def build_runners(
-    methods: Sequence[str], target: CausalLM, draft: ModelDrafter | None
+    methods: Sequence[str], target: CausalLM, draft: ModelDrafter | None,
+    spec_draft: Drafter | None = None,
 ) -> dict[str, Runner]:
-    """A runner for each method name; draft methods need ``draft``."""
+    """A runner for each method name; draft methods need ``draft`` (the PyTorch draft,
+    which the transformers baseline runs); spec:draft uses ``spec_draft`` when given."""
     runners: dict[str, Runner] = {}
     for method in methods:
         if method in DRAFT_METHODS and draft is None:
             raise ValueError(f"method {method!r} needs a draft model (--draft PATH)")
-        runners[method] = _runner(method, target, draft)
+        runners[method] = _runner(method, target, draft, spec_draft or draft)
     return runners
 
 
-def _runner(method: str, target: CausalLM, draft: ModelDrafter | None) -> Runner:
+def _runner(method: str, target: CausalLM, draft: ModelDrafter | None,
+            spec_draft: Drafter | None) -> Runner:
     if method == PLAIN:
         return engine_runner(target, None)
     if method == SPEC_NGRAM:
         return engine_runner(target, NgramDrafter())
-    if method == SPEC_DRAFT and draft is not None:
-        return engine_runner(target, draft)
+    if method == SPEC_DRAFT and spec_draft is not None:
+        return engine_runner(target, spec_draft)
     if method == HF_PLAIN:
         return hf_runner(target)
     if method == HF_ASSISTED_NGRAM:

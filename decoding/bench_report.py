@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -35,7 +36,7 @@ def summarise(
     identical = _identical(generations, reference)
     per_prompt = [
         {"id": pid, "tokens": len(g.token_ids), "seconds": round(g.seconds, 4),
-         "identical_to_plain": same}
+         "tokens_per_s": round(_rate(g), 2), "identical_to_plain": same}
         for pid, g, same in zip(prompt_ids, generations, identical, strict=True)
     ]
     record: dict[str, Any] = {
@@ -45,6 +46,8 @@ def summarise(
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "tokens": tokens,
         "seconds": seconds,
+        "median_prompt_tokens_per_s": statistics.median(_rate(g) for g in generations)
+        if generations else 0.0,
         "identical_to_plain": None if None in identical else all(identical),
         "identical_prompts": sum(1 for same in identical if same),
         "prompts": len(generations),
@@ -52,6 +55,10 @@ def summarise(
     record.update(_round_stats(generations))
     record["per_prompt"] = per_prompt
     return record
+
+
+def _rate(generation: Generation) -> float:
+    return len(generation.token_ids) / generation.seconds if generation.seconds > 0 else 0.0
 
 
 def _identical(
@@ -65,7 +72,8 @@ def _identical(
 def _round_stats(generations: Sequence[Generation]) -> dict[str, Any]:
     """Acceptance and per-round time split; None where the method reports no rounds."""
     keys = ("acceptance_rate", "mean_acceptance_length", "draft_ms_per_round",
-            "verify_ms_per_round", "bookkeeping_ms_per_round", "prefill_ms_per_prompt", "rounds")
+            "verify_ms_per_round", "bookkeeping_ms_per_round", "prefill_ms_per_prompt", "rounds",
+            "draft_rounds")
     if not generations or not all(g.has_rounds for g in generations):
         return dict.fromkeys(keys)
     rounds = sum(g.rounds for g in generations)
@@ -80,6 +88,7 @@ def _round_stats(generations: Sequence[Generation]) -> dict[str, Any]:
         "bookkeeping_ms_per_round": sum(g.bookkeeping_s for g in generations) * per_round,
         "prefill_ms_per_prompt": sum(g.prefill_s for g in generations) * MS / len(generations),
         "rounds": rounds,
+        "draft_rounds": sum(g.draft_rounds for g in generations),
     }
 
 
@@ -131,7 +140,8 @@ def _cell(key: str, run: dict[str, Any], speedup: float | None) -> str:
     if key == "acceptance_rate":
         return f"{value:.0%}"
     if isinstance(value, float):
-        return f"{value:.2f}" if key == "mean_acceptance_length" else f"{value:.1f}"
+        return f"{value:.2f}" if key == "mean_acceptance_length" or key.endswith("_ms_per_round") \
+            else f"{value:.1f}"
     return str(value)
 
 
@@ -154,7 +164,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "logical_cpus": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        "load_average_1m": _load_average(),
+        "load_average_1m_start": load_average(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -174,7 +184,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
+    """The 1-minute load average, where the platform has one."""
     try:
         return os.getloadavg()[0]
     except OSError:

@@ -11,9 +11,11 @@ from collections.abc import Sequence
 import torch
 
 from decoding import model_store
+from decoding.drafters.base import Drafter
 from decoding.factory import load_target
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
+from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
 from trt.backends import BACKENDS, load_draft
 from trt.cli import add_export_command
@@ -148,7 +150,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return run_bench(args)
+
+    def draft_on_backend(spec: str, target: CausalLM, dtype: str) -> Drafter:
+        drafter, backend = load_draft(spec, target, args.draft_backend, dtype)
+        assert drafter is not None
+        logging.getLogger(__name__).info("spec:draft runs on %s", backend)
+        return drafter
+
+    try:
+        return run_bench(args, draft_on_backend)
+    except DraftBackendError as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+"""``specserve bench``: the prompt sets, the report's arithmetic, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from decoding.bench import PROMPT_SETS, load_prompts, select_methods
+from decoding.bench_methods import ALL_METHODS, HF_METHODS, Generation
+from decoding.bench_report import format_table, summarise
+from gateway.cli import main
+
+RUN_KEYS: dict[str, type | tuple[type, ...]] = {
+    "prompt_set": str, "method": str, "dtype": str, "tokens_per_s": float, "tokens": int,
+    "seconds": float, "acceptance_rate": (float, type(None)),
+    "mean_acceptance_length": (float, type(None)), "identical_to_plain": (bool, type(None)),
+    "draft_ms_per_round": (float, type(None)), "verify_ms_per_round": (float, type(None)),
+    "bookkeeping_ms_per_round": (float, type(None)), "rounds": (int, type(None)),
+}
+OUR_METHODS = [m for m in ALL_METHODS if m not in HF_METHODS]
+
+
+@pytest.mark.parametrize("name", PROMPT_SETS)
+def test_prompt_sets_are_shipped_and_varied(name: str) -> None:
+    prompts = load_prompts(name)
+    assert len(prompts) >= 12
+    assert len({p.id for p in prompts}) == len(prompts)
+    for prompt in prompts:
+        assert prompt.messages and all(m["role"] == "user" for m in prompt.messages)
+    assert len(load_prompts(name, 3)) == 3
+
+
+def test_grounded_prompts_carry_a_passage_of_60_to_200_words() -> None:
+    for prompt in load_prompts("grounded"):
+        instruction, passage = prompt.messages[0]["content"].split("\n\n", 1)
+        assert 60 <= len(passage.split()) <= 200, prompt.id
+        assert instruction.strip()
+
+
+def test_select_methods_always_keeps_plain_as_the_reference() -> None:
+    assert select_methods(None, has_draft=True, hf=True) == ALL_METHODS
+    assert select_methods("hf:plain", has_draft=False, hf=True) == ("plain", "hf:plain")
+    assert "spec:draft" not in select_methods(None, has_draft=False, hf=True)
+    assert not HF_METHODS & set(select_methods(None, has_draft=True, hf=False))
+    with pytest.raises(ValueError, match="unknown method"):
+        select_methods("spec:magic", has_draft=False, hf=True)
+
+
+def test_summarise_counts_rounds_after_prefill() -> None:
+    plain = [Generation((1, 2, 3), 1.0, rounds=2, committed=2, has_rounds=True)]
+    spec = [Generation((1, 2, 3), 0.5, rounds=1, drafted=4, accepted=1, committed=2,
+                       draft_s=0.01, verify_s=0.02, bookkeeping_s=0.001, has_rounds=True)]
+    other = [Generation((1, 2, 4), 0.25)]
+    base = summarise("chat", "plain", "float32", ["a"], plain, plain)
+    fast = summarise("chat", "spec:ngram", "float32", ["a"], spec, plain)
+    hf = summarise("chat", "hf:plain", "float32", ["a"], other, plain)
+    assert base["identical_to_plain"] and base["acceptance_rate"] is None
+    assert base["mean_acceptance_length"] == 1.0
+    assert fast["acceptance_rate"] == 0.25 and fast["mean_acceptance_length"] == 2.0
+    assert fast["draft_ms_per_round"] == pytest.approx(10.0)
+    assert fast["tokens_per_s"] == pytest.approx(6.0)
+    assert hf["identical_to_plain"] is False and hf["rounds"] is None
+    table = format_table([base, fast, hf])
+    assert "2.00x" in table and "no (0/1)" in table
+
+
+def _bench(tmp_path: Path, *flags: str) -> dict[str, Any]:
+    out = tmp_path / "results" / "bench.json"  # the folder is created
+    assert main(["bench", "--dtypes", "float32", "--prompts", "1", "--max-tokens", "8",
+                 "--json", str(out), *flags]) == 0
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def test_bench_on_tiny_models_reports_every_method(
+    tiny_target_dir: Path, tiny_draft_dir: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = _bench(tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir))
+    assert {"cpu", "threads", "torch", "transformers"} <= report["machine"].keys()
+    assert report["config"]["max_new_tokens"] == 8
+    runs = report["runs"]
+    assert {(r["prompt_set"], r["method"]) for r in runs} == {
+        (s, m) for s in PROMPT_SETS for m in ALL_METHODS}
+    for run in runs:
+        for key, kind in RUN_KEYS.items():
+            assert isinstance(run[key], kind), (run["method"], key, run[key])
+        assert run["dtype"] == "float32" and run["tokens"] > 0
+        if run["method"] in OUR_METHODS:
+            assert run["identical_to_plain"] is True, run["method"]
+            assert run["rounds"] > 0 and run["mean_acceptance_length"] >= 1.0
+        else:
+            assert run["identical_to_plain"] is not None and run["rounds"] is None
+    table = capsys.readouterr().out
+    assert all(method in table for method in ALL_METHODS)
+
+
+def test_bench_methods_filter(tiny_target_dir: Path, tmp_path: Path) -> None:
+    report = _bench(tmp_path, "--target", str(tiny_target_dir), "--methods", "spec:ngram",
+                    "--prompt-sets", "grounded")
+    assert [(r["prompt_set"], r["method"]) for r in report["runs"]] == [
+        ("grounded", "plain"), ("grounded", "spec:ngram")]
+
+
+@pytest.mark.parametrize("flags", [["--methods", "spec:magic"], ["--dtypes", "float8"],
+                                   ["--prompt-sets", "poetry"]])
+def test_bench_refuses_bad_flags_before_loading_anything(flags: list[str]) -> None:
+    assert main(["bench", "--target", "/nonexistent", *flags]) == 2
