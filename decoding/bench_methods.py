@@ -164,6 +164,8 @@ def _runner(method: str, target: CausalLM, draft: ModelDrafter | None,
         return hf_runner(target, prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS,
                          max_matching_ngram_size=HF_MAX_MATCHING_NGRAM)
     if method == HF_ASSISTED_DRAFT and draft is not None:
+        if not isinstance(draft.model, CausalLM):
+            raise ValueError("hf:assisted-draft needs the draft as a PyTorch model")
         return hf_runner(target, assistant=draft.model.model,
                          num_assistant_tokens=HF_ASSISTANT_TOKENS,
                          num_assistant_tokens_schedule=HF_ASSISTANT_SCHEDULE,

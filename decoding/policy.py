@@ -85,3 +85,18 @@ class AdaptiveSpeculation:
 
 def _ema(previous: float, value: float) -> float:
     return value if previous <= 0 else COST_DECAY * previous + (1 - COST_DECAY) * value
+
+
+class FixedSpeculation(AdaptiveSpeculation):
+    """Always draft k tokens: for tests and for measuring a drafter's raw cost
+    (the adaptive policy backs off from a poor or expensive draft)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(max_tokens=k, k=k)
+
+    def next_k(self, limit: int) -> int:
+        return min(self.k, limit)
+
+    def update(self, drafted: int, accepted: int, draft_s: float = 0.0,
+               verify_s: float = 0.0) -> None:
+        return

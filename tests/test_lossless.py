@@ -6,6 +6,7 @@ import pytest
 
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
+from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
 from decoding.target import CausalLM
@@ -20,12 +21,15 @@ TINY_PROMPTS = [
 ]
 
 
-def _run(target: CausalLM, drafter: Drafter | None, request: GenerationRequest
-         ) -> tuple[list[int], str, int, int]:
+def _run(target: CausalLM, drafter: Drafter | None, request: GenerationRequest,
+         k: int | None = 4) -> tuple[list[int], str, int, int]:
+    """Decode; ``k`` fixes the draft length (so verification is exercised whatever the
+    drafter costs), ``None`` lets the adaptive policy choose."""
     ids: list[int] = []
     text = ""
     drafted = accepted = 0
-    for event in decode(target, drafter, request):
+    policy = FixedSpeculation(k) if k is not None else None
+    for event in decode(target, drafter, request, policy):
         ids.extend(event.token_ids)
         text += event.text
         drafted += event.draft_tokens
@@ -54,6 +58,7 @@ def test_tiny_every_drafter_is_lossless(
         spec = _run(tiny_target, drafter, request)
         assert spec[0] == plain[0], name
         assert spec[1] == plain[1], name
+        assert _run(tiny_target, drafter, request, k=None)[0] == plain[0], f"{name}, adaptive"
         if name == "model-self":
             assert spec[2] > 0 and spec[3] == spec[2], "the target as its own draft: all accepted"
 
@@ -70,7 +75,8 @@ def test_tiny_lossless_with_penalties(tiny_target: CausalLM, tiny_draft: CausalL
 def test_tiny_speculation_actually_happens(tiny_target: CausalLM) -> None:
     ids = tuple(encode_text(tiny_target.tokenizer, TINY_PROMPTS[3]))
     request = GenerationRequest(prompt_ids=ids, max_new_tokens=64, sampling=GREEDY)
-    events = list(decode(tiny_target, ModelDrafter(tiny_target, tiny_target), request))
+    events = list(decode(tiny_target, ModelDrafter(tiny_target, tiny_target), request,
+                         FixedSpeculation(4)))
     assert len(events) < 64 / 2, "full acceptance should commit several tokens per round"
     assert max(len(e.token_ids) for e in events) > 2
 

@@ -33,7 +33,7 @@ import torch
 
 from decoding.drafters.base import DraftContext, Drafter
 from decoding.factory import load_target
-from decoding.policy import AdaptiveSpeculation
+from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
 from decoding.target import CausalLM
@@ -47,20 +47,6 @@ BACKENDS = ("torch", "onnx")
 LATENCY_K = 4  # tokens per proposal in the latency measurement
 LATENCY_REPEATS = 15
 LONG_CONTEXT = 512  # tokens of context for the long-context latency row
-
-
-class FixedSpeculation(AdaptiveSpeculation):
-    """Always draft k tokens (the adaptive policy backs off from a poor draft)."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__(max_tokens=k, k=k)
-
-    def next_k(self, limit: int) -> int:
-        return min(self.k, limit)
-
-    def update(self, drafted: int, accepted: int, draft_s: float = 0.0,
-               verify_s: float = 0.0) -> None:
-        return
 
 
 @dataclass(frozen=True)

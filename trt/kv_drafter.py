@@ -11,14 +11,13 @@ with the request's generator, returning the distributions).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from decoding.drafters.base import DraftContext, DraftProposal
-from decoding.sampling import logits_to_probs
-from decoding.target import CausalLM, check_same_vocabulary
+from decoding.drafters.model import ModelDrafter
+from decoding.target import CausalLM
 
 
 @dataclass
@@ -48,14 +47,25 @@ class StepEngine(Protocol):
         ...
 
 
-@dataclass
-class KVDraftState:
-    cache: KVCache
-    fed: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
+class _StepModel:
+    """A ``StepEngine`` in the shape ``ModelDrafter`` drives (``DraftModel``)."""
+
+    def __init__(self, engine: StepEngine) -> None:
+        self.engine = engine
+        self.vocab_size = engine.vocab_size
+
+    def new_state(self) -> KVCache:
+        return self.engine.empty_cache()
+
+    def prefill(self, state: KVCache, token_ids: Sequence[int]) -> torch.Tensor:  # [vocab]
+        return self.engine.step(state, token_ids)
+
+    def rollback(self, state: KVCache, length: int) -> None:
+        state.crop(length)
 
 
-class KVDrafter:
-    """The Drafter protocol over a ``StepEngine`` (ONNX Runtime or TensorRT)."""
+class KVDrafter(ModelDrafter):
+    """The model drafter over a ``StepEngine`` (ONNX Runtime or TensorRT)."""
 
     def __init__(
         self,
@@ -64,75 +74,5 @@ class KVDrafter:
         target: CausalLM | None = None,
         name: str = "draft",
     ) -> None:
-        if target is not None:
-            check_same_vocabulary(target.tokenizer, tokenizer, name)
+        super().__init__(_StepModel(engine), target, tokenizer=tokenizer, name=name)
         self.engine = engine
-        self.name = name
-        self.target_vocab = target.vocab_size if target is not None else engine.vocab_size
-
-    def begin(self, prompt_ids: Sequence[int]) -> KVDraftState:
-        return KVDraftState(cache=self.engine.empty_cache())
-
-    @torch.inference_mode()
-    def propose(self, state: KVDraftState, context: DraftContext, k: int) -> DraftProposal:
-        tokens = context.token_ids
-        if k <= 0:
-            return DraftProposal.empty()
-        common = _common_prefix(state.fed, tokens)
-        if common == len(tokens):  # must feed at least one token to get logits
-            common -= 1
-        state.cache.crop(common)
-        del state.fed[common:]
-        logits = self.engine.step(state.cache, tokens[common:])  # [vocab]
-        state.fed.extend(tokens[common:])
-        proposed: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(k):
-            token, probs = self._pick(logits, context)
-            proposed.append(token)
-            if probs is not None:
-                rows.append(probs)
-            if i + 1 < k:
-                logits = self.engine.step(state.cache, [token])
-                state.fed.append(token)
-        probs_all = torch.stack(rows) if rows else None  # [k, vocab]
-        return DraftProposal(tokens=tuple(proposed), probs=probs_all)
-
-    def rollback(self, state: KVDraftState, length: int) -> None:
-        if length < len(state.fed):
-            state.cache.crop(length)
-            del state.fed[length:]
-
-    def release(self, state: KVDraftState) -> None:
-        state.cache = self.engine.empty_cache()
-        state.fed.clear()
-
-    def _pick(
-        self, logits: torch.Tensor, context: DraftContext  # [vocab]
-    ) -> tuple[int, torch.Tensor | None]:
-        logits = fit_vocab(logits, self.target_vocab)
-        if context.generator is None:
-            return int(logits.argmax().item()), None
-        logits = logits.to(context.generator.device)  # the target's device
-        probs = logits_to_probs(logits.unsqueeze(0), context.sampling)[0]  # [vocab]
-        token = int(torch.multinomial(probs, 1, generator=context.generator).item())
-        return token, probs
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:  # [vocab] -> [size]
-    """Pad (with -inf) or trim draft logits to the target's vocabulary size."""
-    if logits.shape[-1] == size:
-        return logits
-    if logits.shape[-1] > size:
-        return logits[..., :size]
-    pad = torch.full((size - logits.shape[-1],), float("-inf"), dtype=logits.dtype,
-                     device=logits.device)
-    return torch.cat([logits, pad])

@@ -1,29 +1,50 @@
-"""A small causal LM as the drafter (any model that shares the target's tokenizer)."""
+"""A small causal LM as the drafter (any model that shares the target's tokenizer).
+
+The drafter runs over anything with the ``DraftModel`` shape: a PyTorch
+``CausalLM`` here, or an exported step on ONNX Runtime or TensorRT (``trt/``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from decoding.drafters.base import DraftContext, DraftProposal
 from decoding.sampling import logits_to_probs
-from decoding.target import CacheState, CausalLM, check_same_vocabulary
+from decoding.target import CausalLM, check_same_vocabulary
+
+
+class DraftModel(Protocol):
+    """One decoding step of a causal LM over a KV cache it can roll back."""
+
+    vocab_size: int
+
+    def new_state(self) -> Any: ...
+
+    def prefill(self, state: Any, token_ids: Sequence[int]) -> torch.Tensor:  # [vocab]
+        """Append ``token_ids`` to the cache; return the logits after the last one."""
+        ...
+
+    def rollback(self, state: Any, length: int) -> None: ...
 
 
 @dataclass
 class ModelDraftState:
-    cache: CacheState
+    cache: Any  # the draft model's KV cache state
     fed: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
 
 
 class ModelDrafter:
-    def __init__(self, model: CausalLM, target: CausalLM | None = None) -> None:
+    def __init__(self, model: DraftModel, target: CausalLM | None = None,
+                 tokenizer: Any = None, name: str = "draft") -> None:
+        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if target is not None:
-            check_same_vocabulary(target.tokenizer, model.tokenizer, model.name)
+            check_same_vocabulary(target.tokenizer, tokenizer, getattr(model, "name", name))
         self.model = model
-        self.name = "draft"
+        self.name = name
         self.target_vocab = target.vocab_size if target is not None else model.vocab_size
 
     def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
@@ -34,7 +55,7 @@ class ModelDrafter:
         tokens = context.token_ids
         if k <= 0:
             return DraftProposal.empty()
-        common = _common_prefix(state.fed, tokens)
+        common = common_prefix(state.fed, tokens)
         if common == len(tokens):  # must feed at least one token to get logits
             common -= 1
         self.model.rollback(state.cache, common)
@@ -66,15 +87,16 @@ class ModelDrafter:
     def _pick(
         self, logits: torch.Tensor, context: DraftContext  # [vocab]
     ) -> tuple[int, torch.Tensor | None]:
-        logits = _fit_vocab(logits, self.target_vocab)
+        logits = fit_vocab(logits, self.target_vocab)
         if context.generator is None:
             return int(logits.argmax().item()), None
+        logits = logits.to(context.generator.device)  # the draft may run elsewhere
         probs = logits_to_probs(logits.unsqueeze(0), context.sampling)[0]  # [vocab]
         token = int(torch.multinomial(probs, 1, generator=context.generator).item())
         return token, probs
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -82,11 +104,12 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:  # [vocab] -> [size]
+def fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:  # [vocab] -> [size]
     """Pad (with -inf) or trim draft logits to the target's vocabulary size."""
     if logits.shape[-1] == size:
         return logits
     if logits.shape[-1] > size:
         return logits[..., :size]
-    pad = torch.full((size - logits.shape[-1],), float("-inf"), dtype=logits.dtype)
-    return torch.cat([logits, pad.to(logits.device)])
+    pad = torch.full((size - logits.shape[-1],), float("-inf"), dtype=logits.dtype,
+                     device=logits.device)
+    return torch.cat([logits, pad])
