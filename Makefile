@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 
-.PHONY: install model run test lint typecheck pytest test-long bench bench-http clean deploy-tools \
+.PHONY: install model run test lint typecheck pytest test-long bench bench-http reliability clean \
+	deploy-tools \
 	image image-gpu
 
 $(PY):
@@ -48,6 +49,9 @@ test-long: model deploy-tools
 
 bench: model
 	$(BIN)/specserve bench --quick --json bench-results/bench.json
+
+reliability: model deploy-tools
+	$(BIN)/pytest tests/reliability --runslow $(PYTEST_ARGS)
 
 bench-http: model
 	$(BIN)/python -m gateway.bench_http --threads 1 --json bench-results/http.json

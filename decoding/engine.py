@@ -282,12 +282,12 @@ class Engine:
 
     def _finish(self, active: _Active, last: RoundEvent | None) -> None:
         active.decoder.close()
+        with self._lock:  # free the slot before the client can see the end
+            if active in self._active:
+                self._active.remove(active)
         if last is not None:
             active.stream._put(last)
         active.stream._put(_END)
-        with self._lock:
-            if active in self._active:
-                self._active.remove(active)
 
     def _fail(self, stream: RequestStream, message: str) -> None:
         stream._put(RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,

@@ -2,7 +2,8 @@
 
 Handlers raise an :class:`APIError` subclass; :func:`install_error_handlers`
 maps it, pydantic validation errors, unknown routes and unexpected exceptions
-to ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+to ``{"error": {"message", "type", "param", "code"}}`` with the right status; a
+client that leaves before its body arrived gets nothing (logged as 499).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from decoding.engine import EngineClosedError, QueueFullError, UnknownDrafterError
 from decoding.sequence import ContextOverflowError
@@ -24,6 +26,7 @@ from decoding.sequence import ContextOverflowError
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1  # what a 429 suggests; the queue drains round by round
+CLIENT_CLOSED_STATUS = 499  # nobody reads it; recorded in the access log and metrics
 
 
 class APIError(Exception):
@@ -227,6 +230,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(error)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client left while its body was still being read: nothing to answer."""
+    log.info("%s %s: the client disconnected before its request body arrived",
+             request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_STATUS)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(InternalError("The server had an error while processing the request."))
@@ -237,11 +247,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _unexpected)
 
 
 _ERROR_TYPES = {400: "invalid_request", 401: "authentication", 404: "not_found",
-                413: "payload_too_large", 429: "rate_limited", 503: "unavailable", 504: "timeout"}
+                413: "payload_too_large", 429: "rate_limited",
+                CLIENT_CLOSED_STATUS: "client_closed", 503: "unavailable", 504: "timeout"}
 
 
 def error_type_of(status: int, code: str | None = None) -> str:

@@ -30,6 +30,7 @@ class Limits:
     max_tokens: int
     timeout_s: float | None
     vocab_size: int
+    max_choices: int | None = None  # generations one request may ask for (prompts x n)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,18 @@ def check_prompt(prompt: Prompt, limits: Limits, param: str) -> None:
             param=param, code="context_length_exceeded")
 
 
+def check_choices(request: AnyRequest, prompts: int, limits: Limits) -> None:
+    """More generations than the engine can queue at once could never be admitted:
+    a 400, not a 429 that no retry would cure."""
+    count = prompts * choices_per_prompt(request)
+    if limits.max_choices is not None and count > limits.max_choices:
+        raise InvalidRequestError(
+            f"The request asks for {count} generations ({prompts} prompt(s) x n = "
+            f"{choices_per_prompt(request)}); this server accepts at most "
+            f"{limits.max_choices} per request.",
+            param="n" if choices_per_prompt(request) > 1 else "prompt", code="invalid_value")
+
+
 def max_new_tokens(request: AnyRequest, prompt_len: int, limits: Limits) -> int:
     asked, field = request.requested_max_tokens()
     room = limits.max_context - prompt_len
@@ -159,6 +172,7 @@ def generation_requests(
 ) -> list[GenerationRequest]:
     """One engine request per choice, in choice-index order."""
     param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    check_choices(request, len(prompts), limits)
     logprobs, top_logprobs = logprob_options(request)
     speculation = speculation_params(request)
     stops = stop_sequences(request)

@@ -10,10 +10,21 @@ refused with a 400 naming it otherwise; any other unknown field is refused by
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 from pydantic_core.core_schema import ValidationInfo
 
 MAX_STOP_SEQUENCES = 4
@@ -23,12 +34,24 @@ SEED_MIN = -(1 << 63)
 SEED_MAX = (1 << 64) - 1
 
 
-def refuse(*neutral: Any) -> BeforeValidator:
-    """A validator for a field this server does not implement: ``None`` and the
+def refuse(*neutral: Any) -> Refused:
+    """The annotation of a field this server does not implement: ``None`` and the
     given neutral values pass (as ``None``), anything else is refused by name."""
+    return Refused(neutral)
 
-    def check(value: Any, info: ValidationInfo) -> None:
-        if value is None or any(value == ok for ok in neutral):
+
+class Refused:
+    """See :func:`refuse`. A neutral value must be a JSON-equal one: ``true`` is not ``1``."""
+
+    def __init__(self, neutral: tuple[Any, ...]) -> None:
+        self.neutral = neutral
+
+    def _accepts(self, value: Any) -> bool:
+        return value is None or any(isinstance(value, bool) == isinstance(ok, bool)
+                                    and value == ok for ok in self.neutral)
+
+    def _check(self, value: Any, info: ValidationInfo) -> None:
+        if self._accepts(value):
             return None
         raise PydanticCustomError(
             "unsupported_parameter",
@@ -36,11 +59,22 @@ def refuse(*neutral: Any) -> BeforeValidator:
             {"field": info.field_name},
         )
 
-    return BeforeValidator(check)
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler
+                                     ) -> core_schema.CoreSchema:
+        return core_schema.with_info_before_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"enum": [None, *self.neutral],
+                "description": "Not supported by this server: only null"
+                               + "".join(f" or {json.dumps(v)}" for v in self.neutral)
+                               + " is accepted."}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Values are not coerced between JSON types ("3" is not 3, 1 is not true), as in
+    # OpenAI's API and in the JSON schema that /openapi.json publishes.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class StreamOptions(_Strict):
@@ -109,7 +143,15 @@ def _stop(value: Any) -> Any:
     return value
 
 
-StopField = Annotated[str | list[str] | None, BeforeValidator(_stop)]
+StopField = Annotated[
+    str | list[str] | None,
+    BeforeValidator(_stop),
+    WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_SEQUENCES},
+        {"type": "null"},
+    ]}),
+]
 
 
 def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
@@ -201,7 +243,17 @@ def _prompt(value: Any) -> Any:
                           "ids or an array of non-empty token-id arrays (not a mix)")
 
 
-PromptField = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_prompt)]
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+PromptField = Annotated[
+    str | list[str] | list[int] | list[list[int]],
+    BeforeValidator(_prompt),
+    WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+    ]}),
+]
 
 
 class CompletionRequest(_Strict):

@@ -1,5 +1,6 @@
 """OpenAI response bodies and stream chunks, plus the speculation statistics
-every response carries in the extra top-level ``speculation`` field.
+every response carries in the extra top-level ``speculation`` field, the error
+body, and the bodies of ``/health`` and ``/ready``.
 
 Fields follow OpenAI's reference order; extras sit in one marked block.
 """
@@ -136,3 +137,38 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- errors and probes ----------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's format (also the last event of a stream that failed)."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class HealthFailure(BaseModel):
+    status: Literal["failed"] = "failed"
+    error: str  # why loading the models failed
+
+
+class Readiness(BaseModel):
+    status: Literal["ready"] = "ready"
+    running: int  # requests being decoded
+    waiting: int  # requests queued
+
+
+class NotReady(BaseModel):
+    status: Literal["loading", "draining", "failed"]

@@ -54,6 +54,7 @@ from gateway.streaming import ResponseRun
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800 to \udfff, as JSON writes them
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -118,23 +119,30 @@ def load_json(body: bytes) -> Any:
     except ValueError as exc:
         raise InvalidRequestError("The request body is not valid JSON.",
                                   code="invalid_json") from exc
-    if _ESCAPED_SURROGATE.search(text) is not None and not _encodable(payload):
+    if _ESCAPED_SURROGATE.search(text) is not None and _has_lone_surrogate(payload):
         raise InvalidRequestError(
             "The request body contains an unpaired UTF-16 surrogate escape (\\ud800 to "
             "\\udfff); strings must be valid Unicode.", code="invalid_json")
     return payload
 
 
-_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def _encodable(payload: Any) -> bool:
-    """Whether every string in ``payload`` can be encoded as UTF-8 (no lone surrogate)."""
-    try:
-        json.dumps(payload, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+def _has_lone_surrogate(payload: Any) -> bool:
+    """Whether a string in ``payload`` (a key or a value, at any depth) cannot be
+    encoded as UTF-8; walked without recursion, however deep the JSON."""
+    stack = [payload]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 async def _parse(request: Request, state: GatewayState, model: type[M]) -> M:

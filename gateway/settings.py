@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from decoding import model_store
 
 ENV_PREFIX = "SPECSERVE_"
 MIB = 1 << 20
+CACHE_DRAFT = "cache"  # the continuation drafter, which reads the prefix cache
 
 CommaList = Annotated[list[str], NoDecode]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -70,6 +71,19 @@ class Settings(BaseSettings):
                 return json.loads(text)
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _draft_without_cache(self) -> Settings:
+        """The default draft includes the continuation cache; without a prefix cache it
+        goes without it. A draft that names ``cache`` explicitly is refused instead."""
+        parts = [p.strip() for p in self.draft.split("+") if p.strip()]
+        if self.prefix_cache or CACHE_DRAFT not in parts:
+            return self
+        if "draft" in self.model_fields_set:
+            raise ValueError(f"the draft {self.draft!r} uses the prefix cache, which is "
+                             "disabled; leave 'cache' out of the draft or enable the cache")
+        self.draft = "+".join(p for p in parts if p != CACHE_DRAFT) or "none"
+        return self
 
     @field_validator("log_level", mode="before")
     @classmethod

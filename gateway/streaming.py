@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from decoding.engine import RequestStream
 from decoding.types import RoundEvent
-from gateway.errors import error_type_of
+from gateway.errors import CLIENT_CLOSED_STATUS, error_type_of
 from gateway.formats import Format, Job
 from gateway.generation import (
     ChoiceTotals,
@@ -40,7 +40,6 @@ from observability.telemetry import RequestTelemetry
 
 log = logging.getLogger(__name__)
 
-CLIENT_CLOSED_STATUS = 499  # nobody reads it; recorded in the access log
 DONE = "[DONE]"
 _DROP_WHEN_NONE = ("usage", "speculation")
 

@@ -39,6 +39,7 @@ ERROR_TYPES = (
     "not_found",  # 404
     "payload_too_large",  # 413
     "rate_limited",  # 429
+    "client_closed",  # 499: the client left before its response was sent
     "unavailable",  # 503: not ready or shutting down
     "timeout",  # the request ran past its deadline
     "model_error",  # the model failed on this request

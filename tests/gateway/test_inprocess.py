@@ -64,7 +64,8 @@ async def test_chat_completion(client: httpx.AsyncClient, tiny_target: CausalLM)
     assert choice["finish_reason"] == "length"
     prompt_tokens = len(encode_chat(tiny_target.tokenizer, CHAT))
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6,
-                             "total_tokens": prompt_tokens + 6}
+                             "total_tokens": prompt_tokens + 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     spec = body["speculation"]
     assert spec["drafter"] == "ngram" and spec["rounds"] >= 1
     assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
@@ -96,7 +97,7 @@ async def test_health_ready_and_models(client: httpx.AsyncClient) -> None:
     models = (await client.get("/v1/models")).json()
     (card,) = models["data"]
     assert models["object"] == "list" and card["id"] == TINY and card["object"] == "model"
-    assert card["metadata"]["backend"] == "torch"
+    assert card["metadata"]["draft_backend"] == "torch"
     assert card["metadata"]["default_drafter"] == "ngram"
     assert set(card["metadata"]["drafters"]) == {"ngram", "draft", "none"}
     assert card["max_model_len"] == 512

@@ -1,0 +1,247 @@
+"""Hand-written hostile inputs against a real uvicorn server: each gets a clean
+4xx in OpenAI's error format (or a correct 200), never a 5xx, and the server
+keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from decoding.engine import Engine
+from gateway.server import create_app
+from tests.gateway.conftest import live_server, tiny_settings
+from tests.reliability.support import TINY, assert_openai_error, is_idle, sse_data, wait_for
+
+CHAT_PATH, TEXT_PATH = "/v1/chat/completions", "/v1/completions"
+BODY_LIMIT = 256 * 1024
+MAX_TOKENS = 8
+VOCAB = 49152  # the shared tokenizer's vocabulary
+MSG = [{"role": "user", "content": "Hello there."}]
+
+
+@dataclass(frozen=True)
+class Hostile:
+    path: str
+    body: bytes
+    status: int
+    code: str | None = None
+    param: str | None = None
+
+
+def chat(**fields: Any) -> bytes:
+    return json.dumps({"model": TINY, "messages": MSG, "max_tokens": 4, **fields}).encode()
+
+
+def text(**fields: Any) -> bytes:
+    return json.dumps({"model": TINY, "prompt": "Once upon a time", "max_tokens": 4,
+                       **fields}).encode()
+
+
+def raw_chat(fragment: bytes) -> bytes:
+    """A chat body with ``fragment`` spliced in verbatim as the first field."""
+    return b'{' + fragment + b', "model": "tiny", "messages": [{"role": "user", "content": "x"}]}'
+
+
+def nested(depth: int) -> bytes:
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+def bad(path: str, body: bytes, code: str | None = None, param: str | None = None,
+        status: int = 400) -> Hostile:
+    return Hostile(path, body, status, code, param)
+
+
+def ok(path: str, body: bytes) -> Hostile:
+    return Hostile(path, body, 200)
+
+
+CASES: dict[str, Hostile] = {
+    # -- encoding --------------------------------------------------------------------------
+    "invalid utf-8 byte": bad(CHAT_PATH, b'{"model": "tiny", "messages": "\xff\xfe"}',
+                              "invalid_json"),
+    "invalid utf-8 in content": bad(
+        CHAT_PATH, b'{"model":"tiny","messages":[{"role":"user","content":"a\xc3\x28b"}]}',
+        "invalid_json"),
+    "utf-16 body": bad(CHAT_PATH, chat().decode().encode("utf-16"), "invalid_json"),
+    "lone surrogate in model": bad(CHAT_PATH, raw_chat(b'"user": "ok"').replace(
+        b'"model": "tiny"', b'"model": "\\ud800"'), "invalid_json"),
+    "lone surrogate in content": bad(
+        CHAT_PATH, b'{"model":"tiny","messages":[{"role":"user","content":"a\\udfffb"}]}',
+        "invalid_json"),
+    "lone surrogate in prompt": bad(TEXT_PATH, b'{"model":"tiny","prompt":"a\\ud83d"}',
+                                    "invalid_json"),
+    "lone surrogate as a key": bad(CHAT_PATH, raw_chat(b'"\\udc00": 1'), "invalid_json"),
+    "surrogate pair is fine": ok(
+        TEXT_PATH, b'{"model":"tiny","prompt":"smile \\ud83d\\ude00","max_tokens":2}'),
+    # -- structure -------------------------------------------------------------------------
+    "empty body": bad(CHAT_PATH, b"", "invalid_json"),
+    "not json": bad(CHAT_PATH, b"model=tiny", "invalid_json"),
+    "json null": bad(CHAT_PATH, b"null", "invalid_json"),
+    "json array": bad(CHAT_PATH, b"[]", "invalid_json"),
+    "truncated json": bad(CHAT_PATH, chat()[:-3], "invalid_json"),
+    "deep arrays": bad(CHAT_PATH, b"[" * 100_000 + b"]" * 100_000, "invalid_json"),
+    "deep objects in a field": bad(CHAT_PATH, raw_chat(b'"metadata": ' + nested(3000)),
+                                   "invalid_json"),
+    "shallow nesting in an unsupported field": bad(
+        CHAT_PATH, raw_chat(b'"metadata": ' + nested(50)), "unsupported_parameter", "metadata"),
+    "deep arrays as content": bad(
+        CHAT_PATH, b'{"model":"tiny","messages":[{"role":"user","content":'
+        + b"[" * 5000 + b"]" * 5000 + b"}]}", "invalid_json"),
+    "nesting just under the parser's limit": bad(
+        CHAT_PATH, raw_chat(b'"metadata": ' + b"[" * 900 + b"1" + b"]" * 900),
+        "unsupported_parameter", "metadata"),
+    "deep surrogate just under the limit": bad(
+        CHAT_PATH, raw_chat(b'"metadata": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900),
+        "invalid_json"),
+    "unknown field": bad(CHAT_PATH, chat(temprature=0.5), "unknown_parameter", "temprature"),
+    # -- numbers ---------------------------------------------------------------------------
+    "NaN temperature": bad(CHAT_PATH, raw_chat(b'"temperature": NaN'), param="temperature"),
+    "Infinity top_p": bad(CHAT_PATH, raw_chat(b'"top_p": Infinity'), param="top_p"),
+    "-Infinity penalty": bad(CHAT_PATH, raw_chat(b'"presence_penalty": -Infinity'),
+                             param="presence_penalty"),
+    "1e999 seed": bad(CHAT_PATH, raw_chat(b'"seed": 1e999'), param="seed"),
+    "NaN max_tokens": bad(TEXT_PATH, b'{"model":"tiny","prompt":"x","max_tokens":NaN}',
+                          param="max_tokens"),
+    "negative max_tokens": bad(CHAT_PATH, chat(max_tokens=-1), param="max_tokens"),
+    "zero max_tokens": bad(CHAT_PATH, chat(max_tokens=0), param="max_tokens"),
+    "absurd max_tokens": bad(CHAT_PATH, chat(max_tokens=10**30), param="max_tokens"),
+    "400-digit max_tokens": bad(TEXT_PATH, text(max_tokens=10**400), param="max_tokens"),
+    "string max_tokens": bad(CHAT_PATH, chat(max_tokens="4"), param="max_tokens"),
+    "fractional max_tokens": bad(CHAT_PATH, chat(max_tokens=4.5), param="max_tokens"),
+    "boolean max_tokens": bad(CHAT_PATH, chat(max_tokens=True), param="max_tokens"),
+    "negative n": bad(CHAT_PATH, chat(n=-1), param="n"),
+    "absurd n": bad(CHAT_PATH, chat(n=10**9), param="n"),
+    "more generations than the queue": bad(TEXT_PATH, text(prompt=["a"] * 5, n=16),
+                                           "invalid_value", "n"),
+    "negative top_logprobs": bad(CHAT_PATH, chat(logprobs=True, top_logprobs=-1),
+                                 param="top_logprobs"),
+    "absurd top_logprobs": bad(CHAT_PATH, chat(logprobs=True, top_logprobs=10**9),
+                               param="top_logprobs"),
+    "absurd legacy logprobs": bad(TEXT_PATH, text(logprobs=10**6), param="logprobs"),
+    "absurd seed": bad(CHAT_PATH, chat(seed=2**64), param="seed"),
+    "negative top_k": bad(TEXT_PATH, text(top_k=-5), param="top_k"),
+    "boolean best_of": bad(TEXT_PATH, text(best_of=True), "unsupported_parameter", "best_of"),
+    "huge top_k is a no-op": ok(TEXT_PATH, text(top_k=10**12, temperature=0.7, seed=1)),
+    "tiniest temperature": ok(TEXT_PATH, text(temperature=5e-324, seed=3)),
+    "tiniest top_p": ok(TEXT_PATH, text(top_p=5e-324, seed=3)),
+    # -- stop strings ----------------------------------------------------------------------
+    "thousands of stop strings": bad(CHAT_PATH, chat(stop=[f"s{i}" for i in range(5000)]),
+                                     param="stop"),
+    "one huge stop string": ok(CHAT_PATH, chat(stop="x" * 100_000, max_tokens=MAX_TOKENS)),
+    "empty stop strings": ok(TEXT_PATH, text(stop=["", ""])),
+    "non-string stop": bad(TEXT_PATH, text(stop=[1, 2]), param="stop[0]"),
+    # -- messages --------------------------------------------------------------------------
+    "no messages": bad(CHAT_PATH, chat(messages=[]), param="messages"),
+    "tool role": bad(CHAT_PATH, chat(messages=[{"role": "tool", "content": "x"}]),
+                     param="messages[0].role"),
+    "made-up role": bad(CHAT_PATH, chat(messages=[{"role": "robot", "content": "x"}]),
+                        param="messages[0].role"),
+    "null role": bad(CHAT_PATH, chat(messages=[{"role": None, "content": "x"}]),
+                     param="messages[0].role"),
+    "message not an object": bad(CHAT_PATH, chat(messages=["hello"]), param="messages[0]"),
+    "missing content": bad(CHAT_PATH, chat(messages=[{"role": "user"}]),
+                           "missing_required_parameter", "messages[0].content"),
+    "empty content parts": ok(CHAT_PATH, chat(messages=[{"role": "user", "content": []}])),
+    "empty text part": ok(CHAT_PATH, chat(
+        messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}])),
+    "image part": bad(CHAT_PATH, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]),
+        "unsupported_parameter"),
+    "only special tokens in chat": ok(CHAT_PATH, chat(messages=[
+        {"role": "user", "content": "<|im_start|><|im_end|><|endoftext|>" * 20}])),
+    "thousands of messages": bad(CHAT_PATH, chat(messages=[
+        {"role": "user", "content": "hi"}] * 3000), "context_length_exceeded", "messages"),
+    # -- prompts ---------------------------------------------------------------------------
+    "only special tokens in prompt": ok(TEXT_PATH, text(prompt="<|im_end|>" * 10)),
+    "only end-of-text ids": ok(TEXT_PATH, text(prompt=[0, 0, 0])),
+    "empty prompt": bad(TEXT_PATH, text(prompt=""), param="prompt"),
+    "empty prompt list": bad(TEXT_PATH, text(prompt=[]), param="prompt"),
+    "empty id list": bad(TEXT_PATH, text(prompt=[[]]), param="prompt"),
+    "id at the vocabulary size": bad(TEXT_PATH, text(prompt=[VOCAB]), "invalid_value",
+                                     "prompt[0]"),
+    "negative id": bad(TEXT_PATH, text(prompt=[5, -1]), "invalid_value", "prompt[0]"),
+    "id beyond 64 bits": bad(TEXT_PATH, text(prompt=[[1, 2], [2**70]]), "invalid_value",
+                             "prompt[1]"),
+    "boolean ids": bad(TEXT_PATH, text(prompt=[True, False]), param="prompt"),
+    "mixed prompt": bad(TEXT_PATH, text(prompt=["a", 1]), param="prompt"),
+    "prompt filling the context": bad(TEXT_PATH, text(prompt=[5] * 511),
+                                      "context_length_exceeded", "max_tokens"),
+    "prompt beyond the context": bad(TEXT_PATH, text(prompt=[5] * 600),
+                                     "context_length_exceeded", "prompt"),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_url(tiny_engine: Engine) -> Iterator[str]:
+    settings = tiny_settings(max_tokens=MAX_TOKENS, max_body_bytes=BODY_LIMIT)
+    with live_server(create_app(settings, engine=tiny_engine)) as url:
+        yield url
+
+
+def assert_good_completion(response: httpx.Response) -> None:
+    assert response.status_code == 200, response.text[:500]
+    body = response.json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert 1 <= body["usage"]["completion_tokens"] <= MAX_TOKENS
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hostile_input(hostile_url: str, name: str) -> None:
+    case = CASES[name]
+    with httpx.Client(base_url=hostile_url, timeout=60) as http:
+        response = http.post(case.path, content=case.body,
+                             headers={"content-type": "application/json"})
+        if case.status == 200:
+            assert_good_completion(response)
+        else:
+            assert_openai_error(response, case.status, case.code, case.param)
+        assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_huge_bodies_are_413(hostile_url: str, chunked: bool) -> None:
+    body = text(prompt="a" * (20 * BODY_LIMIT))
+
+    def pieces() -> Iterator[bytes]:
+        for start in range(0, len(body), 64 * 1024):
+            yield body[start:start + 64 * 1024]
+
+    response = httpx.post(f"{hostile_url}{TEXT_PATH}", content=pieces() if chunked else body,
+                          timeout=60)
+    assert_openai_error(response, 413, "payload_too_large")
+
+
+def test_wrong_method_unknown_route_and_model(hostile_url: str) -> None:
+    with httpx.Client(base_url=hostile_url, timeout=30) as http:
+        wrong = http.delete(CHAT_PATH)
+        assert_openai_error(wrong, 405, "method_not_allowed")
+        assert "POST" in wrong.headers["allow"]
+        assert_openai_error(http.get("/v1/nothing-here"), 404)
+        assert_openai_error(http.get("/v1/models/%ff%fe"), 404, "model_not_found", "model")
+        assert_openai_error(http.get("/v1/models/" + "m" * 10_000), 404, "model_not_found")
+        unknown = http.post(CHAT_PATH, content=chat(model="gpt-9"))
+        assert_openai_error(unknown, 404, "model_not_found", "model")
+
+
+def test_plain_text_content_type_still_parses(hostile_url: str) -> None:
+    response = httpx.post(f"{hostile_url}{TEXT_PATH}", content=text(),
+                          headers={"content-type": "text/plain"}, timeout=60)
+    assert_good_completion(response)
+
+
+def test_still_serving_after_everything(hostile_url: str, tiny_engine: Engine) -> None:
+    for name in sorted(CASES):  # every hostile body again, back to back
+        httpx.post(f"{hostile_url}{CASES[name].path}", content=CASES[name].body, timeout=60)
+    assert wait_for(lambda: is_idle(hostile_url), timeout=30)
+    streamed = httpx.post(f"{hostile_url}{CHAT_PATH}", timeout=60,
+                          content=chat(stream=True, max_tokens=MAX_TOKENS, temperature=0))
+    events = sse_data(streamed.text)
+    assert events[-1] == "[DONE]" and len(events) >= 2
+    # the engine frees the slot just after the last event is handed over
+    assert wait_for(lambda: tiny_engine.num_running + tiny_engine.num_waiting == 0, timeout=5)

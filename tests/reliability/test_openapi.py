@@ -1,0 +1,204 @@
+"""The served OpenAPI document is accurate: every route, its request body, both
+forms of its 200 and every error it can answer are documented, and the request
+schemas accept exactly what the server accepts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema_rs
+import pytest
+import schemathesis
+from fastapi.routing import APIRoute
+
+from decoding.engine import Engine
+from gateway.errors import InvalidRequestError
+from gateway.openapi import COMPLETION_ERRORS
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.routes import parse_body, router, v1
+from gateway.server import create_app
+from tests.gateway.conftest import in_process, tiny_settings
+
+CHAT = [{"role": "user", "content": "hi"}]
+REQUEST_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+@pytest.fixture(scope="module")
+def document() -> dict[str, Any]:
+    return create_app(tiny_settings()).openapi()
+
+
+def refs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                yield value
+            else:
+                yield from refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from refs(item)
+
+
+def validator(document: dict[str, Any], name: str) -> jsonschema_rs.Validator:
+    """A validator of one component schema, its references resolved in the document."""
+    schema = {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
+    return jsonschema_rs.Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize("keys", [[], ["k"]], ids=["open", "with-keys"])
+def test_document_is_valid_openapi(keys: list[str]) -> None:
+    document = create_app(tiny_settings(api_keys=keys)).openapi()
+    assert document["openapi"].startswith("3.1")
+    schemathesis.openapi.from_dict(document).validate()  # the OpenAPI 3.1 meta-schema
+
+
+def test_every_route_is_documented(document: dict[str, Any]) -> None:
+    routes = [r for r in [*router.routes, *v1.routes] if isinstance(r, APIRoute)]
+    for route in routes:
+        path = route.path.replace(":path}", "}")
+        for method in route.methods or ():
+            operation = document["paths"][path][method.lower()]
+            assert "200" in operation["responses"], (path, method)
+            assert "422" not in operation["responses"], "validation errors are 400s here"
+    assert len(routes) == 6
+
+
+@pytest.mark.parametrize("path", sorted(REQUEST_MODELS))
+def test_completion_routes_document_body_streams_and_errors(document: dict[str, Any],
+                                                            path: str) -> None:
+    operation = document["paths"][path]["post"]
+    body = operation["requestBody"]
+    assert body["required"] is True
+    model = REQUEST_MODELS[path]
+    assert body["content"]["application/json"]["schema"] == {
+        "$ref": f"#/components/schemas/{model.__name__}"}
+    ok = operation["responses"]["200"]
+    assert set(ok["content"]) == {"application/json", "text/event-stream"}
+    assert ok["headers"]["X-Request-Id"]["required"] is True
+    for status in COMPLETION_ERRORS:
+        error = operation["responses"][str(status)]
+        assert error["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    assert operation["responses"]["429"]["headers"]["Retry-After"]["required"] is True
+
+
+def test_every_reference_resolves(document: dict[str, Any]) -> None:
+    schemas = document["components"]["schemas"]
+    found = set(refs(document))
+    assert found, "the document references no schema"
+    for reference in found:
+        assert reference.startswith("#/components/schemas/"), reference
+        assert reference.rsplit("/", 1)[1] in schemas, reference
+    assert "HTTPValidationError" not in schemas
+
+
+def test_bearer_scheme_only_with_api_keys() -> None:
+    open_doc = create_app(tiny_settings()).openapi()
+    assert "securitySchemes" not in open_doc["components"]
+    keyed = create_app(tiny_settings(api_keys=["k"])).openapi()
+    assert keyed["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http", "scheme": "bearer"}
+    assert keyed["paths"]["/v1/models"]["get"]["security"] == [{"bearerAuth": []}]
+    assert "security" not in keyed["paths"]["/health"]["get"]
+
+
+# Bodies that probe where a schema and a validator tend to disagree: coercion,
+# neutral values of unsupported fields, list bounds and JSON types.
+BODIES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT}),
+    ("/v1/chat/completions", {"model": "m", "messages": []}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": "3"}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 0}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": "true"}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": 1}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "temperature": 1}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "temperature": "1"}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tools": []}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tools": [{"type": "x"}]}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "store": False}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "store": 0}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT,
+                              "response_format": {"type": "text"}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT,
+                              "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stop": ["a"] * 4}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stop": ["a"] * 5}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "seed": 2**64}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "n": 17}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "unknown": 1}),
+    ("/v1/chat/completions", {"model": "m",
+                              "messages": [{"role": "tool", "content": "x"}]}),
+    ("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": []}]}),
+    ("/v1/completions", {"model": "m", "prompt": "x"}),
+    ("/v1/completions", {"model": "m", "prompt": []}),
+    ("/v1/completions", {"model": "m", "prompt": [[]]}),
+    ("/v1/completions", {"model": "m", "prompt": [1, 2]}),
+    ("/v1/completions", {"model": "m", "prompt": [1, "a"]}),
+    ("/v1/completions", {"model": "m", "prompt": [True]}),
+    ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 1}),
+    ("/v1/completions", {"model": "m", "prompt": "x", "best_of": True}),
+    ("/v1/completions", {"model": "m", "prompt": "x", "suffix": ""}),
+    ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 21}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+def test_request_schema_agrees_with_the_validator(document: dict[str, Any], path: str,
+                                                  body: dict[str, Any]) -> None:
+    model = REQUEST_MODELS[path]
+    documented = validator(document, model.__name__).is_valid(body)
+    try:
+        parse_body(model, httpx.Request("POST", "/", json=body).content)
+        accepted = True
+    except InvalidRequestError:
+        accepted = False
+    assert documented == accepted, f"schema says {documented}, server says {accepted}"
+
+
+async def test_served_document_is_the_accurate_one(tiny_engine: Engine,
+                                                   document: dict[str, Any]) -> None:
+    async with in_process(create_app(tiny_settings(), engine=tiny_engine)) as client:
+        served = await client.get("/openapi.json")
+        assert served.status_code == 200
+        assert served.json() == document
+        ready = await client.get("/ready")
+        assert validator(document, "Readiness").is_valid(ready.json())
+        health = await client.get("/health")
+        assert validator(document, "Health").is_valid(health.json())
+
+
+def event_validator(document: dict[str, Any], path: str) -> jsonschema_rs.Validator:
+    """A validator of one stream event's ``data`` (decoded), from the document."""
+    ok = document["paths"][path]["post"]["responses"]["200"]
+    event = ok["content"]["text/event-stream"]["schema"]
+    assert event["required"] == ["data"]
+    payload = event["properties"]["data"]["anyOf"][1]
+    assert payload["contentMediaType"] == "application/json"
+    schema = {**payload["contentSchema"], "components": document["components"]}
+    return jsonschema_rs.Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize("path", sorted(REQUEST_MODELS))
+async def test_stream_events_match_the_documented_event_schema(
+        tiny_engine: Engine, document: dict[str, Any], path: str) -> None:
+    """Regression: the event stream was documented as one string, which tools read
+    as the schema of each event (so every real event failed validation)."""
+    check = event_validator(document, path)
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 5, "stream": True, "n": 2,
+                            "stream_options": {"include_usage": True}}
+    body.update({"messages": CHAT} if path == "/v1/chat/completions" else {"prompt": "Hi"})
+    async with in_process(create_app(tiny_settings(), engine=tiny_engine)) as client:
+        response = await client.post(path, json=body)
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    for data in events[:-1]:
+        assert check.is_valid(json.loads(data)), data
+    assert check.is_valid({"error": {"message": "m", "type": "t", "param": None, "code": None}})
+    assert not check.is_valid({"choices": "nope"})
