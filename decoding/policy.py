@@ -1,25 +1,30 @@
 """How many tokens to draft next round.
 
-The policy estimates the per-token acceptance probability alpha from recent
-rounds and the relative cost of drafting and verifying, and picks the k that
-maximises expected committed tokens per unit of time:
+The policy keeps, for every draft position i, the chance that it is accepted
+given that positions before it were (drafts come in runs: an n-gram copy that
+starts right tends to stay right, so one per-token rate would undersell long
+drafts). From those rates and the relative cost of drafting and verifying it
+picks the k that maximises expected committed tokens per unit of time:
 
-    tokens(k) = (1 - alpha^(k+1)) / (1 - alpha)        (Leviathan et al., eq. 1)
-    cost(k)   = 1 + VERIFY_COST_PER_TOKEN * k + draft_cost_per_token * k
+    tokens(k) = 1 + sum_{j<k} prod_{i<=j} p_i    (the 1 is the recovered or bonus token)
+    cost(k)   = 1 + (VERIFY_COST_PER_TOKEN + draft_cost_per_token) * k
 
-So it grows k while drafts are accepted, shrinks it after early rejections,
-and falls back to plain decoding (k = 0) when speculation stops paying, then
-probes again every PROBE_INTERVAL rounds.
+With equal p_i this is Leviathan et al. (2023), eq. 1. So k grows while drafts
+are accepted, shrinks after early rejections, and falls back to plain decoding
+(k = 0) when speculation stops paying; it probes again every PROBE_INTERVAL
+rounds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIN_DRAFT_TOKENS = 1
 MAX_DRAFT_TOKENS = 8
 INITIAL_ALPHA = 0.6  # optimistic start: the first rounds measure the truth
-HISTORY_DECAY = 0.8  # weight of history in the acceptance estimate, per round
+INITIAL_WEIGHT = 2.0  # pseudo-rounds behind INITIAL_ALPHA; they fade like real history
+INHERIT_WEIGHT = 0.5  # pseudo-rounds by which a position leans on the one before it
+HISTORY_DECAY = 0.8  # weight of history in the acceptance estimates, per round
 # Extra verify time per draft token, in target steps: measured on a 2-core AVX-512 CPU with
 # the default model as about 0.055 (float32) and 0.025 (bfloat16); slightly pessimistic here.
 VERIFY_COST_PER_TOKEN = 0.06
@@ -28,20 +33,36 @@ PROBE_INTERVAL = 16  # plain rounds between probes once speculation backed off
 COST_DECAY = 0.9
 
 
+def _initial_tries() -> list[float]:
+    return [INITIAL_WEIGHT] + [0.0] * (MAX_DRAFT_TOKENS - 1)
+
+
+def _initial_hits() -> list[float]:
+    return [INITIAL_WEIGHT * INITIAL_ALPHA] + [0.0] * (MAX_DRAFT_TOKENS - 1)
+
+
 @dataclass
 class AdaptiveSpeculation:
     max_tokens: int = MAX_DRAFT_TOKENS
     draft_cost_per_token: float = 0.0  # in target steps; measured as rounds go
-    _accepted: float = INITIAL_ALPHA * 4
-    _rejected: float = (1 - INITIAL_ALPHA) * 4
+    k: int = 4
+    _tries: list[float] = field(default_factory=_initial_tries)  # i drafted, all before kept
+    _hits: list[float] = field(default_factory=_initial_hits)  # ... and i accepted too
     _plain_rounds: int = 0
     _step_s: float = 0.0  # measured plain target step time
-    k: int = 4
 
     @property
     def alpha(self) -> float:
-        total = self._accepted + self._rejected
-        return self._accepted / total if total > 0 else INITIAL_ALPHA
+        """The estimated acceptance rate of the first draft position."""
+        return self.position_rates()[0]
+
+    def position_rates(self) -> list[float]:
+        """p_i: the chance position i is accepted when every earlier one was."""
+        rates = [self._hits[0] / self._tries[0]]
+        for tries, hits in zip(self._tries[1:], self._hits[1:], strict=True):
+            # a rarely tried position is assumed like the one before it
+            rates.append((hits + INHERIT_WEIGHT * rates[-1]) / (tries + INHERIT_WEIGHT))
+        return rates
 
     def next_k(self, limit: int) -> int:
         """The number of draft tokens for the next round, at most ``limit``."""
@@ -64,19 +85,20 @@ class AdaptiveSpeculation:
             return
         if verify_s > 0:  # a verify of k drafts costs about (1 + VERIFY_COST_PER_TOKEN * k) steps
             self._step_s = _ema(self._step_s, verify_s / (1 + VERIFY_COST_PER_TOKEN * drafted))
-        rejected = 1 if accepted < drafted else 0
-        self._accepted = HISTORY_DECAY * self._accepted + accepted
-        self._rejected = HISTORY_DECAY * self._rejected + rejected
+        for i in range(min(accepted + 1, drafted, MAX_DRAFT_TOKENS)):
+            self._tries[i] = HISTORY_DECAY * self._tries[i] + 1
+            self._hits[i] = HISTORY_DECAY * self._hits[i] + (1 if i < accepted else 0)
         if draft_s > 0 and self._step_s > 0:
             per_token = draft_s / drafted / self._step_s
             self.draft_cost_per_token = _ema(self.draft_cost_per_token, per_token)
         self.k = self.best_k()
 
     def best_k(self) -> int:
-        alpha = min(self.alpha, 0.999)
         best_k, best_rate = 0, 1.0
-        for k in range(MIN_DRAFT_TOKENS, self.max_tokens + 1):
-            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        tokens, run = 1.0, 1.0
+        for k, rate in enumerate(self.position_rates()[: self.max_tokens], start=1):
+            run *= rate
+            tokens += run
             cost = 1 + (VERIFY_COST_PER_TOKEN + self.draft_cost_per_token) * k
             if tokens / cost > best_rate * (MIN_GAIN if best_k == 0 else 1.0):
                 best_k, best_rate = k, tokens / cost

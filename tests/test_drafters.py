@@ -21,6 +21,13 @@ def test_ngram_proposes_the_continuation_of_the_latest_match() -> None:
     assert proposal.probs is None
 
 
+def test_ngram_continues_a_repetition_past_the_end() -> None:
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2)
+    tokens = [9, 1, 2, 3, 1, 2, 3, 1, 2]  # period 3: the latest "1 2" starts 3 back
+    proposal = drafter.propose(drafter.begin(tokens), DraftContext(tokens, GREEDY, None), 7)
+    assert proposal.tokens == (3, 1, 2, 3, 1, 2, 3)
+
+
 def test_ngram_prefers_longer_matches_and_never_matches_itself() -> None:
     drafter = NgramDrafter(max_ngram=3, min_ngram=1)
     state = drafter.begin([])

@@ -54,6 +54,18 @@ def test_respects_limit_and_cap() -> None:
 def test_expensive_drafts_need_higher_acceptance() -> None:
     cheap, dear = AdaptiveSpeculation(), AdaptiveSpeculation(draft_cost_per_token=0.5)
     for policy in (cheap, dear):
-        for _ in range(10):
-            policy.update(4, 1)
-    assert dear.best_k() < cheap.best_k() or dear.best_k() == 0
+        for i in range(20):  # half the drafts wholly right, half wrong from the start
+            policy.update(4, 4 if i % 2 else 0)
+    assert cheap.best_k() >= 4
+    assert dear.best_k() < cheap.best_k()
+
+
+def test_runs_of_acceptance_favour_long_drafts() -> None:
+    """Drafts that are either wholly right or wrong at once (n-gram copies) earn a
+    longer k than one per-token rate would give them."""
+    policy = AdaptiveSpeculation()
+    for i in range(30):
+        policy.update(4, 4 if i % 2 else 0)
+    rates = policy.position_rates()
+    assert 0.3 < rates[0] < 0.7 and min(rates[1:4]) > 0.9
+    assert policy.best_k() == MAX_DRAFT_TOKENS

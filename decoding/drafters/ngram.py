@@ -44,7 +44,10 @@ class NgramDrafter:
                 continue
             start = state.index[n].get(tuple(tokens[length - n :]))
             if start is not None:
-                return DraftProposal(tokens=tuple(tokens[start : start + k]))
+                # A match inside the recent output means the text repeats with period
+                # length - start; continue the repetition past the end of what exists.
+                period = length - start
+                return DraftProposal(tokens=tuple(tokens[start + i % period] for i in range(k)))
         return DraftProposal.empty()
 
     def rollback(self, state: NgramState, length: int) -> None:
