@@ -6,8 +6,11 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -99,7 +102,7 @@ class RedisServer:
                         "redis-server)")
         self.binary = binary
         self.extra = extra
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -130,10 +133,37 @@ class RedisServer:
             self.process = None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def http_status(url: str) -> int | None:
+    """The status of GET ``url``; None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def wait_for_status(url: str, process: subprocess.Popen[Any], timeout: float,
+                    output: Callable[[], str] = lambda: "", status: int = 200) -> None:
+    """Poll ``url`` until it answers ``status``; fail with the server's ``output`` if
+    its process exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with {process.returncode}:\n{output()}")
+        if http_status(url) == status:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"{url} did not answer {status} within {timeout:.0f} s:\n{output()}")
+        time.sleep(0.1)
 
 
 @pytest.fixture()

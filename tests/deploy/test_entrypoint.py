@@ -5,18 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from decoding import model_store
+from tests.conftest import free_port, wait_for_status
 from tests.deploy.conftest import REPO
 
 ENTRYPOINT = REPO / "deploy" / "docker-entrypoint.sh"
@@ -176,32 +173,6 @@ def _serve_available() -> bool:
     return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
-
-
-def _wait_for(url: str, status: int, process: subprocess.Popen[bytes], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the server exited early"
-        if _status(url) == status:
-            return
-        time.sleep(0.5)
-    pytest.fail(f"{url} did not answer {status} within {seconds:.0f} s")
-
-
 @pytest.fixture()
 def model_home(tmp_path: Path, default_model_dir: Path) -> Path:
     """A SPECSERVE_HOME holding (a link to) the already pulled default model."""
@@ -225,7 +196,7 @@ def test_entrypoint_starts_the_real_server_and_drains_on_sigterm(model_home: Pat
                                                                  tmp_path: Path) -> None:
     if not _serve_available():
         pytest.skip("`specserve serve` is not implemented yet")
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     env = _image_env(model_home, SPECSERVE_PULL_MODEL="never", SPECSERVE_HOST="127.0.0.1",
                      SPECSERVE_PORT=str(port), SPECSERVE_METRICS_PORT=str(metrics_port),
                      SPECSERVE_SHUTDOWN_TIMEOUT="5", SPECSERVE_THREADS="2",
@@ -235,11 +206,15 @@ def test_entrypoint_starts_the_real_server_and_drains_on_sigterm(model_home: Pat
         process = subprocess.Popen([str(ENTRYPOINT)], env=env, stdout=sink, stderr=sink)
     try:
         base = f"http://127.0.0.1:{port}"
-        _wait_for(f"{base}/health", 200, process, 90)
+
+        def output() -> str:
+            return log.read_text(errors="replace")
+
+        wait_for_status(f"{base}/health", process, 90, output)
         cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes().split(b"\0")
         assert any(part.endswith(b"specserve") for part in cmdline), cmdline  # exec'd
         assert b"serve" in cmdline
-        _wait_for(f"{base}/ready", 200, process, 180)
+        wait_for_status(f"{base}/ready", process, 180, output)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0, log.read_text(errors="replace")
     finally:

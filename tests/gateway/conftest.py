@@ -16,6 +16,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.engine import Engine
@@ -45,7 +46,8 @@ def _no_specserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_target: CausalLM, tiny_draft: CausalLM) -> Iterator[Engine]:
-    drafters = {"ngram": NgramDrafter(), "draft": ModelDrafter(tiny_draft, tiny_target)}
+    drafters: dict[str, Drafter] = {"ngram": NgramDrafter(),
+                                    "draft": ModelDrafter(tiny_draft, tiny_target)}
     engine = Engine(tiny_target, drafters, default_drafter="ngram")
     engine.start()
     yield engine

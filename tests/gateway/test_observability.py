@@ -23,7 +23,7 @@ from gateway.server import create_app
 from observability.metrics import Metrics, start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import build_tracer_provider
-from tests.conftest import _free_port
+from tests.conftest import free_port
 from tests.gateway.conftest import TINY, in_process, live_server, openai_client, tiny_settings
 
 REPEAT = [{"role": "user", "content": "a b a b a b a b a b"}]  # the tiny model repeats here
@@ -172,14 +172,14 @@ def prometheus_binary() -> str:
 @pytest.fixture()
 def prometheus(prometheus_binary: str, tmp_path: Path) -> Iterator[tuple[int, int]]:
     """A real Prometheus scraping a metrics server every second; yields both ports."""
-    telemetry_port = _free_port()
+    telemetry_port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
         "  - job_name: specserve\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{telemetry_port}']}}]\n")
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [prometheus_binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'db'}",
          f"--web.listen-address=127.0.0.1:{port}"],

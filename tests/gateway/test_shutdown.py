@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,16 +18,16 @@ from typing import IO, Any
 
 import httpx
 
+from tests.conftest import free_port, wait_for_status
 from tests.gateway.conftest import CHAT
 
 REPO = Path(__file__).resolve().parents[2]
 STREAM_TOKENS = 400  # long enough to still be running while the test probes
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _read(log: IO[str]) -> str:
+    log.seek(0)
+    return log.read()
 
 
 @contextmanager
@@ -47,27 +46,12 @@ def run_server(model_dir: Path, shutdown_timeout: float
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_ready(proc, url, log)
+            wait_for_status(f"{url}/ready", proc, 120, lambda: _read(log))
             yield proc, url
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
-
-
-def wait_ready(proc: subprocess.Popen[str], url: str, log: IO[str]) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise AssertionError(f"the server exited:\n{log.read()}")
-        assert time.monotonic() < deadline, "the server did not become ready"
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
 
 
 def start_stream(url: str) -> tuple[threading.Thread, list[str]]:

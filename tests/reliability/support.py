@@ -22,7 +22,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import _free_port
+from tests.conftest import free_port, wait_for_status
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = "tiny"
@@ -180,7 +180,7 @@ def serve_many(flag_sets: Sequence[Sequence[str]], model_dir: Path,
 @contextmanager
 def _spawn(model_dir: Path, flags: Sequence[str], env: dict[str, str] | None
            ) -> Iterator[ServeProcess]:
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "gateway.cli", "serve", "--target", str(model_dir),
                "--served-model-name", TINY, "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", str(metrics_port), "--threads", "1", "--log-level", "info",
@@ -198,17 +198,8 @@ def _spawn(model_dir: Path, flags: Sequence[str], env: dict[str, str] | None
 
 
 def _wait_ready(server: ServeProcess) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if server.process.poll() is not None:
-            raise AssertionError(f"the server exited:\n{server.log_text()[-4000:]}")
-        assert time.monotonic() < deadline, "the server did not become ready"
-        try:
-            if httpx.get(f"{server.url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    wait_for_status(f"{server.url}/ready", server.process, START_TIMEOUT_S,
+                    lambda: server.log_text()[-4000:])
 
 
 @dataclass
