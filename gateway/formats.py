@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from decoding.types import RoundEvent
+from decoding.types import RoundEvent, TokenLogprob
 from gateway.generation import ChoiceTotals, finish_reason_text, usage_of
 from gateway.params import Prompt
 from gateway.responses import (
@@ -65,18 +65,28 @@ def _stats(totals: Sequence[ChoiceTotals]) -> SpeculationStats:
     return SpeculationStats.total([t.stats() for t in totals])
 
 
-class ChatFormat:
+class _ChoiceFormat:
+    """What both formats keep per choice: whether it has started streaming."""
+
     def __init__(self, job: Job, texts: TokenTexts, hidden_ids: frozenset[int]) -> None:
         self.job = job
         self.texts = texts
         self.hidden_ids = hidden_ids
-        count = len(job.prompts) * job.per_prompt
-        self._started = [False] * count
-        self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+        self.count = len(job.prompts) * job.per_prompt
+        self._started = [False] * self.count
+
+    def _shown_logprobs(self, event: RoundEvent) -> Sequence[TokenLogprob]:
+        """The round's logprobs, without the final EOS token the text never shows."""
+        return visible(event.logprobs, self.hidden_ids) if event.finished else event.logprobs
+
+
+class ChatFormat(_ChoiceFormat):
+    def __init__(self, job: Job, texts: TokenTexts, hidden_ids: frozenset[int]) -> None:
+        super().__init__(job, texts, hidden_ids)
+        self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(self.count)]
 
     def _logprobs_of(self, event: RoundEvent) -> list[dict[str, Any]]:
-        return chat_logprobs(self.texts, visible(event.logprobs, self.hidden_ids)
-                             if event.finished else event.logprobs)
+        return chat_logprobs(self.texts, self._shown_logprobs(event))
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals
               ) -> ChatCompletionChunk | None:
@@ -119,18 +129,14 @@ class ChatFormat:
             usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals))
 
 
-class CompletionFormat:
+class CompletionFormat(_ChoiceFormat):
     def __init__(self, job: Job, texts: TokenTexts, hidden_ids: frozenset[int]) -> None:
-        self.job = job
-        self.texts = texts
-        self.hidden_ids = hidden_ids
-        count = len(job.prompts) * job.per_prompt
-        self._started = [False] * count
+        super().__init__(job, texts, hidden_ids)
         self._legacy = [
             LegacyLogprobs(texts, len(job.prompt_of(i).text) if job.echo else 0)
-            for i in range(count)
+            for i in range(self.count)
         ]
-        self._parts: list[list[dict[str, list[Any]]]] = [[] for _ in range(count)]
+        self._parts: list[list[dict[str, list[Any]]]] = [[] for _ in range(self.count)]
 
     def _prefix(self, index: int) -> str:
         """The echoed prompt, once, before a choice's first text."""
@@ -139,9 +145,7 @@ class CompletionFormat:
         return self.job.prompt_of(index).text
 
     def _logprobs_of(self, index: int, event: RoundEvent) -> dict[str, list[Any]]:
-        logprobs = visible(event.logprobs, self.hidden_ids) if event.finished \
-            else event.logprobs
-        return self._legacy[index].chunk(logprobs)
+        return self._legacy[index].chunk(self._shown_logprobs(event))
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> Completion | None:
         text = self._prefix(index) + event.text
