@@ -1,8 +1,13 @@
 """The engine: one model thread serving many requests, round by round.
 
 Requests wait in a bounded queue; up to ``max_active`` of them are decoded at
-once, one speculation round each in turn, so every open stream advances.
-Each round's event is handed to the request's stream the moment it is ready.
+once. Every iteration feeds waiting prompts a chunk at a time (at most
+``prefill_chunk`` tokens, so a long prompt does not stall running streams), then
+runs one speculation round for every running stream in one batched forward
+pass, with draft lengths chosen for the batch as a whole (``plan_batch``:
+speculation shrinks as the batch grows and stops where plain batched decoding
+is faster). Requests join and leave at round boundaries. Each round's event is
+handed to the request's stream as soon as its forward pass returns.
 A cancelled request (client gone) is dropped before its next round and its KV
 caches are freed; a request past its deadline ends with ``timeout``; a model
 error ends only the request that hit it.
@@ -22,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.drafters.base import Drafter
+from decoding.policy import StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
-from decoding.sequence import ContextOverflowError, SequenceDecoder
+from decoding.sequence import ContextOverflowError, RoundPlan, SequenceDecoder
 from decoding.target import CausalLM
 from decoding.types import FinishReason, GenerationRequest, RoundEvent, RoundTiming
 
@@ -31,6 +37,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_ACTIVE = 16
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per iteration, so long prompts do not stall streams
 _END = object()
 
 
@@ -114,8 +121,18 @@ class Engine:
         max_active: int = DEFAULT_MAX_ACTIVE,
         prefix_cache: PrefixCache | None = None,
         info: Mapping[str, str] | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        batch_planning: bool = True,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
         self.target = target
+        self.prefill_chunk = prefill_chunk
+        # True: draft lengths chosen for the whole batch by expected goodput; False:
+        # every sequence drafts as its own policy says, whatever the batch size.
+        self.batch_planning = batch_planning
+        self.step_cost = StepCost()
+        self.forward_passes = 0
         self.prefix_cache = prefix_cache
         self.info = dict(info or {})  # descriptive facts for clients (e.g. the draft backend)
         self.drafters = dict(drafters or {})
@@ -227,9 +244,113 @@ class Engine:
                 self._expire_waiting()
                 self._admit()
                 batch = list(self._active)
-            for active in batch:
-                self._round(active)
+            self._iteration(batch)
         self._drain_all()
+
+    def _iteration(self, batch: list[_Active]) -> None:
+        """One round for every active request: a chunk of waiting prompts, then one
+        speculation round for all the others in one forward pass."""
+        live = [active for active in batch if self._still_running(active)]
+        prefilling = [a for a in live if a.decoder.rounds == 0]
+        decoding = [a for a in live if a.decoder.rounds > 0]
+        if prefilling:
+            budget, plans = self.prefill_chunk, []
+            for active in prefilling:
+                if budget <= 0:
+                    break
+                plan = self._plan(active, prefill_chunk=budget)
+                if plan is not None:
+                    plans.append((active, plan))
+                    budget -= len(plan.item.token_ids)
+            self._forward(plans, observe=False)
+        if not decoding:
+            return
+        if not self.target.batched:  # one sequence per forward pass: take turns
+            for active in decoding:
+                plan = self._plan(active, k=None)
+                if plan is not None:
+                    self._forward([(active, plan)], observe=False)
+            return
+        ks = self._draft_lengths(decoding)
+        plans = []
+        for active, k in zip(decoding, ks, strict=True):
+            plan = self._plan(active, k=k)
+            if plan is not None:
+                plans.append((active, plan))
+        self._forward(plans, observe=True)
+
+    def _still_running(self, active: _Active) -> bool:
+        stream = active.stream
+        if stream.cancelled:
+            self._finish(active, None)
+            return False
+        if active.deadline is not None and time.monotonic() > active.deadline:
+            self._finish(active, _final_event(active.decoder, FinishReason.TIMEOUT))
+            return False
+        if stream.started_at is None:
+            stream.started_at = time.monotonic()
+        return True
+
+    def _draft_lengths(self, decoding: list[_Active]) -> list[int | None]:
+        """Per sequence: its own policy's k, or (batch planning) k chosen for the batch."""
+        if not self.batch_planning:
+            return [None] * len(decoding)
+        decoders = [a.decoder for a in decoding]
+        policies = [d.policy if d.drafter is not None else None for d in decoders]
+        limits = [d.max_new - len(d.output) - 1 for d in decoders]
+        draft_s = [d.policy.draft_s_per_token for d in decoders]
+        return list(plan_batch(policies, limits, self.step_cost, draft_s))
+
+    def _plan(self, active: _Active, k: int | None = None, prefill_chunk: int | None = None
+              ) -> RoundPlan | None:
+        try:
+            return active.decoder.plan(k=k, prefill_chunk=prefill_chunk)
+        except Exception:
+            log.exception("drafting failed in request %s", active.stream.request.request_id)
+            self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
+                                              "the model failed"))
+            return None
+
+    def _forward(self, plans: list[tuple[_Active, RoundPlan]], observe: bool) -> None:
+        """Run the planned rounds in one forward pass and hand out their events. When
+        the pass fails, each request runs alone so only the one at fault fails."""
+        if not plans:
+            return
+        start = time.perf_counter()
+        try:
+            logits = self.target.forward_batch([plan.item for _, plan in plans])
+        except Exception:
+            if len(plans) == 1:
+                active, plan = plans[0]
+                log.exception("model error in request %s", active.stream.request.request_id)
+                plan_undo(active, plan)
+                self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
+                                                  "the model failed"))
+                return
+            log.warning("a batched forward pass failed; running its %d requests one by one",
+                        len(plans))
+            for active, plan in plans:
+                plan_undo(active, plan)
+            for pair in plans:
+                self._forward([pair], observe=False)
+            return
+        seconds = time.perf_counter() - start
+        if observe:
+            self.step_cost.observe(sum(len(plan.item.token_ids) for _, plan in plans), seconds)
+        self.forward_passes += 1
+        for (active, plan), out in zip(plans, logits, strict=True):
+            try:
+                event = active.decoder.complete(plan, out, seconds)
+            except Exception:
+                log.exception("model error in request %s", active.stream.request.request_id)
+                self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
+                                                  "the model failed"))
+                continue
+            if event is None:
+                continue
+            active.stream._put(event)
+            if event.finished:
+                self._finish(active, None)
 
     def _expire_waiting(self) -> None:
         """A request whose deadline passes while it waits ends with ``timeout``."""
@@ -260,26 +381,6 @@ class Engine:
             deadline = stream.submitted_at + timeout if timeout else None
             self._active.append(_Active(stream, decoder, deadline))
 
-    def _round(self, active: _Active) -> None:
-        stream, decoder = active.stream, active.decoder
-        if stream.cancelled:
-            self._finish(active, None)
-            return
-        if active.deadline is not None and time.monotonic() > active.deadline:
-            self._finish(active, _final_event(decoder, FinishReason.TIMEOUT))
-            return
-        if stream.started_at is None:
-            stream.started_at = time.monotonic()
-        try:
-            event = decoder.step()
-        except Exception:
-            log.exception("model error in request %s", stream.request.request_id)
-            self._finish(active, _final_event(decoder, FinishReason.ERROR, "the model failed"))
-            return
-        stream._put(event)
-        if event.finished:
-            self._finish(active, None)
-
     def _finish(self, active: _Active, last: RoundEvent | None) -> None:
         active.decoder.close()
         with self._lock:  # free the slot before the client can see the end
@@ -305,6 +406,13 @@ class Engine:
             item.stream._put(_END)
         for stream in waiting:
             self._fail(stream, "the server is shutting down")
+
+
+def plan_undo(active: _Active, plan: RoundPlan) -> None:
+    try:
+        active.decoder.undo(plan)
+    except Exception:
+        log.exception("could not roll back request %s", active.stream.request.request_id)
 
 
 def _final_event(decoder: SequenceDecoder, reason: FinishReason, error: str | None = None

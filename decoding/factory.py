@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from decoding import model_store
+from decoding.batched import BatchedLM
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.continuation import ContinuationDrafter
@@ -23,7 +24,7 @@ CACHE = "cache"
 def load_target(spec: str = "default", dtype: str = "float32", device: str = "cpu") -> CausalLM:
     path = model_store.resolve(spec)
     log.info("loading target %s (%s, %s)", path, dtype, device)
-    return CausalLM.load(path, dtype=dtype, device=device)
+    return BatchedLM.load(path, dtype=dtype, device=device)
 
 
 def load_drafter(

@@ -50,6 +50,7 @@ class AdaptiveSpeculation:
     _hits: list[float] = field(default_factory=_initial_hits)  # ... and i accepted too
     _plain_rounds: int = 0
     _step_s: float = 0.0  # measured plain target step time
+    draft_s_per_token: float = 0.0  # measured drafting time per draft token, seconds
 
     @property
     def alpha(self) -> float:
@@ -74,6 +75,14 @@ class AdaptiveSpeculation:
             return min(MIN_DRAFT_TOKENS, limit)
         return 0
 
+    def wants_probe(self) -> bool:
+        """After PROBE_INTERVAL rounds without drafting: try one token (and start
+        counting again)."""
+        if self._plain_rounds >= PROBE_INTERVAL:
+            self._plain_rounds = 0
+            return True
+        return False
+
     def update(
         self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0
     ) -> None:
@@ -88,6 +97,8 @@ class AdaptiveSpeculation:
         for i in range(min(accepted + 1, drafted, MAX_DRAFT_TOKENS)):
             self._tries[i] = HISTORY_DECAY * self._tries[i] + 1
             self._hits[i] = HISTORY_DECAY * self._hits[i] + (1 if i < accepted else 0)
+        if draft_s > 0:
+            self.draft_s_per_token = _ema(self.draft_s_per_token, draft_s / drafted)
         if draft_s > 0 and self._step_s > 0:
             per_token = draft_s / drafted / self._step_s
             self.draft_cost_per_token = _ema(self.draft_cost_per_token, per_token)
@@ -122,3 +133,116 @@ class FixedSpeculation(AdaptiveSpeculation):
     def update(self, drafted: int, accepted: int, draft_s: float = 0.0,
                verify_s: float = 0.0) -> None:
         return
+
+
+# -- many sequences in one forward pass ---------------------------------------------------
+
+COST_HISTORY_DECAY = 0.97  # weight of older forward passes in the step-cost fit
+BATCH_MIN_GAIN = 1.02
+
+
+class StepCost:
+    """The target's forward time as ``fixed + per_token * tokens``, fitted online.
+
+    On a CPU, or a GPU at small batch, ``fixed`` is reading the weights and
+    ``per_token`` the arithmetic for each token in the pass: verifying a draft
+    token is nearly free for one stream and costs nearly a full token's work in
+    a large batch. Until passes of different sizes have been seen, ``per_token``
+    is assumed to be ``VERIFY_COST_PER_TOKEN`` of a one-token pass.
+    """
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._seen: set[int] = set()
+
+    @property
+    def known(self) -> bool:
+        return self._w > 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        if not self._seen:  # a prior line through the first pass, slope from the constant
+            fixed = seconds / (1 + VERIFY_COST_PER_TOKEN * (tokens - 1))
+            for x in (1, 1 + MAX_DRAFT_TOKENS):
+                self._add(x, fixed * (1 + VERIFY_COST_PER_TOKEN * (x - 1)), 1.0)
+        self._seen.add(tokens)
+        self._decay()
+        self._add(tokens, seconds, 1.0)
+
+    def line(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token)."""
+        if not self.known:
+            return 0.0, 0.0
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        slope = (self._xy / self._w - mean_x * mean_y) / var if var > 1e-9 else 0.0
+        slope = max(slope, 0.0)
+        fixed = max(mean_y - slope * mean_x, 0.0)
+        return fixed, slope
+
+    def predict(self, tokens: int) -> float:
+        fixed, slope = self.line()
+        return fixed + slope * tokens
+
+    def _decay(self) -> None:
+        d = COST_HISTORY_DECAY
+        self._w, self._x, self._y, self._xx, self._xy = (
+            d * self._w, d * self._x, d * self._y, d * self._xx, d * self._xy)
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self._w += w
+        self._x += w * x
+        self._y += w * y
+        self._xx += w * x * x
+        self._xy += w * x * y
+
+
+def plan_batch(
+    policies: list[AdaptiveSpeculation | None],
+    limits: list[int],
+    cost: StepCost,
+    draft_seconds: list[float] | None = None,
+) -> list[int]:
+    """Draft lengths for the sequences of one forward pass, chosen together.
+
+    Each sequence's policy gives the chance that its next draft positions are
+    accepted; ``cost`` says what every extra token in the pass costs at this
+    batch size. Draft tokens are added one at a time where they are most likely
+    to be kept, while the batch's expected committed tokens per second still
+    rises: in a small batch every sequence drafts as its own policy would, in a
+    large one speculation shrinks and, past the point where plain batched decoding
+    wins, stops. ``None`` policies (no drafter) and zero limits get no draft.
+    """
+    n = len(policies)
+    ks = [0] * n
+    if not cost.known:  # no measurement yet: each sequence's own choice
+        return [min(p.next_k(limit), limit) if p is not None else 0
+                for p, limit in zip(policies, limits, strict=True)]
+    fixed, per_token = cost.line()
+    draft_s = draft_seconds or [0.0] * n
+    rates = [p.position_rates() if p is not None else [] for p in policies]
+    run = [1.0] * n  # chance that every draft so far in sequence i is kept
+    expected = float(n)  # each sequence commits at least one token
+    seconds = fixed + per_token * n
+    while True:
+        best, best_gain = -1, 0.0
+        for i, p in enumerate(policies):
+            if p is None or ks[i] >= min(limits[i], p.max_tokens, len(rates[i])):
+                continue
+            gain = run[i] * rates[i][ks[i]]
+            extra = per_token + draft_s[i]
+            if gain > best_gain and (expected + gain) / (seconds + extra) > expected / seconds:
+                best, best_gain = i, gain
+        if best < 0:
+            break
+        ks[best] += 1
+        run[best] *= rates[best][ks[best] - 1]
+        expected += best_gain
+        seconds += per_token + draft_s[best]
+    if sum(ks) and expected / seconds < BATCH_MIN_GAIN * n / (fixed + per_token * n):
+        ks = [0] * n  # not worth it: plain decoding
+    for i, p in enumerate(policies):  # a sequence that stopped drafting probes now and then
+        if p is not None and ks[i] == 0 and limits[i] > 0 and p.wants_probe():
+            ks[i] = MIN_DRAFT_TOKENS
+    return ks

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from decoding.drafters.base import DraftContext, Drafter, DraftProposal
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
-from decoding.target import CacheState, CausalLM
+from decoding.target import BatchItem, CausalLM
 from decoding.text import TextStream
 from decoding.types import (
     FinishReason,
@@ -35,6 +36,19 @@ log = logging.getLogger(__name__)
 
 
 _REMEMBERED = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@dataclass
+class RoundPlan:
+    """One round's work for the target: ``item`` to run, and what to verify after."""
+
+    item: BatchItem
+    prefill: bool = False
+    final: bool = True  # the prompt's last chunk (prefill only)
+    draft: list[int] = field(default_factory=list)
+    proposal: DraftProposal | None = None
+    started: float = 0.0
+    draft_s: float = 0.0
 
 
 class ContextOverflowError(ValueError):
@@ -70,7 +84,7 @@ class SequenceDecoder:
         self.tokens: list[int] = list(request.prompt_ids)
         self.output: list[int] = []
         self.text = TextStream(target.tokenizer, request.stop)
-        self.state: CacheState = target.new_state()
+        self.state: Any = target.new_state()
         self.draft_state: Any = self.drafter.begin(request.prompt_ids) if self.drafter else None
         self.rounds = 0
         self.finish_reason: FinishReason | None = None
@@ -78,38 +92,95 @@ class SequenceDecoder:
         self.prefix_cache = prefix_cache
         self.cached_tokens = 0
         self._store_prefix_pending = prefix_cache is not None
+        self._prefilled: int | None = None  # prompt tokens in the cache during round 0
+        self._prefill_s = 0.0
+        self._round_start = 0.0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def step(self) -> RoundEvent:
-        """Run one round and describe what it committed."""
+        """Run one round and describe what it committed (the whole prompt's prefill is
+        one round here; an engine can feed a long prompt in chunks with ``plan``)."""
+        while True:
+            plan = self.plan()
+            start = time.perf_counter()
+            logits = self.target.forward_batch([plan.item])[0]
+            event = self.complete(plan, logits, time.perf_counter() - start)
+            if event is not None:
+                return event
+
+    def plan(self, k: int | None = None, prefill_chunk: int | None = None) -> RoundPlan:
+        """What the target must run next for this sequence: the next piece of the
+        prompt, or the pending token plus ``k`` drafts (``None``: the policy's k)."""
         if self.finished:
             raise RuntimeError("the sequence has already finished")
+        start = time.perf_counter()
         if self.rounds == 0:
-            return self._first_round()
+            if self._prefilled is None:
+                self.cached_tokens = self._load_prefix()
+                self._prefilled = self.cached_tokens
+                self._round_start = start
+            rest = self.request.prompt_ids[self._prefilled :]
+            chunk = rest[:prefill_chunk] if prefill_chunk else rest
+            final = len(chunk) == len(rest)
+            return RoundPlan(BatchItem(self.state, chunk, 1 if final else 0), prefill=True,
+                             final=final, started=start)
         if self._store_prefix_pending:  # after the first token went out, not before
             self._store_prefix()
-        return self._speculative_round()
+            start = time.perf_counter()
+        remaining = self.max_new - len(self.output)
+        if k is None:
+            k = self.policy.next_k(remaining - 1) if self.drafter is not None else 0
+        proposal = self._propose(min(k, remaining - 1))
+        draft = list(proposal.tokens[: max(0, remaining - 1)])
+        tokens = [self.tokens[-1], *draft]  # the pending token, then the drafts
+        return RoundPlan(BatchItem(self.state, tokens, len(tokens)), draft=draft,
+                         proposal=proposal, started=start, draft_s=time.perf_counter() - start)
+
+    def complete(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float
+                 ) -> RoundEvent | None:
+        """Verify and commit a planned round from the target's logits for it (None
+        after a prompt chunk that is not the last: nothing to commit yet)."""
+        if plan.prefill:
+            self._prefilled = (self._prefilled or 0) + len(plan.item.token_ids)
+            self._prefill_s += forward_s
+            if not plan.final:
+                return None
+            scores = self._process(logits, [])
+            token = verify((), None, scores, self.generator).next_token
+            timing = RoundTiming(0.0, self._prefill_s, 0.0)
+            return self._commit([token], 0, 0, logits, timing, self._round_start)
+        draft = plan.draft
+        scores = self._process(logits, draft)
+        probs = plan.proposal.probs if plan.proposal is not None else None
+        draft_probs = probs[: len(draft)] if probs is not None else None
+        verify_start = time.perf_counter()
+        verdict = verify(draft, draft_probs, scores, self.generator)
+        verify_s = forward_s + time.perf_counter() - verify_start
+        # The cache holds pending + drafts; keep pending + the accepted drafts.
+        self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
+        timing = RoundTiming(plan.draft_s, verify_s, 0.0)
+        self.policy.update(len(draft), verdict.accepted, timing.draft_s, timing.verify_s)
+        return self._commit(verdict.committed(draft), len(draft), verdict.accepted, logits,
+                            timing, plan.started)
+
+    def undo(self, plan: RoundPlan) -> None:
+        """Forget a planned round whose forward pass failed: the cache as it was."""
+        if self.state is None:
+            return
+        committed = self._prefilled if plan.prefill else len(self.tokens)
+        self.target.rollback(self.state, committed or 0)
 
     def close(self) -> None:
         """Free the KV caches (idempotent)."""
-        self.target.rollback(self.state, 0)
+        if self.state is not None:
+            self.target.release(self.state)
+            self.state = None
         if self.drafter is not None and self.draft_state is not None:
             self.drafter.release(self.draft_state)
             self.draft_state = None
-
-    def _first_round(self) -> RoundEvent:
-        start = time.perf_counter()
-        prompt = self.request.prompt_ids
-        self.cached_tokens = self._load_prefix()
-        rest = prompt[self.cached_tokens :]
-        logits = self.target.prefill(self.state, rest).unsqueeze(0)  # [1, V]
-        verified = time.perf_counter()
-        scores = self._process(logits, [])
-        token = verify((), None, scores, self.generator).next_token
-        return self._commit([token], 0, 0, logits, RoundTiming(0.0, verified - start, 0.0), start)
 
     def _load_prefix(self) -> int:
         """Reuse the KV of the longest cached prompt prefix; a failure is a miss."""
@@ -145,26 +216,6 @@ class SequenceDecoder:
         except Exception:
             log.exception("remembering the continuation failed")
             self.prefix_cache.stats.add(errors=1)
-
-    def _speculative_round(self) -> RoundEvent:
-        start = time.perf_counter()
-        remaining = self.max_new - len(self.output)
-        k = self.policy.next_k(remaining - 1) if self.drafter is not None else 0
-        proposal = self._propose(k)
-        drafted = time.perf_counter()
-        draft = list(proposal.tokens[: max(0, remaining - 1)])
-        pending = self.tokens[-1]
-        logits = self.target.score(self.state, [pending, *draft])  # [m + 1, V]
-        scores = self._process(logits, draft)
-        draft_probs = proposal.probs[: len(draft)] if proposal.probs is not None else None
-        verdict = verify(draft, draft_probs, scores, self.generator)
-        verified = time.perf_counter()
-        # The cache holds pending + drafts; keep pending + the accepted drafts.
-        self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
-        timing = RoundTiming(drafted - start, verified - drafted, 0.0)
-        self.policy.update(len(draft), verdict.accepted, timing.draft_s, timing.verify_s)
-        return self._commit(verdict.committed(draft), len(draft), verdict.accepted, logits,
-                            timing, start)
 
     def _propose(self, k: int) -> DraftProposal:
         if self.drafter is None or k <= 0:

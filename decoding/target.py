@@ -31,6 +31,16 @@ class CacheState:
     length: int = 0
 
 
+@dataclass(frozen=True)
+class BatchItem:
+    """Tokens to append to one sequence; the logits after the last ``keep`` of them
+    come back (0: none, e.g. a prefill chunk that is not the prompt's last)."""
+
+    state: Any
+    token_ids: Sequence[int]
+    keep: int
+
+
 class CausalLM:
     """Prefill / score / rollback over a transformers causal LM."""
 
@@ -66,6 +76,22 @@ class CausalLM:
     def score(self, state: CacheState, token_ids: Sequence[int]) -> torch.Tensor:  # [n, vocab]
         """Append ``token_ids`` to the cache; return the logits after each of them."""
         return self._forward(state, token_ids, keep=len(token_ids))
+
+    @property
+    def batched(self) -> bool:
+        """Whether ``forward_batch`` runs its sequences in one forward pass."""
+        return False
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        """Each item's new tokens, one forward pass per sequence; the kept logits of each."""
+        return [self._forward(item.state, item.token_ids, keep=max(1, item.keep))[-item.keep:]
+                if item.keep else self._forward(item.state, item.token_ids, keep=1)[:0]
+                for item in items]
+
+    def release(self, state: CacheState) -> None:
+        """Free the sequence's cache."""
+        self.rollback(state, 0)
 
     def rollback(self, state: CacheState, length: int) -> None:
         """Forget every cached position at or after ``length``."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from decoding import model_store
+from decoding.batched import BatchedLM
 from decoding.target import CausalLM
 
 
@@ -42,7 +43,7 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def default_target(default_model_dir: Path) -> CausalLM:
     """The real default model in fp32, where greedy speculation is exactly lossless."""
-    return CausalLM.load(str(default_model_dir), dtype="float32")
+    return BatchedLM.load(str(default_model_dir), dtype="float32")
 
 
 def _tiny_model(out: Path, tokenizer_dir: Path, seed: int, layers: int = 2) -> Path:
@@ -82,7 +83,7 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_dir: Path) -> CausalLM:
-    return CausalLM.load(str(tiny_target_dir), dtype="float32")
+    return BatchedLM.load(str(tiny_target_dir), dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -110,16 +110,17 @@ def test_timeout_stops_the_work(engine: Engine, tiny_target: CausalLM) -> None:
 def test_model_error_fails_only_that_request(
     engine: Engine, tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A model fault cannot be caused from outside, so one is injected for one request.
-    real_prefill = tiny_target.prefill
+    # A model fault cannot be caused from outside, so one is injected for one request:
+    # a forward pass that holds its token fails (batched with others or alone).
+    real_forward = tiny_target.forward_batch
     poisoned = 31337
 
-    def prefill(state, token_ids):  # type: ignore[no-untyped-def]
-        if poisoned in token_ids:
+    def forward_batch(items):  # type: ignore[no-untyped-def]
+        if any(poisoned in item.token_ids for item in items):
             raise RuntimeError("injected fault")
-        return real_prefill(state, token_ids)
+        return real_forward(items)
 
-    monkeypatch.setattr(tiny_target, "prefill", prefill)
+    monkeypatch.setattr(tiny_target, "forward_batch", forward_batch)
     bad = engine.submit(GenerationRequest(prompt_ids=(poisoned,), max_new_tokens=8,
                                           sampling=GREEDY, stop_token_ids=()))
     good = engine.submit(_request(tiny_target, "fine request", n=8))

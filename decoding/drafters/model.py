@@ -81,7 +81,11 @@ class ModelDrafter:
             del state.fed[length:]
 
     def release(self, state: ModelDraftState) -> None:
-        self.model.rollback(state.cache, 0)
+        free = getattr(self.model, "release", None)  # a batched model frees the row
+        if free is not None:
+            free(state.cache)
+        else:
+            self.model.rollback(state.cache, 0)
         state.fed.clear()
 
     def _pick(

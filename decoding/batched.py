@@ -1,0 +1,321 @@
+"""The target as a batched runner: many sequences' tokens in one forward pass.
+
+``BatchedLM`` runs Llama-family models (Llama, Mistral without a sliding
+window, Qwen2) with its own forward over the model's own modules, so that
+several sequences, each adding a different number of tokens at a different
+position, share one pass over the weights. On a CPU or a GPU at small batch a
+decoding step is bound by reading the weights, so verifying eight streams'
+drafts costs little more than verifying one.
+
+The KV cache is preallocated: one tensor per layer for keys and one for values,
+``[rows, kv_heads, capacity, head_dim]``, where every sequence owns a row and a
+length. Rolling a sequence back is setting its length; nothing is copied or
+freed per round. Capacity and rows grow by doubling when needed. Released rows
+are refilled from the end, so the rows in use stay dense and one forward covers
+a contiguous block of them.
+
+A forward packs every sequence's new tokens into one list for the matrix
+products (a ragged batch costs its real tokens, not the longest row times the
+rows) and pads them to ``[rows, width]`` only for attention, where the mask
+lets each query see its own row's cached keys and the new keys up to itself.
+
+For one sequence it offers the same calls as ``CausalLM`` (``new_state``,
+``prefill``, ``score``, ``rollback``, ``load_kv``, ``kv``), so everything that
+drives a single sequence keeps working; ``forward_batch`` is the batched call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from decoding.target import DTYPES, BatchItem, CausalLM
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+_INITIAL_CAPACITY = 256
+_INITIAL_ROWS = 4
+_CAPACITY_ALIGN = 64
+
+
+@dataclass(eq=False)
+class BatchedState:
+    """One sequence: its row in the KV buffers and how many positions it holds."""
+
+    row: int
+    length: int = 0
+    released: bool = False
+
+
+def supports(model: Any) -> str | None:
+    """Why ``model`` cannot run batched, or None when it can."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
+    window = getattr(config, "sliding_window", None)
+    longest = getattr(config, "max_position_embeddings", None) or 1 << 30
+    if window and getattr(config, "use_sliding_window", True) and window < longest:
+        return "sliding-window attention is not supported"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "the model does not have the usual decoder layout"
+    return None
+
+
+class BatchedLM(CausalLM):
+    """A Llama-family causal LM whose sequences can share one forward pass."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str = "model") -> None:
+        super().__init__(model, tokenizer, name)
+        reason = supports(model)
+        if reason is not None:
+            raise ValueError(f"{name}: cannot run batched: {reason}")
+        config = model.config
+        self._inner = model.model
+        self._layers = list(self._inner.layers)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", config.num_attention_heads))
+        self.heads = int(config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None)
+                            or config.hidden_size // config.num_attention_heads)
+        self.scaling = float(self._layers[0].self_attn.scaling)
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._rows: list[BatchedState | None] = []
+        self._capacity = 0
+        self._allocate(_INITIAL_ROWS, _INITIAL_CAPACITY)
+
+    @classmethod
+    def load(cls, path: str, dtype: str = "float32", device: str = "cpu") -> CausalLM:
+        """The model batched when its architecture allows, else a plain ``CausalLM``."""
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        model = model.to(device)  # type: ignore[arg-type]
+        reason = supports(model)
+        if reason is not None:
+            log.warning("%s runs one sequence per forward pass: %s", path, reason)
+            return CausalLM(model, tokenizer, name=str(path))
+        return cls(model, tokenizer, name=str(path))
+
+    # -- sequences --------------------------------------------------------------------
+
+    @property
+    def batched(self) -> bool:
+        return True
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def rows_in_use(self) -> int:
+        return sum(1 for s in self._rows if s is not None)
+
+    @torch.inference_mode()
+    def new_state(self) -> BatchedState:  # type: ignore[override]
+        row = self.rows_in_use
+        if row == len(self._rows):
+            self._allocate(2 * len(self._rows), self._capacity)
+        state = BatchedState(row=row)
+        self._rows[row] = state
+        return state
+
+    @torch.inference_mode()
+    def release(self, state: Any) -> None:
+        """Give the sequence's row back; the last row in use moves into the gap."""
+        if state.released:
+            return
+        state.released = True
+        state.length = 0
+        last = self.rows_in_use - 1
+        hole = state.row
+        self._rows[hole] = None
+        if hole != last:
+            moved = self._rows[last]
+            assert moved is not None
+            n = moved.length
+            for buffer in (*self._keys, *self._values):
+                buffer[hole, :, :n].copy_(buffer[last, :, :n])
+            self._rows[last] = None
+            self._rows[hole] = moved
+            moved.row = hole
+
+    def rollback(self, state: Any, length: int) -> None:
+        state.length = min(state.length, length)
+
+    @torch.inference_mode()
+    def load_kv(self, state: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if state.length:
+            raise ValueError("load_kv needs an empty cache")
+        if not kv:
+            return
+        n = int(kv[0][0].shape[2])
+        self._ensure_capacity(n)
+        for layer, (keys, values) in enumerate(kv):
+            self._keys[layer][state.row, :, :n].copy_(keys[0])
+            self._values[layer][state.row, :, :n].copy_(values[0])
+        state.length = n
+
+    def kv(self, state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        n, row = state.length, state.row
+        return [(k[row : row + 1, :, :n], v[row : row + 1, :, :n])
+                for k, v in zip(self._keys, self._values, strict=True)]
+
+    # -- forward passes -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, state: Any, token_ids: Sequence[int]) -> torch.Tensor:
+        return self.forward_batch([BatchItem(state, token_ids, 1)])[0][0]
+
+    @torch.inference_mode()
+    def score(self, state: Any, token_ids: Sequence[int]) -> torch.Tensor:
+        return self.forward_batch([BatchItem(state, token_ids, len(token_ids))])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        """One forward pass over every item's new tokens; the kept logits of each,
+        ``[keep, vocab]``, in the order given. Every sequence's cache grows by its
+        tokens."""
+        if not items:
+            return []
+        rows = [item.state.row for item in items]
+        if len(set(rows)) != len(rows):
+            raise ValueError("a sequence appears twice in one batch")
+        if any(item.state.released for item in items):
+            raise ValueError("a released sequence cannot run")
+        if any(not item.token_ids for item in items):
+            raise ValueError("every sequence in a batch needs at least one new token")
+        for item in items:
+            if item.state.length + len(item.token_ids) > self.max_context:
+                raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
+                                 f"exceed the context of {self.max_context}")
+        lo = min(rows)
+        width = max(len(item.token_ids) for item in items)
+        self._ensure_capacity(max(item.state.length for item in items) + width)
+        batch = _Layout.build(items, lo, max(rows) + 1 - lo, width, self.device)
+        hidden = self._forward_layers(batch)  # [T, H]: every real token, packed
+
+        kept = [i for i, item in zip(batch.offsets, items, strict=True)
+                for i in range(i + len(item.token_ids) - min(item.keep, len(item.token_ids)),
+                               i + len(item.token_ids))]
+        logits = (self.model.lm_head(self._inner.norm(hidden[kept])) if kept
+                  else hidden.new_empty((0, self.vocab_size)))  # [K, V]
+        outputs: list[torch.Tensor] = []
+        offset = 0
+        for item in items:
+            keep = min(item.keep, len(item.token_ids))
+            outputs.append(logits[offset : offset + keep])
+            offset += keep
+            item.state.length += len(item.token_ids)
+        return outputs
+
+    def _forward_layers(self, batch: _Layout) -> torch.Tensor:
+        """The decoder layers over packed tokens; attention over padded rows."""
+        n_rows, width = batch.n_rows, batch.width
+        hidden = self._inner.embed_tokens(batch.ids)  # [T, H]
+        cos, sin = self._inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]
+        rows, at = batch.cache_rows, batch.positions
+        padded_q = hidden.new_zeros((n_rows * width, self.heads, self.head_dim))
+        lo, hi, span = batch.lo, batch.lo + n_rows, batch.span
+        for index, layer in enumerate(self._layers):
+            attention = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attention.q_proj(x).view(-1, self.heads, self.head_dim)
+            k = attention.k_proj(x).view(-1, self.kv_heads, self.head_dim)
+            v = attention.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = self._keys[index], self._values[index]
+            keys[rows, :, at] = k  # buffer[row, :, position] for each token: [T, kv, D]
+            values[rows, :, at] = v
+            padded_q[batch.slots] = q
+            out = F.scaled_dot_product_attention(
+                padded_q.view(n_rows, width, self.heads, self.head_dim).transpose(1, 2),
+                keys[lo:hi, :, :span], values[lo:hi, :, :span], attn_mask=batch.mask,
+                scale=self.scaling, enable_gqa=self.heads != self.kv_heads)  # [R, h, W, D]
+            out = out.transpose(1, 2).reshape(n_rows * width, self.heads * self.head_dim)
+            hidden = hidden + attention.o_proj(out[batch.slots])
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden
+
+    # -- buffers ------------------------------------------------------------------------
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self._capacity:
+            capacity = max(needed, 2 * self._capacity)
+            capacity = -(-capacity // _CAPACITY_ALIGN) * _CAPACITY_ALIGN
+            self._allocate(len(self._rows), capacity)
+
+    @torch.inference_mode()
+    def _allocate(self, rows: int, capacity: int) -> None:
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self._layers]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self._layers]
+        used = self.rows_in_use if self._rows else 0
+        longest = max((s.length for s in self._rows if s is not None), default=0)
+        for old, new in zip((*self._keys, *self._values), (*keys, *values), strict=False):
+            new[:used, :, :longest].copy_(old[:used, :, :longest])
+        self._keys, self._values = keys, values
+        self._rows = self._rows + [None] * (rows - len(self._rows))
+        self._capacity = capacity
+        log.debug("KV buffers: %d rows x %d positions", rows, capacity)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a batch's tokens go: packed for the matrix products, padded to
+    ``[rows, width]`` for attention over the contiguous block of cache rows
+    ``lo .. lo + n_rows`` (rows in the block but not in the batch get zero queries
+    whose output is dropped)."""
+
+    ids: torch.Tensor  # [T] token ids, packed
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    cache_rows: torch.Tensor  # [T] the cache row of each token
+    slots: torch.Tensor  # [T] index of each token in the padded [rows * width] layout
+    offsets: list[int]  # where each item's tokens start in the packed order
+    mask: torch.Tensor  # [R, 1, W, span] which cached positions each padded query sees
+    lo: int
+    n_rows: int
+    width: int
+    span: int
+
+    @classmethod
+    def build(cls, items: Sequence[BatchItem], lo: int, n_rows: int, width: int,
+              device: torch.device) -> _Layout:
+        ids: list[int] = []
+        positions: list[int] = []
+        cache_rows: list[int] = []
+        slots: list[int] = []
+        offsets: list[int] = []
+        starts = [0] * n_rows
+        for item in items:
+            row, start, n = item.state.row, item.state.length, len(item.token_ids)
+            offsets.append(len(ids))
+            ids.extend(item.token_ids)
+            positions.extend(range(start, start + n))
+            cache_rows.extend([row] * n)
+            slots.extend(range((row - lo) * width, (row - lo) * width + n))
+            starts[row - lo] = start
+        span = max(positions) + 1
+        query_pos = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # [R, W]
+        mask = torch.arange(span)[None, None, :] <= query_pos[:, :, None]  # causal, per row
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+        return cls(ids=as_tensor(ids), positions=as_tensor(positions),
+                   cache_rows=as_tensor(cache_rows), slots=as_tensor(slots), offsets=offsets,
+                   mask=mask[:, None].to(device), lo=lo, n_rows=n_rows, width=width, span=span)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,364 @@
+"""Batched speculation: many sequences in one forward pass give each the output it
+would have had alone (greedy, fp32), whatever the mix of prompts, drafts, sampling
+settings, finishes and cancellations in the batch."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from decoding.batched import BatchedLM
+from decoding.drafters import ModelDrafter, NgramDrafter
+from decoding.drafters.base import Drafter
+from decoding.engine import Engine
+from decoding.policy import AdaptiveSpeculation, StepCost, plan_batch
+from decoding.prompting import encode_text
+from decoding.sequence import decode
+from decoding.target import BatchItem, CausalLM
+from decoding.types import (
+    FinishReason,
+    GenerationRequest,
+    RoundEvent,
+    SamplingParams,
+    SpeculationParams,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Hello",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "a b a b a b a b a b a b",
+    "Once upon a time " * 12,
+    "x",
+]
+
+
+def _ids(target: CausalLM, text: str) -> tuple[int, ...]:
+    return tuple(encode_text(target.tokenizer, text))
+
+
+def _tokens(events: list[RoundEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def _alone(target: CausalLM, drafter: Drafter | None, request: GenerationRequest) -> list[int]:
+    return _tokens(list(decode(target, drafter, request)))
+
+
+# -- the runner ---------------------------------------------------------------------
+
+
+def test_batched_forward_matches_each_sequence_alone(tiny_target: BatchedLM) -> None:
+    """Ragged rows (different cached lengths, different numbers of new tokens) in one
+    pass give the logits each would get alone."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (3, 17, 40, 1, 9)]
+    news = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (1, 5, 2, 9, 3)]
+    alone = []
+    for prompt, new in zip(prompts, news, strict=True):
+        state = tiny_target.new_state()
+        tiny_target.prefill(state, prompt)
+        alone.append(tiny_target.score(state, new))
+        tiny_target.release(state)
+    states = [tiny_target.new_state() for _ in prompts]
+    tiny_target.forward_batch([BatchItem(s, p, 1) for s, p in zip(states, prompts, strict=True)])
+    got = tiny_target.forward_batch([BatchItem(s, n, len(n))
+                                     for s, n in zip(states, news, strict=True)])
+    for expected, logits, state, prompt, new in zip(alone, got, states, prompts, news,
+                                                    strict=True):
+        assert logits.shape == expected.shape
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert state.length == len(prompt) + len(new)
+    for state in states:
+        tiny_target.release(state)
+
+
+def test_release_keeps_the_other_rows_intact(tiny_target: BatchedLM) -> None:
+    """Freeing a row moves the last row into the gap; the moved sequence continues
+    exactly as before."""
+    ids = list(_ids(tiny_target, "one two three four five six seven"))
+    first = tiny_target.new_state()
+    middle = tiny_target.new_state()
+    last = tiny_target.new_state()
+    for state in (first, middle, last):
+        tiny_target.prefill(state, ids)
+    expected = tiny_target.score(last, [42])
+    tiny_target.rollback(last, len(ids))
+    tiny_target.release(middle)
+    assert last.row == middle.row or last.row < 2
+    torch.testing.assert_close(tiny_target.score(last, [42]), expected)
+    tiny_target.release(first)
+    tiny_target.release(last)
+    tiny_target.release(last)  # idempotent
+    assert tiny_target.rows_in_use == 0
+
+
+def test_buffers_grow_past_their_first_size(tiny_target: BatchedLM) -> None:
+    states = [tiny_target.new_state() for _ in range(9)]  # more rows than first allocated
+    long_prompt = list(range(1000, 1000 + tiny_target.capacity + 30))
+    tiny_target.prefill(states[0], long_prompt)  # more positions than first allocated
+    assert tiny_target.capacity >= len(long_prompt)
+    for state in states:
+        tiny_target.release(state)
+
+
+def test_kv_round_trip(tiny_target: BatchedLM) -> None:
+    ids = list(_ids(tiny_target, "prefix caching stores these keys and values"))
+    state = tiny_target.new_state()
+    tiny_target.prefill(state, ids)
+    saved = [(k.clone(), v.clone()) for k, v in tiny_target.kv(state)]
+    expected = tiny_target.score(state, [7])
+    other = tiny_target.new_state()
+    tiny_target.load_kv(other, saved)
+    torch.testing.assert_close(tiny_target.score(other, [7]), expected)
+    tiny_target.release(state)
+    tiny_target.release(other)
+
+
+# -- the engine ---------------------------------------------------------------------
+
+
+def _engine(target: CausalLM, drafters: dict[str, Drafter], **kw: object) -> Engine:
+    engine = Engine(target, drafters, default_drafter="ngram", max_active=16, max_queue=64,
+                    **kw)  # type: ignore[arg-type]
+    engine.start()
+    return engine
+
+
+@pytest.fixture()
+def drafters(tiny_target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
+    return {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_draft, tiny_target)}
+
+
+def _mixed_requests(target: CausalLM) -> list[GenerationRequest]:
+    """Mixed prompt lengths, drafters, budgets (some finish while others run) and
+    sampling settings."""
+    requests = []
+    for i, prompt in enumerate(PROMPTS):
+        requests.append(GenerationRequest(
+            prompt_ids=_ids(target, prompt), max_new_tokens=(5, 40, 17, 33, 9, 26)[i],
+            sampling=GREEDY, request_id=f"greedy-{i}",
+            speculation=SpeculationParams(drafter=("ngram", "model", None)[i % 3],
+                                          enabled=i != 5)))
+    requests.append(GenerationRequest(
+        prompt_ids=_ids(target, PROMPTS[0]), max_new_tokens=30, request_id="penalties",
+        sampling=SamplingParams(temperature=0.0, presence_penalty=0.8, frequency_penalty=0.5)))
+    requests.append(GenerationRequest(  # seeded sampling, plain: the same draws as alone
+        prompt_ids=_ids(target, PROMPTS[2]), max_new_tokens=24, request_id="sampled",
+        sampling=SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7),
+        speculation=SpeculationParams(enabled=False)))
+    return requests
+
+
+def _drafter_for(request: GenerationRequest, drafters: dict[str, Drafter]) -> Drafter | None:
+    if not request.speculation.enabled:
+        return None
+    return drafters[request.speculation.drafter or "ngram"]
+
+
+@pytest.mark.parametrize("batch_planning", [True, False])
+def test_every_sequence_in_a_batch_matches_decoding_it_alone(
+    tiny_target: CausalLM, drafters: dict[str, Drafter], batch_planning: bool
+) -> None:
+    requests = _mixed_requests(tiny_target)
+    engine = _engine(tiny_target, drafters, batch_planning=batch_planning)
+    try:
+        streams = [engine.submit(r) for r in requests]
+        results = [list(s) for s in streams]
+        passes = engine.forward_passes
+    finally:
+        engine.shutdown()
+    rounds = 0
+    for request, events in zip(requests, results, strict=True):
+        alone = _alone(tiny_target, _drafter_for(request, drafters), request)
+        assert _tokens(events) == alone, request.request_id
+        assert events[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        rounds += len(events)
+    assert passes < rounds / 2, "the streams did not share forward passes"
+    assert tiny_target.rows_in_use == 0  # type: ignore[attr-defined]
+
+
+def test_seeded_sampling_with_drafts_is_reproducible_in_a_batch(
+    tiny_target: CausalLM, drafters: dict[str, Drafter]
+) -> None:
+    """Speculative sampling in a batch: the same seed and batch give the same text;
+    every request completes its budget."""
+    def run() -> list[list[int]]:
+        engine = _engine(tiny_target, drafters)
+        try:
+            streams = [engine.submit(GenerationRequest(
+                prompt_ids=_ids(tiny_target, p), max_new_tokens=20, request_id=p,
+                sampling=SamplingParams(temperature=1.0, seed=11 + i)))
+                for i, p in enumerate(PROMPTS[:4])]
+            return [_tokens(list(s)) for s in streams]
+        finally:
+            engine.shutdown()
+
+    first = run()
+    assert all(len(tokens) > 0 for tokens in first)
+    assert run() == first
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(
+    tiny_target: CausalLM, drafters: dict[str, Drafter]
+) -> None:
+    requests = [GenerationRequest(prompt_ids=_ids(tiny_target, p), max_new_tokens=40,
+                                  sampling=GREEDY, request_id=str(i))
+                for i, p in enumerate(PROMPTS[:4])]
+    engine = _engine(tiny_target, drafters)
+    try:
+        streams = [engine.submit(r) for r in requests]
+        collected: list[list[RoundEvent]] = [[] for _ in streams]
+
+        def consume(i: int) -> None:
+            for event in streams[i]:
+                collected[i].append(event)
+                if i == 1 and len(collected[i]) == 3:
+                    streams[i].cancel()
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        engine.shutdown()
+    assert sum(len(e.token_ids) for e in collected[1]) < 40
+    for i, request in enumerate(requests):
+        if i != 1:
+            assert _tokens(collected[i]) == _alone(tiny_target, drafters["ngram"], request)
+    assert tiny_target.rows_in_use == 0  # type: ignore[attr-defined]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_stream(
+    tiny_target: CausalLM, drafters: dict[str, Drafter]
+) -> None:
+    long_request = GenerationRequest(prompt_ids=_ids(tiny_target, "count: " + "one two " * 60),
+                                     max_new_tokens=8, sampling=GREEDY, request_id="long")
+    short_request = GenerationRequest(prompt_ids=_ids(tiny_target, "Hello"), max_new_tokens=30,
+                                      sampling=GREEDY, request_id="short",
+                                      speculation=SpeculationParams(enabled=False))
+    engine = _engine(tiny_target, drafters, prefill_chunk=16)
+    try:
+        short = engine.submit(short_request)
+        long = engine.submit(long_request)
+        short_events, long_events = list(short), list(long)
+    finally:
+        engine.shutdown()
+    chunks = -(-len(long_request.prompt_ids) // 16)
+    assert chunks > 5
+    # the short stream kept getting tokens while the long prompt was being read
+    assert len(short_events) >= chunks
+    assert _tokens(long_events) == _alone(tiny_target, drafters["ngram"], long_request)
+    assert _tokens(short_events) == _alone(tiny_target, None, short_request)
+
+
+def test_a_failing_batch_fails_only_the_request_at_fault(
+    tiny_target: CausalLM, drafters: dict[str, Drafter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A model fault cannot be caused from outside: one is injected for one token.
+    real = tiny_target.forward_batch
+    poisoned = 31337
+
+    def forward_batch(items):  # type: ignore[no-untyped-def]
+        if any(poisoned in item.token_ids for item in items):
+            raise RuntimeError("injected fault")
+        return real(items)
+
+    monkeypatch.setattr(tiny_target, "forward_batch", forward_batch)
+    good = [GenerationRequest(prompt_ids=_ids(tiny_target, p), max_new_tokens=12,
+                              sampling=GREEDY, request_id=str(i))
+            for i, p in enumerate(PROMPTS[:3])]
+    bad = GenerationRequest(prompt_ids=(1000, poisoned), max_new_tokens=12, sampling=GREEDY,
+                            stop_token_ids=(), request_id="bad")
+    engine = _engine(tiny_target, drafters)
+    try:
+        streams = [engine.submit(r) for r in good]
+        bad_stream = engine.submit(bad)
+        results = [list(s) for s in streams]
+        bad_events = list(bad_stream)
+    finally:
+        engine.shutdown()
+    monkeypatch.undo()
+    assert bad_events[-1].finish_reason is FinishReason.ERROR
+    for request, events in zip(good, results, strict=True):
+        assert _tokens(events) == _alone(tiny_target, drafters["ngram"], request)
+
+
+# -- choosing draft lengths for a batch ------------------------------------------------
+
+
+def _policy(rate: float) -> AdaptiveSpeculation:
+    """A policy that has seen every draft token kept with chance ``rate``."""
+    policy = AdaptiveSpeculation()
+    rng = random.Random(0)
+    for _ in range(200):
+        accepted = 0
+        while accepted < 4 and rng.random() < rate:
+            accepted += 1
+        policy.update(4, accepted)
+    return policy
+
+
+def _cost(fixed: float, per_token: float) -> StepCost:
+    cost = StepCost()
+    for tokens in (1, 4, 9, 16, 40, 80, 2, 30):
+        cost.observe(tokens, fixed + per_token * tokens)
+    return cost
+
+
+def test_step_cost_recovers_a_line() -> None:
+    cost = _cost(0.05, 0.004)
+    fixed, per_token = cost.line()
+    assert fixed == pytest.approx(0.05, rel=0.05)
+    assert per_token == pytest.approx(0.004, rel=0.05)
+
+
+def test_speculation_shrinks_as_the_batch_grows() -> None:
+    cost = _cost(0.060, 0.004)  # a draft token costs 1/15 of a step: a CPU-like target
+    good = [_policy(0.9)]
+    assert sum(plan_batch(good, [100], cost)) >= 4  # one stream: draft long
+    totals = [sum(plan_batch([_policy(0.5) for _ in range(n)], [100] * n, cost)) / n
+              for n in (1, 4, 16, 64)]
+    assert totals[0] > totals[-1]
+    assert totals == sorted(totals, reverse=True)
+    assert plan_batch([_policy(0.5) for _ in range(64)], [100] * 64, cost) == [0] * 64
+
+
+def test_plan_batch_respects_limits_and_missing_drafters() -> None:
+    cost = _cost(0.060, 0.001)
+    ks = plan_batch([_policy(0.95), None, _policy(0.95)], [2, 50, 0], cost)
+    assert ks[0] <= 2 and ks[1] == 0 and ks[2] == 0
+
+
+def test_a_backed_off_sequence_probes_again() -> None:
+    cost = _cost(0.060, 0.050)  # verifying is as dear as decoding: never speculate
+    policy = _policy(0.2)
+    seen = []
+    for _ in range(40):
+        k = plan_batch([policy], [100], cost)[0]
+        seen.append(k)
+        policy.update(k, 0)
+    assert 0 < sum(seen) <= 3
+
+
+@pytest.fixture()
+def fresh_engine(tiny_target: CausalLM) -> Iterator[Engine]:
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()})
+    yield engine
+    engine.shutdown()
+
+
+def test_the_engine_learns_its_step_cost(fresh_engine: Engine, tiny_target: CausalLM) -> None:
+    streams = [fresh_engine.submit(GenerationRequest(
+        prompt_ids=_ids(tiny_target, p), max_new_tokens=16, sampling=GREEDY))
+        for p in PROMPTS[:4]]
+    for stream in streams:
+        list(stream)
+    fixed, per_token = fresh_engine.step_cost.line()
+    assert fixed > 0 and per_token >= 0
