@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated shipped prompt sets")
     bench.add_argument("--prompts", type=int, default=None,
                        help="prompts per set (default: 4 with --quick, else all)")
+    bench.add_argument("--concurrency", default=None, metavar="N,N,...",
+                       help="measure throughput and latency with this many concurrent streams "
+                            "(e.g. 1,4,8,16) instead of comparing methods one prompt at a time")
+    bench.add_argument("--modes", default=None,
+                       help="with --concurrency: comma-separated subset of off, on, adaptive")
     bench.set_defaults(func=_cmd_bench)
     add_export_command(sub)
 
@@ -150,6 +155,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.concurrency:
+        from decoding.bench_concurrency import run_concurrency_bench
+
+        return run_concurrency_bench(args)
 
     def draft_on_backend(spec: str, target: CausalLM, dtype: str) -> Drafter:
         drafter, backend = load_draft(spec, target, args.draft_backend, dtype)
