@@ -16,6 +16,7 @@ error ends only the request that hit it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -348,6 +349,8 @@ class Engine:
                 continue
             if event is None:
                 continue
+            if len(plans) > 1:
+                event = dataclasses.replace(event, batch_size=len(plans))
             active.stream._put(event)
             if event.finished:
                 self._finish(active, None)

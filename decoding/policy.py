@@ -51,6 +51,7 @@ class AdaptiveSpeculation:
     _plain_rounds: int = 0
     _step_s: float = 0.0  # measured plain target step time
     draft_s_per_token: float = 0.0  # measured drafting time per draft token, seconds
+    drafted_rounds: int = 0  # rounds that verified at least one draft token
 
     @property
     def alpha(self) -> float:
@@ -92,6 +93,7 @@ class AdaptiveSpeculation:
             if verify_s > 0:
                 self._step_s = _ema(self._step_s, verify_s)
             return
+        self.drafted_rounds += 1
         if verify_s > 0:  # a verify of k drafts costs about (1 + VERIFY_COST_PER_TOKEN * k) steps
             self._step_s = _ema(self._step_s, verify_s / (1 + VERIFY_COST_PER_TOKEN * drafted))
         for i in range(min(accepted + 1, drafted, MAX_DRAFT_TOKENS)):
@@ -177,7 +179,9 @@ class StepCost:
         mean_x, mean_y = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mean_x * mean_x
         slope = (self._xy / self._w - mean_x * mean_y) / var if var > 1e-9 else 0.0
-        slope = max(slope, 0.0)
+        # a token never costs more than the weights' pass itself: noisy timings of a tiny
+        # model must not make every draft token look dear
+        slope = min(max(slope, 0.0), mean_y / (1 + mean_x))
         fixed = max(mean_y - slope * mean_x, 0.0)
         return fixed, slope
 
@@ -212,13 +216,17 @@ def plan_batch(
     to be kept, while the batch's expected committed tokens per second still
     rises: in a small batch every sequence drafts as its own policy would, in a
     large one speculation shrinks and, past the point where plain batched decoding
-    wins, stops. ``None`` policies (no drafter) and zero limits get no draft.
+    wins, stops. ``None`` policies (no drafter) and zero limits get no draft. A
+    sequence whose drafts have never been verified drafts as its own policy says
+    (its first round measures the drafter).
     """
     n = len(policies)
     ks = [0] * n
     if not cost.known:  # no measurement yet: each sequence's own choice
         return [min(p.next_k(limit), limit) if p is not None else 0
                 for p, limit in zip(policies, limits, strict=True)]
+    fresh = [p is not None and p.drafted_rounds == 0 and limit > 0
+             for p, limit in zip(policies, limits, strict=True)]
     fixed, per_token = cost.line()
     draft_s = draft_seconds or [0.0] * n
     rates = [p.position_rates() if p is not None else [] for p in policies]
@@ -242,7 +250,11 @@ def plan_batch(
         seconds += per_token + draft_s[best]
     if sum(ks) and expected / seconds < BATCH_MIN_GAIN * n / (fixed + per_token * n):
         ks = [0] * n  # not worth it: plain decoding
-    for i, p in enumerate(policies):  # a sequence that stopped drafting probes now and then
-        if p is not None and ks[i] == 0 and limits[i] > 0 and p.wants_probe():
+    for i, p in enumerate(policies):
+        if p is None or limits[i] <= 0:
+            continue
+        if fresh[i]:
+            ks[i] = max(ks[i], min(p.next_k(limits[i]), limits[i]))
+        elif ks[i] == 0 and p.wants_probe():  # stopped drafting: probe now and then
             ks[i] = MIN_DRAFT_TOKENS
     return ks

@@ -119,6 +119,7 @@ class RoundEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # committed so far, this round included
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first round)
+    batch_size: int = 1  # sequences in the forward pass that verified this round
     error: str | None = None  # set only with FinishReason.ERROR; safe to show
 
     @property

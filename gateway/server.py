@@ -98,7 +98,8 @@ def build_engine(settings: Settings) -> Engine:
     drafters, default, backend = build_drafters(settings, target, cache)
     engine = Engine(target, drafters, default, max_queue=settings.max_queue,
                     max_active=settings.max_active, prefix_cache=cache,
-                    info={"draft_backend": backend})
+                    info={"draft_backend": backend}, prefill_chunk=settings.prefill_chunk,
+                    batch_planning=settings.batch_speculation == "adaptive")
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
     engine.warmup()
     engine.start()

@@ -41,6 +41,8 @@ class Settings(BaseSettings):
     api_keys: CommaList = Field(default_factory=list)
     max_queue: int = Field(default=64, ge=1)
     max_active: int = Field(default=16, ge=1)
+    prefill_chunk: int = Field(default=512, ge=1)
+    batch_speculation: Literal["adaptive", "always"] = "adaptive"
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int = Field(default=512, ge=1)
     request_timeout: float | None = Field(default=600.0, gt=0)
@@ -136,6 +138,14 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-queue", {"type": int, "help": "requests waiting before 429 (SPECSERVE_MAX_QUEUE)"}),
     ("--max-active", {"type": int,
                       "help": "requests decoded at once (SPECSERVE_MAX_ACTIVE)"}),
+    ("--prefill-chunk", {"type": int,
+                         "help": "prompt tokens fed per round, so a long prompt does not stall "
+                                 "running streams (SPECSERVE_PREFILL_CHUNK, default 512)"}),
+    ("--batch-speculation", {"choices": ["adaptive", "always"],
+                             "help": "adaptive: draft lengths chosen for the whole batch, "
+                                     "speculation backing off as it grows; always: every "
+                                     "request drafts as if alone (SPECSERVE_BATCH_SPECULATION, "
+                                     "default adaptive)"}),
     ("--max-prompt-tokens", {"type": int,
                              "help": "longest prompt accepted (SPECSERVE_MAX_PROMPT_TOKENS; "
                                      "default: the model's context)"}),

@@ -32,6 +32,7 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1
                          0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
                  2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 ERROR_TYPES = (
     "invalid_request",  # 400
@@ -82,6 +83,10 @@ class Metrics:
         self.round_duration = histogram("round_duration_seconds",
                                         "Time of one speculation round, by phase.",
                                         ("model", "drafter", "phase"), ROUND_BUCKETS)
+        self.batch_size = histogram("batch_size",
+                                    "Sequences in the forward pass of each speculation round "
+                                    "(observed once per sequence and round).",
+                                    ("model",), BATCH_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.", ("model",))
         self.generation_tokens = counter("generation_tokens", "Tokens generated.", ("model",))
         self.drafts = counter("spec_decode_num_drafts",

@@ -81,6 +81,7 @@ class RequestTelemetry:
         if event.round_index > 0 and committed:
             m.record_round(model, drafter or "none", event.draft_tokens, event.accepted_tokens,
                            event.timing.draft_s, event.timing.verify_s)
+            m.batch_size.labels(model).observe(event.batch_size)
         self.drafted += event.draft_tokens
         self.accepted += event.accepted_tokens
         if event.finish_reason is not None:

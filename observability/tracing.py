@@ -96,6 +96,7 @@ class RequestSpan:
                 "specserve.round.verify_ms": t.verify_s * 1000,
                 "specserve.round.drafter": drafter or "none",
                 "specserve.round.cached_tokens": event.cached_tokens,
+                "specserve.round.batch_size": event.batch_size,
             },
         )
         span.end(end_time=end)

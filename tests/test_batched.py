@@ -103,8 +103,13 @@ def test_buffers_grow_past_their_first_size(tiny_target: BatchedLM) -> None:
     long_prompt = list(range(1000, 1000 + tiny_target.capacity + 30))
     tiny_target.prefill(states[0], long_prompt)  # more positions than first allocated
     assert tiny_target.capacity >= len(long_prompt)
-    for state in states:
-        tiny_target.release(state)
+    expected = tiny_target.score(states[0], [5])
+    tiny_target.rollback(states[0], len(long_prompt))
+    for state in states[1:]:
+        tiny_target.release(state)  # the sequence still running keeps its cache
+    torch.testing.assert_close(tiny_target.score(states[0], [5]), expected)
+    tiny_target.release(states[0])
+    assert tiny_target.capacity < len(long_prompt)  # idle: the buffers shrank back
 
 
 def test_kv_round_trip(tiny_target: BatchedLM) -> None:

@@ -43,29 +43,23 @@ def test_outputs_match_decoding_alone(engine: Engine, tiny_target: CausalLM) -> 
 
 
 def test_concurrent_requests_interleave(tiny_target: CausalLM) -> None:
+    """Both streams progress from the start, in the same forward passes: neither waits
+    for the other to finish."""
     engine = Engine(tiny_target, max_active=2)
-    order: list[int] = []
     streams = [engine.submit(_request(tiny_target, f"stream {i}", n=12,
                                       speculation=SpeculationParams(enabled=False)))
                for i in range(2)]
     engine.start()
     try:
-        import threading
-
-        def consume(i: int) -> None:
-            for _ in streams[i]:
-                order.append(i)
-
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        events = [list(stream) for stream in streams]
     finally:
         engine.shutdown()
-    assert len(order) == 24
-    # both streams progress from the start: neither waits for the other to finish
-    assert set(order[:4]) == {0, 1}
+    for stream_events in events:
+        assert sum(len(e.token_ids) for e in stream_events) == 12
+        decode_rounds = [e for e in stream_events if e.round_index > 0]
+        assert len(decode_rounds) == 11
+        assert all(e.batch_size == 2 for e in decode_rounds)
+    assert engine.forward_passes == 12  # one prefill pass for both, then 11 shared rounds
 
 
 def test_cancel_frees_the_slot(engine: Engine, tiny_target: CausalLM) -> None:

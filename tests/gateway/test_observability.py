@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -92,6 +93,23 @@ async def test_metrics_agree_with_what_the_client_received(tiny_engine: Engine) 
     for name, labels in s:
         assert ":" not in name and name.startswith("specserve_")
         assert "request_id" not in dict(labels)
+
+
+async def test_concurrent_requests_share_forward_passes(tiny_engine: Engine) -> None:
+    """Rounds of concurrent requests are verified together, and the batch size each
+    round ran in is exported."""
+    telemetry, _ = _telemetry()
+    app = create_app(tiny_settings(), engine=tiny_engine, telemetry=telemetry)
+    async with in_process(app) as client:
+        body = {"model": TINY, "messages": REPEAT, "max_tokens": 24, "temperature": 0,
+                "speculation": {"enabled": False}}
+        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
+                                           for _ in range(4)))
+    assert all(r.status_code == 200 for r in responses)
+    s = _samples(telemetry.metrics)
+    rounds = _total(s, "specserve_batch_size_count")
+    assert rounds == 4 * 23  # every round after the first token
+    assert _total(s, "specserve_batch_size_sum") > rounds  # some ran with other requests
 
 
 async def test_one_span_per_request_and_one_child_per_round(tiny_engine: Engine) -> None:
