@@ -46,6 +46,7 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 _INITIAL_CAPACITY = 256
 _INITIAL_ROWS = 4
 _CAPACITY_ALIGN = 64
+_GROUP_WIDTH = 16  # additions up to this many tokens share one padded attention block
 
 
 @dataclass(eq=False)
@@ -210,10 +211,8 @@ class BatchedLM(CausalLM):
             if item.state.length + len(item.token_ids) > self.max_context:
                 raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
                                  f"exceed the context of {self.max_context}")
-        lo = min(rows)
-        width = max(len(item.token_ids) for item in items)
-        self._ensure_capacity(max(item.state.length for item in items) + width)
-        batch = _Layout.build(items, lo, max(rows) + 1 - lo, width, self.device)
+        self._ensure_capacity(max(item.state.length + len(item.token_ids) for item in items))
+        batch = _Layout.build(items, self.device)
         hidden = self._forward_layers(batch)  # [T, H]: every real token, packed
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
@@ -231,14 +230,13 @@ class BatchedLM(CausalLM):
         return outputs
 
     def _forward_layers(self, batch: _Layout) -> torch.Tensor:
-        """The decoder layers over packed tokens; attention over padded rows."""
-        n_rows, width = batch.n_rows, batch.width
+        """The decoder layers over packed tokens; attention per group over padded rows."""
         hidden = self._inner.embed_tokens(batch.ids)  # [T, H]
         cos, sin = self._inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]
         rows, at = batch.cache_rows, batch.positions
-        padded_q = hidden.new_zeros((n_rows * width, self.heads, self.head_dim))
-        lo, hi, span = batch.lo, batch.lo + n_rows, batch.span
+        width = self.heads * self.head_dim
+        single = len(batch.groups) == 1
         for index, w in enumerate(self._weights):
             x = w.input_norm(hidden)
             q, k, v = _linear(x, w.qkv, w.qkv_bias).split(self._qkv_sizes, dim=-1)
@@ -250,13 +248,25 @@ class BatchedLM(CausalLM):
             keys, values = self._keys[index], self._values[index]
             keys[rows, :, at] = k  # buffer[row, :, position] for each token: [T, kv, D]
             values[rows, :, at] = v
-            padded_q[batch.slots] = q
-            out = F.scaled_dot_product_attention(
-                padded_q.view(n_rows, width, self.heads, self.head_dim).transpose(1, 2),
-                keys[lo:hi, :, :span], values[lo:hi, :, :span], attn_mask=batch.mask,
-                scale=self.scaling, enable_gqa=self.heads != self.kv_heads)  # [R, h, W, D]
-            out = out.transpose(1, 2).reshape(n_rows * width, self.heads * self.head_dim)
-            hidden = hidden + _linear(out[batch.slots], w.o, w.o_bias)
+            out = q.new_empty((q.shape[0], width)) if not single else None
+            for group in batch.groups:
+                group_q = q if single else q[group.tokens]
+                padded = q.new_zeros((group.n_rows * group.width, self.heads, self.head_dim))
+                padded[group.slots] = group_q
+                hi = group.lo + group.n_rows
+                attended = F.scaled_dot_product_attention(
+                    padded.view(group.n_rows, group.width, self.heads, self.head_dim)
+                    .transpose(1, 2),
+                    keys[group.lo : hi, :, : group.span], values[group.lo : hi, :, : group.span],
+                    attn_mask=group.mask, scale=self.scaling,
+                    enable_gqa=self.heads != self.kv_heads)  # [R, h, W, D]
+                attended = attended.transpose(1, 2).reshape(-1, width)[group.slots]
+                if out is None:
+                    out = attended
+                else:
+                    out[group.tokens] = attended
+            assert out is not None
+            hidden = hidden + _linear(out, w.o, w.o_bias)
             gate, up = _linear(w.post_norm(hidden), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
             hidden = hidden + _linear(w.act(gate) * up, w.down, w.down_bias)
         return hidden
@@ -333,48 +343,78 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Where a batch's tokens go: packed for the matrix products, padded to
-    ``[rows, width]`` for attention over the contiguous block of cache rows
-    ``lo .. lo + n_rows`` (rows in the block but not in the batch get zero queries
-    whose output is dropped)."""
+class _Group:
+    """Sequences whose attention runs as one padded ``[rows, width]`` block over the
+    contiguous cache rows ``lo .. lo + n_rows`` (rows in the block but not in the
+    group get zero queries whose output is dropped)."""
 
-    ids: torch.Tensor  # [T] token ids, packed
-    positions: torch.Tensor  # [T] position of each token in its sequence
-    cache_rows: torch.Tensor  # [T] the cache row of each token
-    slots: torch.Tensor  # [T] index of each token in the padded [rows * width] layout
-    offsets: list[int]  # where each item's tokens start in the packed order
-    mask: torch.Tensor  # [R, 1, W, span] which cached positions each padded query sees
+    tokens: torch.Tensor  # [t] the group's tokens' indexes in the packed order
+    slots: torch.Tensor  # [t] each token's index in the padded [n_rows * width] layout
+    mask: torch.Tensor  # [n_rows, 1, width, span] which positions each padded query sees
     lo: int
     n_rows: int
     width: int
     span: int
 
     @classmethod
-    def build(cls, items: Sequence[BatchItem], lo: int, n_rows: int, width: int,
-              device: torch.device) -> _Layout:
+    def build(cls, items: Sequence[BatchItem], members: list[int], offsets: list[int],
+              device: torch.device) -> _Group:
+        rows = [items[i].state.row for i in members]
+        lo, n_rows = min(rows), max(rows) + 1 - min(rows)
+        width = max(len(items[i].token_ids) for i in members)
+        tokens: list[int] = []
+        slots: list[int] = []
+        starts = [0] * n_rows
+        span = 0
+        for i in members:
+            item = items[i]
+            row, start, n = item.state.row - lo, item.state.length, len(item.token_ids)
+            tokens.extend(range(offsets[i], offsets[i] + n))
+            slots.extend(range(row * width, row * width + n))
+            starts[row] = start
+            span = max(span, start + n)
+        query_pos = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # [R, W]
+        mask = torch.arange(span)[None, None, :] <= query_pos[:, :, None]  # causal, per row
+        return cls(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                   slots=torch.tensor(slots, dtype=torch.long, device=device),
+                   mask=mask[:, None].to(device), lo=lo, n_rows=n_rows, width=width, span=span)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a batch's tokens go: packed for the matrix products, padded per group
+    for attention. Short additions (decoding rounds) form one group; each long one
+    (a prompt chunk) is a group of its own, so a prompt riding along in a decoding
+    pass does not pad every other row to its length."""
+
+    ids: torch.Tensor  # [T] token ids, packed
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    cache_rows: torch.Tensor  # [T] the cache row of each token
+    offsets: list[int]  # where each item's tokens start in the packed order
+    groups: list[_Group]
+
+    @classmethod
+    def build(cls, items: Sequence[BatchItem], device: torch.device) -> _Layout:
         ids: list[int] = []
         positions: list[int] = []
         cache_rows: list[int] = []
-        slots: list[int] = []
         offsets: list[int] = []
-        starts = [0] * n_rows
         for item in items:
-            row, start, n = item.state.row, item.state.length, len(item.token_ids)
+            start, n = item.state.length, len(item.token_ids)
             offsets.append(len(ids))
             ids.extend(item.token_ids)
             positions.extend(range(start, start + n))
-            cache_rows.extend([row] * n)
-            slots.extend(range((row - lo) * width, (row - lo) * width + n))
-            starts[row - lo] = start
-        span = max(positions) + 1
-        query_pos = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # [R, W]
-        mask = torch.arange(span)[None, None, :] <= query_pos[:, :, None]  # causal, per row
+            cache_rows.extend([item.state.row] * n)
+        short = [i for i, item in enumerate(items) if len(item.token_ids) <= _GROUP_WIDTH]
+        long = [[i] for i, item in enumerate(items) if len(item.token_ids) > _GROUP_WIDTH]
+        groups = [_Group.build(items, members, offsets, device)
+                  for members in ([short] if short else []) + long]
+
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
+
         return cls(ids=as_tensor(ids), positions=as_tensor(positions),
-                   cache_rows=as_tensor(cache_rows), slots=as_tensor(slots), offsets=offsets,
-                   mask=mask[:, None].to(device), lo=lo, n_rows=n_rows, width=width, span=span)
+                   cache_rows=as_tensor(cache_rows), offsets=offsets, groups=groups)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

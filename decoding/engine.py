@@ -1,10 +1,10 @@
 """The engine: one model thread serving many requests, round by round.
 
 Requests wait in a bounded queue; up to ``max_active`` of them are decoded at
-once. Every iteration feeds waiting prompts a chunk at a time (at most
-``prefill_chunk`` tokens, so a long prompt does not stall running streams), then
-runs one speculation round for every running stream in one batched forward
-pass, with draft lengths chosen for the batch as a whole (``plan_batch``:
+once. Every iteration runs one forward pass holding the next chunk of waiting
+prompts (at most ``prefill_chunk`` tokens, so a long prompt does not stall
+running streams) and one speculation round for every running stream, with
+draft lengths chosen for the batch as a whole (``plan_batch``:
 speculation shrinks as the batch grows and stops where plain batched decoding
 is faster). Requests join and leave at round boundaries. Each round's event is
 handed to the request's stream as soon as its forward pass returns.
@@ -249,36 +249,37 @@ class Engine:
         self._drain_all()
 
     def _iteration(self, batch: list[_Active]) -> None:
-        """One round for every active request: a chunk of waiting prompts, then one
-        speculation round for all the others in one forward pass."""
+        """One round for every active request: the next chunk of waiting prompts and one
+        speculation round for every running stream, in one forward pass (weights read
+        once for both)."""
         live = [active for active in batch if self._still_running(active)]
         prefilling = [a for a in live if a.decoder.rounds == 0]
         decoding = [a for a in live if a.decoder.rounds > 0]
-        if prefilling:
-            budget, plans = self.prefill_chunk, []
-            for active in prefilling:
-                if budget <= 0:
-                    break
-                plan = self._plan(active, prefill_chunk=budget)
-                if plan is not None:
-                    plans.append((active, plan))
-                    budget -= len(plan.item.token_ids)
-            self._forward(plans, observe=False)
-        if not decoding:
-            return
+        plans: list[tuple[_Active, RoundPlan]] = []
+        budget = self.prefill_chunk
+        for active in prefilling:
+            if budget <= 0:
+                break
+            plan = self._plan(active, prefill_chunk=budget)
+            if plan is not None:
+                plans.append((active, plan))
+                budget -= len(plan.item.token_ids)
         if not self.target.batched:  # one sequence per forward pass: take turns
+            for pair in plans:
+                self._forward([pair], observe=False)
             for active in decoding:
                 plan = self._plan(active, k=None)
                 if plan is not None:
                     self._forward([(active, plan)], observe=False)
             return
-        ks = self._draft_lengths(decoding)
-        plans = []
-        for active, k in zip(decoding, ks, strict=True):
-            plan = self._plan(active, k=k)
-            if plan is not None:
-                plans.append((active, plan))
-        self._forward(plans, observe=True)
+        if decoding:
+            ks = self._draft_lengths(decoding)
+            for active, k in zip(decoding, ks, strict=True):
+                plan = self._plan(active, k=k)
+                if plan is not None:
+                    plans.append((active, plan))
+        # the step-cost fit describes decoding passes; a prompt chunk would skew it
+        self._forward(plans, observe=not any(plan.prefill for _, plan in plans))
 
     def _still_running(self, active: _Active) -> bool:
         stream = active.stream

@@ -54,11 +54,13 @@ def _alone(target: CausalLM, drafter: Drafter | None, request: GenerationRequest
 
 
 def test_batched_forward_matches_each_sequence_alone(tiny_target: BatchedLM) -> None:
-    """Ragged rows (different cached lengths, different numbers of new tokens) in one
-    pass give the logits each would get alone."""
+    """Ragged rows (different cached lengths, different numbers of new tokens, prompt
+    chunks among decoding rounds) in one pass give the logits each would get alone."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (3, 17, 40, 1, 9)]
-    news = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (1, 5, 2, 9, 3)]
+    # short additions (decoding rounds) share one attention block; long ones (prompt
+    # chunks riding along) get their own
+    news = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (1, 40, 2, 9, 25)]
     alone = []
     for prompt, new in zip(prompts, news, strict=True):
         state = tiny_target.new_state()
