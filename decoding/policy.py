@@ -140,7 +140,7 @@ class FixedSpeculation(AdaptiveSpeculation):
 # -- many sequences in one forward pass ---------------------------------------------------
 
 COST_HISTORY_DECAY = 0.97  # weight of older forward passes in the step-cost fit
-BATCH_MIN_GAIN = 1.02
+BATCH_MIN_GAIN = 1.05  # a batch plan must promise this much over plain batched decoding
 
 
 class StepCost:
