@@ -36,9 +36,8 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decoding.target import DTYPES, BatchItem, CausalLM
+from decoding.target import BatchItem, CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +102,14 @@ class BatchedLM(CausalLM):
         self._allocate(_INITIAL_ROWS, _INITIAL_CAPACITY)
 
     @classmethod
-    def load(cls, path: str, dtype: str = "float32", device: str = "cpu") -> CausalLM:
-        """The model batched when its architecture allows, else a plain ``CausalLM``."""
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-        model = model.to(device)  # type: ignore[arg-type]
+    def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:
+        """Batched when the model's architecture allows, else a plain ``CausalLM``
+        (``BatchedLM.load`` loads either)."""
         reason = supports(model)
         if reason is not None:
-            log.warning("%s runs one sequence per forward pass: %s", path, reason)
-            return CausalLM(model, tokenizer, name=str(path))
-        return cls(model, tokenizer, name=str(path))
+            log.warning("%s runs one sequence per forward pass: %s", name, reason)
+            return CausalLM(model, tokenizer, name=name)
+        return cls(model, tokenizer, name=name)
 
     # -- sequences --------------------------------------------------------------------
 

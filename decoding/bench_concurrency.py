@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("off", "on", "adaptive")
 DEFAULT_CONCURRENCY = (1, 4, 8, 16)
-MAX_TOKENS = 64
+MAX_TOKENS = 128
 MIN_REQUESTS = 4  # per run, so one stream's run is not a single request
 REQUESTS_PER_STREAM = 2
 BANDWIDTH_BYTES = 1 << 29  # the buffer read to measure memory bandwidth

@@ -62,7 +62,12 @@ class CausalLM:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         model = model.to(device)  # type: ignore[arg-type]
-        return cls(model, tokenizer, name=str(path))
+        return cls.wrap(model, tokenizer, name=str(path))
+
+    @classmethod
+    def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:
+        """The runner for a loaded model (a subclass may fall back to this class)."""
+        return cls(model, tokenizer, name=name)
 
     def new_state(self) -> CacheState:
         return CacheState(cache=DynamicCache(config=self.model.config))

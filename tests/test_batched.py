@@ -293,6 +293,7 @@ def test_a_failing_batch_fails_only_the_request_at_fault(
         engine.shutdown()
     monkeypatch.undo()
     assert bad_events[-1].finish_reason is FinishReason.ERROR
+    assert bad_events[-1].error and "injected" not in bad_events[-1].error  # nothing leaks
     for request, events in zip(good, results, strict=True):
         assert _tokens(events) == _alone(tiny_target, drafters["ngram"], request)
 

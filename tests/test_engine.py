@@ -101,30 +101,6 @@ def test_timeout_stops_the_work(engine: Engine, tiny_target: CausalLM) -> None:
     assert engine.num_running == 0
 
 
-def test_model_error_fails_only_that_request(
-    engine: Engine, tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A model fault cannot be caused from outside, so one is injected for one request:
-    # a forward pass that holds its token fails (batched with others or alone).
-    real_forward = tiny_target.forward_batch
-    poisoned = 31337
-
-    def forward_batch(items):  # type: ignore[no-untyped-def]
-        if any(poisoned in item.token_ids for item in items):
-            raise RuntimeError("injected fault")
-        return real_forward(items)
-
-    monkeypatch.setattr(tiny_target, "forward_batch", forward_batch)
-    bad = engine.submit(GenerationRequest(prompt_ids=(poisoned,), max_new_tokens=8,
-                                          sampling=GREEDY, stop_token_ids=()))
-    good = engine.submit(_request(tiny_target, "fine request", n=8))
-    bad_events = list(bad)
-    good_events = list(good)
-    assert bad_events[-1].finish_reason is FinishReason.ERROR
-    assert bad_events[-1].error and "injected" not in bad_events[-1].error
-    assert sum(len(e.token_ids) for e in good_events) == 8
-
-
 def test_shutdown_refuses_new_work(tiny_target: CausalLM) -> None:
     engine = Engine(tiny_target)
     engine.start()
