@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 
-.PHONY: install model run test lint typecheck pytest test-long bench bench-http reliability clean \
+.PHONY: install model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
 	deploy-tools \
 	image image-gpu
 
@@ -49,6 +49,10 @@ test-long: model deploy-tools
 
 bench: model
 	$(BIN)/specserve bench --quick --json bench-results/bench.json
+
+bench-load: model
+	$(BIN)/specserve bench --concurrency 1,4,8,16 --dtypes float32 --prompts 8 \
+		--json bench-results/load.json
 
 reliability: model deploy-tools
 	$(BIN)/pytest tests/reliability --runslow $(PYTEST_ARGS)
