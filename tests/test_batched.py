@@ -370,3 +370,21 @@ def test_the_engine_learns_its_step_cost(fresh_engine: Engine, tiny_target: Caus
         list(stream)
     fixed, per_token = fresh_engine.step_cost.line()
     assert fixed > 0 and per_token >= 0
+
+
+@pytest.mark.gpu
+def test_batched_greedy_on_cuda_matches_each_sequence_alone(tiny_target_dir: object) -> None:
+    """The same identity on a GPU, float32: several streams sharing forward passes in the
+    engine produce what each produces alone."""
+    target = BatchedLM.load(str(tiny_target_dir), dtype="float32", device="cuda")
+    assert target.batched
+    requests = [GenerationRequest(prompt_ids=_ids(target, p), max_new_tokens=24,
+                                  sampling=GREEDY, request_id=str(i))
+                for i, p in enumerate(PROMPTS)]
+    engine = _engine(target, {"ngram": NgramDrafter()})
+    try:
+        results = [list(s) for s in [engine.submit(r) for r in requests]]
+    finally:
+        engine.shutdown()
+    for request, events in zip(requests, results, strict=True):
+        assert _tokens(events) == _alone(target, NgramDrafter(), request)
