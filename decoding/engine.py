@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.drafters.base import Drafter
-from decoding.policy import StepCost, plan_batch
+from decoding.policy import SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
 from decoding.sequence import ContextOverflowError, RoundPlan, SequenceDecoder
 from decoding.target import CausalLM
@@ -133,6 +133,7 @@ class Engine:
         # every sequence drafts as its own policy says, whatever the batch size.
         self.batch_planning = batch_planning
         self.step_cost = StepCost()
+        self._priors: dict[str, SpeculationPrior] = {}  # per drafter, from finished requests
         self.forward_passes = 0
         self.prefix_cache = prefix_cache
         self.info = dict(info or {})  # descriptive facts for clients (e.g. the draft backend)
@@ -375,7 +376,9 @@ class Engine:
                 continue
             try:
                 drafter = self.drafters[stream.drafter] if stream.drafter else None
+                prior = self._priors.setdefault(stream.drafter or "", SpeculationPrior())
                 decoder = SequenceDecoder(self.target, drafter, stream.request,
+                                          policy=prior.new_policy(),
                                           prefix_cache=self.prefix_cache)
             except Exception as exc:  # invalid for this model: fail this request only
                 log.exception("request %s could not start", stream.request.request_id)
@@ -387,6 +390,8 @@ class Engine:
 
     def _finish(self, active: _Active, last: RoundEvent | None) -> None:
         active.decoder.close()
+        if active.stream.drafter is not None:
+            self._priors[active.stream.drafter].observe(active.decoder.policy)
         with self._lock:  # free the slot before the client can see the end
             if active in self._active:
                 self._active.remove(active)

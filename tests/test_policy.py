@@ -1,6 +1,11 @@
 from __future__ import annotations
 
-from decoding.policy import MAX_DRAFT_TOKENS, PROBE_INTERVAL, AdaptiveSpeculation
+from decoding.policy import (
+    MAX_DRAFT_TOKENS,
+    PROBE_INTERVAL,
+    AdaptiveSpeculation,
+    SpeculationPrior,
+)
 
 
 def test_grows_on_full_acceptance_up_to_the_bound() -> None:
@@ -69,3 +74,27 @@ def test_runs_of_acceptance_favour_long_drafts() -> None:
     rates = policy.position_rates()
     assert 0.3 < rates[0] < 0.7 and min(rates[1:4]) > 0.9
     assert policy.best_k() == MAX_DRAFT_TOKENS
+
+
+def test_new_requests_start_from_what_earlier_ones_learned() -> None:
+
+    def finished(accepted: int) -> AdaptiveSpeculation:
+        policy = AdaptiveSpeculation()
+        for _ in range(20):
+            policy.update(4, accepted)
+        return policy
+
+    prior = SpeculationPrior()
+    fresh = prior.new_policy()
+    assert not prior.known and fresh.k == AdaptiveSpeculation().k  # nothing learned yet
+    for _ in range(3):
+        prior.observe(finished(0))  # a drafter that is never right
+    poor = prior.new_policy()
+    assert poor.k == 1 and poor.alpha < 0.2  # measures itself with one token, no more
+    for _ in range(10):
+        prior.observe(finished(4))  # the same drafter on text it predicts well
+    good = prior.new_policy()
+    assert good.k >= 6 and good.alpha > 0.8
+    good.update(4, 0)  # its own rounds soon count more than the head start
+    good.update(4, 0)
+    assert good.alpha < 0.6
