@@ -77,7 +77,6 @@ def test_runs_of_acceptance_favour_long_drafts() -> None:
 
 
 def test_new_requests_start_from_what_earlier_ones_learned() -> None:
-
     def finished(accepted: int) -> AdaptiveSpeculation:
         policy = AdaptiveSpeculation()
         for _ in range(20):
