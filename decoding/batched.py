@@ -93,8 +93,8 @@ class BatchedLM(CausalLM):
                            self.kv_heads * self.head_dim]
         self._weights = [_LayerWeights.of(layer) for layer in self._layers]
         head = model.get_output_embeddings()
-        self._head = head.weight.detach().t().contiguous()  # [hidden, vocab]
-        self._head_bias = head.bias.detach() if getattr(head, "bias", None) is not None else None
+        bias = getattr(head, "bias", None)
+        self._head = _Matrix(head.weight.detach(), bias.detach() if bias is not None else None)
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
@@ -213,7 +213,7 @@ class BatchedLM(CausalLM):
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
                 for i in range(i + len(item.token_ids) - min(item.keep, len(item.token_ids)),
                                i + len(item.token_ids))]
-        logits = (self.model.lm_head(self._inner.norm(hidden[kept])) if kept
+        logits = (self._head(self._inner.norm(hidden[kept])) if kept
                   else hidden.new_empty((0, self.vocab_size)))  # [K, V]
         outputs: list[torch.Tensor] = []
         offset = 0
@@ -234,7 +234,7 @@ class BatchedLM(CausalLM):
         single = len(batch.groups) == 1
         for index, w in enumerate(self._weights):
             x = w.input_norm(hidden)
-            q, k, v = _linear(x, w.qkv, w.qkv_bias).split(self._qkv_sizes, dim=-1)
+            q, k, v = w.qkv(x).split(self._qkv_sizes, dim=-1)
             q = q.view(-1, self.heads, self.head_dim)
             k = k.reshape(-1, self.kv_heads, self.head_dim)
             v = v.reshape(-1, self.kv_heads, self.head_dim)
@@ -261,9 +261,9 @@ class BatchedLM(CausalLM):
                 else:
                     out[group.tokens] = attended
             assert out is not None
-            hidden = hidden + _linear(out, w.o, w.o_bias)
-            gate, up = _linear(w.post_norm(hidden), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            hidden = hidden + _linear(w.act(gate) * up, w.down, w.down_bias)
+            hidden = hidden + w.o(out)
+            gate, up = w.gate_up(w.post_norm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + w.down(w.act(gate) * up)
         return hidden
 
     # -- buffers ------------------------------------------------------------------------
@@ -289,52 +289,92 @@ class BatchedLM(CausalLM):
         log.debug("KV buffers: %d rows x %d positions", rows, capacity)
 
 
+class _Matrix:
+    """A weight matrix kept in the layouts a CPU multiplies fastest: in float32,
+    ``[in, out]`` for a single token (one step streams it in one pass, well faster
+    than the usual ``[out, in]`` product); ``[out, in]`` through oneDNN for several
+    tokens (small-batch products that MKL does poorly) and for bfloat16. On a GPU
+    the plain ``[out, in]`` product."""
+
+    def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.rows = rows  # [out, in], contiguous
+        self.bias = bias
+        cpu = rows.device.type == "cpu"
+        # the [in, out] single-token product pays in float32; bfloat16 goes to oneDNN
+        self.cols = rows.t().contiguous() if cpu and rows.dtype == torch.float32 else None
+        self.onednn = _ONEDNN_LINEAR if cpu else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cols is not None and x.shape[0] == 1:
+            if self.bias is not None:
+                return torch.addmm(self.bias, x, self.cols)
+            return x @ self.cols
+        if self.onednn is not None:
+            return self.onednn(x, self.rows, self.bias, "none", [], "")
+        return F.linear(x, self.rows, self.bias)
+
+
+def _onednn_linear() -> Any:
+    """oneDNN's linear where this PyTorch build has it (CPU builds with mkldnn)."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        x, w = torch.ones(2, 4), torch.ones(3, 4)
+        if not torch.equal(op(x, w, None, "none", [], ""), x @ w.t()):
+            return None
+    except (RuntimeError, NotImplementedError):
+        return None
+    return op
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
 @dataclass(frozen=True)
 class _LayerWeights:
-    """One decoder layer's matrices, fused (q, k and v as one; gate and up as one) and
-    stored as ``[in, out]``: one decoding step streams each from memory in a single
-    pass, which reads them markedly faster on a CPU than the modules' separate,
-    ``[out, in]`` products. The norms and the activation are the layer's own."""
+    """One decoder layer's matrices, fused (q, k and v as one; gate and up as one).
+    The fused ``[out, in]`` tensors become the modules' own weights (each module
+    sees its rows), so only the ``[in, out]`` copies take extra memory. The norms
+    and the activation are the layer's own."""
 
     input_norm: Any
     post_norm: Any
     act: Any
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    qkv: _Matrix
+    o: _Matrix
+    gate_up: _Matrix
+    down: _Matrix
 
     @classmethod
     def of(cls, layer: Any) -> _LayerWeights:
         attention, mlp = layer.self_attn, layer.mlp
-        qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
-        gate_up = (mlp.gate_proj, mlp.up_proj)
         return cls(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-                   act=mlp.act_fn, qkv=_fuse(qkv), qkv_bias=_fuse_bias(qkv),
-                   o=_fuse((attention.o_proj,)), o_bias=_fuse_bias((attention.o_proj,)),
-                   gate_up=_fuse(gate_up), gate_up_bias=_fuse_bias(gate_up),
-                   down=_fuse((mlp.down_proj,)), down_bias=_fuse_bias((mlp.down_proj,)))
+                   act=mlp.act_fn,
+                   qkv=_fuse((attention.q_proj, attention.k_proj, attention.v_proj)),
+                   o=_fuse((attention.o_proj,)), gate_up=_fuse((mlp.gate_proj, mlp.up_proj)),
+                   down=_fuse((mlp.down_proj,)))
 
 
-def _fuse(linears: Sequence[Any]) -> torch.Tensor:
-    """``[in, sum(out)]``, contiguous."""
-    return torch.cat([m.weight.detach() for m in linears], dim=0).t().contiguous()
-
-
-def _fuse_bias(linears: Sequence[Any]) -> torch.Tensor | None:
+def _fuse(linears: Sequence[Any]) -> _Matrix:
+    """One ``[sum(out), in]`` matrix for ``linears``; each module's weight (and bias)
+    becomes a view of its rows."""
+    weights = [m.weight.detach() for m in linears]
+    fused = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0].contiguous()
     biases = [getattr(m, "bias", None) for m in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0])
-                      for b, m in zip(biases, linears, strict=True)])
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.addmm(bias, x, weight) if bias is not None else x @ weight
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
+                          for b, w in zip(biases, weights, strict=True)])
+    start = 0
+    for module, weight, own_bias in zip(linears, weights, biases, strict=True):
+        rows = weight.shape[0]
+        if len(linears) > 1:
+            module.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+            if bias is not None and own_bias is not None:
+                module.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return _Matrix(fused, bias)
 
 
 @dataclass(frozen=True)
