@@ -160,6 +160,24 @@ class SpeculationPrior:
         return policy
 
 
+def _best_single(policy: AdaptiveSpeculation, limit: int, cost: StepCost,
+                 draft_s: float) -> int:
+    """One sequence alone: every k weighed whole (a one-token pass is priced on its own,
+    so adding draft tokens one at a time could stop at the jump from one token to two)."""
+    plain = 1.0 / cost.predict(1)
+    best_k, best_rate = 0, plain * BATCH_MIN_GAIN
+    tokens, run = 1.0, 1.0
+    for k, rate in enumerate(policy.position_rates()[: min(limit, policy.max_tokens)], 1):
+        run *= rate
+        tokens += run
+        value = tokens / (cost.predict(1 + k) + draft_s * k)
+        if value > best_rate:
+            best_k, best_rate = k, value
+    if best_k == 0 and limit > 0 and policy.wants_probe():
+        best_k = MIN_DRAFT_TOKENS
+    return best_k
+
+
 def _ema(previous: float, value: float) -> float:
     return value if previous <= 0 else COST_DECAY * previous + (1 - COST_DECAY) * value
 
@@ -193,11 +211,16 @@ class StepCost:
     token is nearly free for one stream and costs nearly a full token's work in
     a large batch. Until passes of different sizes have been seen, ``per_token``
     is assumed to be ``VERIFY_COST_PER_TOKEN`` of a one-token pass.
+
+    A one-token pass is timed on its own: a CPU runs it through a different, faster
+    product (a matrix-vector one), so the line is fitted to passes of two or more
+    tokens and ``predict(1)`` is the measured one-token time.
     """
 
     def __init__(self) -> None:
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self._seen: set[int] = set()
+        self._single = 0.0  # measured time of a one-token pass
 
     @property
     def known(self) -> bool:
@@ -211,6 +234,10 @@ class StepCost:
             for x in (1, 1 + MAX_DRAFT_TOKENS):
                 self._add(x, fixed * (1 + VERIFY_COST_PER_TOKEN * (x - 1)), 1.0)
         self._seen.add(tokens)
+        if tokens == 1:
+            self._single = _ema(self._single, seconds)
+            if len(self._seen) > 1:
+                return  # the line has passes of its own size to go by
         self._decay()
         self._add(tokens, seconds, 1.0)
 
@@ -228,6 +255,8 @@ class StepCost:
         return fixed, slope
 
     def predict(self, tokens: int) -> float:
+        if tokens == 1 and self._single > 0:
+            return self._single
         fixed, slope = self.line()
         return fixed + slope * tokens
 
@@ -269,12 +298,14 @@ def plan_batch(
                 for p, limit in zip(policies, limits, strict=True)]
     fresh = [p is not None and p.drafted_rounds == 0 and limit > 0
              for p, limit in zip(policies, limits, strict=True)]
-    fixed, per_token = cost.line()
+    per_token = cost.line()[1]
     draft_s = draft_seconds or [0.0] * n
+    if n == 1 and policies[0] is not None and not fresh[0]:
+        return [_best_single(policies[0], limits[0], cost, draft_s[0])]
     rates = [p.position_rates() if p is not None else [] for p in policies]
     run = [1.0] * n  # chance that every draft so far in sequence i is kept
     expected = float(n)  # each sequence commits at least one token
-    seconds = fixed + per_token * n
+    seconds = cost.predict(n)
     while True:
         best, best_gain = -1, 0.0
         for i, p in enumerate(policies):
@@ -290,7 +321,7 @@ def plan_batch(
         run[best] *= rates[best][ks[best] - 1]
         expected += best_gain
         seconds += per_token + draft_s[best]
-    if sum(ks) and expected / seconds < BATCH_MIN_GAIN * n / (fixed + per_token * n):
+    if sum(ks) and expected / seconds < BATCH_MIN_GAIN * n / cost.predict(n):
         ks = [0] * n  # not worth it: plain decoding
     for i, p in enumerate(policies):
         if p is None or limits[i] <= 0:

@@ -388,3 +388,18 @@ def test_batched_greedy_on_cuda_matches_each_sequence_alone(tiny_target_dir: obj
         engine.shutdown()
     for request, events in zip(requests, results, strict=True):
         assert _tokens(events) == _alone(target, NgramDrafter(), request)
+
+
+def test_one_stream_weighs_whole_drafts_past_the_one_token_jump() -> None:
+    """On a CPU a one-token pass is much cheaper than a two-token one, while each
+    further token costs little: one stream drafts several tokens when they are likely
+    kept (one token alone would not pay), and none when they are not."""
+    cost = StepCost()
+    for _ in range(5):
+        for tokens in (2, 3, 5, 9):
+            cost.observe(tokens, 0.060 + 0.002 * tokens)
+        cost.observe(1, 0.045)
+    assert cost.predict(1) == pytest.approx(0.045)
+    assert cost.predict(5) == pytest.approx(0.070, rel=0.05)
+    assert plan_batch([_policy(0.8)], [100], cost)[0] >= 3
+    assert plan_batch([_policy(0.2)], [100], cost) == [0]
