@@ -99,6 +99,8 @@ class BatchedLM(CausalLM):
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
         self._capacity = 0
+        element = torch.empty((), dtype=self.dtype).element_size()
+        self._position_bytes = 2 * len(self._layers) * self.kv_heads * self.head_dim * element
         self._allocate(_INITIAL_ROWS, _INITIAL_CAPACITY)
 
     @classmethod
@@ -133,6 +135,22 @@ class BatchedLM(CausalLM):
         state = BatchedState(row=row)
         self._rows[row] = state
         return state
+
+    def kv_bytes(self, rows: int, positions: int) -> int:
+        """The KV buffers' size for ``rows`` sequences of up to ``positions`` tokens."""
+        return max(rows, _INITIAL_ROWS) * _aligned(max(positions, _INITIAL_CAPACITY)) \
+            * self._position_bytes
+
+    def fit(self, rows: int, positions: int) -> None:
+        """Size the buffers for ``rows`` sequences of up to ``positions`` tokens: grow to
+        it at once, or shrink when they are more than twice that (what the sequences
+        hold is kept)."""
+        rows = max(rows, _INITIAL_ROWS, self.rows_in_use)
+        longest = max((s.length for s in self._rows if s is not None), default=0)
+        capacity = _aligned(max(positions, _INITIAL_CAPACITY, longest))
+        if (rows > len(self._rows) or capacity > self._capacity
+                or len(self._rows) > 2 * rows or self._capacity > 2 * capacity):
+            self._allocate(rows, capacity)
 
     @torch.inference_mode()
     def release(self, state: Any) -> None:
@@ -270,9 +288,7 @@ class BatchedLM(CausalLM):
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed > self._capacity:
-            capacity = max(needed, 2 * self._capacity)
-            capacity = -(-capacity // _CAPACITY_ALIGN) * _CAPACITY_ALIGN
-            self._allocate(len(self._rows), capacity)
+            self._allocate(len(self._rows), _aligned(max(needed, 2 * self._capacity)))
 
     @torch.inference_mode()
     def _allocate(self, rows: int, capacity: int) -> None:
@@ -284,7 +300,7 @@ class BatchedLM(CausalLM):
         for old, new in zip((*self._keys, *self._values), (*keys, *values), strict=False):
             new[:used, :, :longest].copy_(old[:used, :, :longest])
         self._keys, self._values = keys, values
-        self._rows = self._rows + [None] * (rows - len(self._rows))
+        self._rows = (self._rows + [None] * rows)[:rows]
         self._capacity = capacity
         log.debug("KV buffers: %d rows x %d positions", rows, capacity)
 
@@ -450,6 +466,10 @@ class _Layout:
 
         return cls(ids=as_tensor(ids), positions=as_tensor(positions),
                    cache_rows=as_tensor(cache_rows), offsets=offsets, groups=groups)
+
+
+def _aligned(positions: int) -> int:
+    return -(-positions // _CAPACITY_ALIGN) * _CAPACITY_ALIGN
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,7 @@ class _Active:
     stream: RequestStream
     decoder: SequenceDecoder
     deadline: float | None
+    positions: int  # the most KV positions this request can need
 
 
 class Engine:
@@ -124,6 +125,7 @@ class Engine:
         info: Mapping[str, str] | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         batch_planning: bool = True,
+        max_kv_bytes: int | None = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
@@ -132,6 +134,9 @@ class Engine:
         # True: draft lengths chosen for the whole batch by expected goodput; False:
         # every sequence drafts as its own policy says, whatever the batch size.
         self.batch_planning = batch_planning
+        # admission stops while the KV for one more request would pass this (one
+        # request is always admitted when none runs)
+        self.max_kv_bytes = max_kv_bytes
         self.step_cost = StepCost()
         self._priors: dict[str, SpeculationPrior] = {}  # per drafter, from finished requests
         self.forward_passes = 0
@@ -370,7 +375,10 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_active:
-            stream = self._waiting.popleft()
+            stream = self._waiting[0]
+            if not stream.cancelled and not self._kv_room(stream.request):
+                break  # it waits (first in line) until running requests free their KV
+            self._waiting.popleft()
             if stream.cancelled:
                 stream._put(_END)
                 continue
@@ -386,7 +394,27 @@ class Engine:
                 continue
             timeout = stream.request.timeout_s
             deadline = stream.submitted_at + timeout if timeout else None
-            self._active.append(_Active(stream, decoder, deadline))
+            self._active.append(_Active(stream, decoder, deadline,
+                                        self._positions(stream.request)))
+            self._fit_kv()
+
+    def _positions(self, request: GenerationRequest) -> int:
+        prompt = len(request.prompt_ids)
+        return prompt + min(request.max_new_tokens, self.target.max_context - prompt) + 1
+
+    def _kv_room(self, request: GenerationRequest) -> bool:
+        if self.max_kv_bytes is None or not self._active:
+            return True
+        positions = max([self._positions(request)] + [a.positions for a in self._active])
+        return self.target.kv_bytes(len(self._active) + 1, positions) <= self.max_kv_bytes
+
+    def _fit_kv(self) -> None:
+        """Size the target's KV storage for the requests now running."""
+        try:
+            self.target.fit(len(self._active),
+                            max((a.positions for a in self._active), default=0))
+        except Exception:  # e.g. out of memory: keep the storage as it is
+            log.exception("could not resize the KV cache")
 
     def _finish(self, active: _Active, last: RoundEvent | None) -> None:
         active.decoder.close()
@@ -395,6 +423,7 @@ class Engine:
         with self._lock:  # free the slot before the client can see the end
             if active in self._active:
                 self._active.remove(active)
+                self._fit_kv()
         if last is not None:
             active.stream._put(last)
         active.stream._put(_END)

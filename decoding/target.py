@@ -94,6 +94,19 @@ class CausalLM:
                 if item.keep else self._forward(item.state, item.token_ids, keep=1)[:0]
                 for item in items]
 
+    def kv_bytes(self, rows: int, positions: int) -> int:
+        """At most how much KV ``rows`` sequences of up to ``positions`` tokens hold."""
+        config = self.model.config
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None)
+                       or config.hidden_size // config.num_attention_heads)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return rows * positions * 2 * self.num_layers * heads * head_dim * element
+
+    def fit(self, rows: int, positions: int) -> None:
+        """Size the KV storage for this many sequences and positions (per-sequence
+        caches here grow as they go: nothing to do)."""
+
     def release(self, state: CacheState) -> None:
         """Free the sequence's cache."""
         self.rollback(state, 0)

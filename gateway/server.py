@@ -99,7 +99,8 @@ def build_engine(settings: Settings) -> Engine:
     engine = Engine(target, drafters, default, max_queue=settings.max_queue,
                     max_active=settings.max_active, prefix_cache=cache,
                     info={"draft_backend": backend}, prefill_chunk=settings.prefill_chunk,
-                    batch_planning=settings.batch_speculation == "adaptive")
+                    batch_planning=settings.batch_speculation == "adaptive",
+                    max_kv_bytes=settings.kv_cache_bytes)
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
     engine.warmup()
     engine.start()

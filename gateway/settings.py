@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(default=64, ge=1)
     max_active: int = Field(default=16, ge=1)
     prefill_chunk: int = Field(default=512, ge=1)
+    kv_cache_bytes: int = Field(default=2 * 1024 * MIB, ge=1)
     batch_speculation: Literal["adaptive", "always"] = "adaptive"
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int = Field(default=512, ge=1)
@@ -141,6 +142,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--prefill-chunk", {"type": int,
                          "help": "prompt tokens fed per round, so a long prompt does not stall "
                                  "running streams (SPECSERVE_PREFILL_CHUNK, default 512)"}),
+    ("--kv-cache-bytes", {"type": int,
+                          "help": "KV cache budget: requests wait while one more would pass it "
+                                  "(SPECSERVE_KV_CACHE_BYTES, default 2 GiB)"}),
     ("--batch-speculation", {"choices": ["adaptive", "always"],
                              "help": "adaptive: draft lengths chosen for the whole batch, "
                                      "speculation backing off as it grows; always: every "

@@ -403,3 +403,47 @@ def test_one_stream_weighs_whole_drafts_past_the_one_token_jump() -> None:
     assert cost.predict(5) == pytest.approx(0.070, rel=0.05)
     assert plan_batch([_policy(0.8)], [100], cost)[0] >= 3
     assert plan_batch([_policy(0.2)], [100], cost) == [0]
+
+
+def test_admission_waits_for_kv_room(tiny_target: BatchedLM) -> None:
+    """With a KV budget for one request at a time, a second waits for the first to end
+    (rather than growing the cache past the budget), then completes unchanged."""
+    requests = [GenerationRequest(prompt_ids=_ids(tiny_target, p), max_new_tokens=16,
+                                  sampling=GREEDY, request_id=str(i))
+                for i, p in enumerate(PROMPTS[:2])]
+    positions = max(len(r.prompt_ids) + r.max_new_tokens + 1 for r in requests)
+    one = tiny_target.kv_bytes(1, positions)
+    assert tiny_target.kv_bytes(2, positions) == one  # both fit the first rows...
+    budget = one - 1  # ...so the budget is set just under them
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()}, max_kv_bytes=budget)
+    try:
+        results = [list(s) for s in [engine.submit(r) for r in requests]]
+    finally:
+        engine.shutdown()
+    for request, events in zip(requests, results, strict=True):
+        assert _tokens(events) == _alone(tiny_target, NgramDrafter(), request)
+        assert all(e.batch_size == 1 for e in events)  # never ran together
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()}, max_kv_bytes=2 * one)
+    try:
+        together = [list(s) for s in [engine.submit(r) for r in requests]]
+    finally:
+        engine.shutdown()
+    assert any(e.batch_size == 2 for e in together[0])
+
+
+def test_the_cache_is_sized_for_the_running_requests(tiny_target: BatchedLM) -> None:
+    long_request = GenerationRequest(prompt_ids=_ids(tiny_target, "word " * 300),
+                                     max_new_tokens=4, sampling=GREEDY)
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()})
+    try:
+        list(engine.submit(long_request))
+        assert tiny_target.capacity < len(long_request.prompt_ids)  # shrank once it ended
+        stream = engine.submit(GenerationRequest(prompt_ids=_ids(tiny_target, "hi"),
+                                                 max_new_tokens=400, sampling=GREEDY))
+        first = next(iter(stream))
+        assert first.token_ids
+        assert tiny_target.capacity > 400  # reserved for the whole request up front
+        stream.cancel()
+        list(stream)
+    finally:
+        engine.shutdown()

@@ -334,6 +334,9 @@ def test_configmap_carries_the_settings(full_render: Rendered) -> None:
     assert data["SPECSERVE_DRAFT_BACKEND"] == "tensorrt"
     assert data["SPECSERVE_MAX_QUEUE"] == "128"
     assert data["SPECSERVE_MAX_ACTIVE"] == "8"
+    assert data["SPECSERVE_PREFILL_CHUNK"] == "256"
+    assert data["SPECSERVE_KV_CACHE_BYTES"] == "8589934592"
+    assert data["SPECSERVE_BATCH_SPECULATION"] == "adaptive"
     assert data["SPECSERVE_MAX_PROMPT_TOKENS"] == "4096"
     assert data["SPECSERVE_MAX_TOKENS"] == "1024"
     assert data["SPECSERVE_REQUEST_TIMEOUT"] == "120"
@@ -350,7 +353,8 @@ def test_configmap_carries_the_settings(full_render: Rendered) -> None:
 def test_unset_limits_keep_server_defaults(default_render: Rendered) -> None:
     data = default_render.get("ConfigMap")["data"]
     for key in ("SPECSERVE_MAX_QUEUE", "SPECSERVE_MAX_ACTIVE", "SPECSERVE_MAX_TOKENS",
-                "SPECSERVE_REDIS_URL", "SPECSERVE_CORS_ORIGINS", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+                "SPECSERVE_PREFILL_CHUNK", "SPECSERVE_KV_CACHE_BYTES",
+                "SPECSERVE_BATCH_SPECULATION", "SPECSERVE_REDIS_URL", "SPECSERVE_CORS_ORIGINS", "OTEL_EXPORTER_OTLP_ENDPOINT"):
         assert key not in data
 
 

@@ -40,7 +40,8 @@ def test_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
         "SPECSERVE_REQUEST_TIMEOUT": "7.5",
         "SPECSERVE_CORS_ORIGINS": "https://a.example,https://b.example",
         "SPECSERVE_SHUTDOWN_TIMEOUT": "3", "SPECSERVE_LOG_LEVEL": "DEBUG",
-        "SPECSERVE_SERVED_MODEL_NAME": "my-model",
+        "SPECSERVE_SERVED_MODEL_NAME": "my-model", "SPECSERVE_PREFILL_CHUNK": "64",
+        "SPECSERVE_KV_CACHE_BYTES": "1000000", "SPECSERVE_BATCH_SPECULATION": "always",
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -53,6 +54,7 @@ def test_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.cors_origins == ["https://a.example", "https://b.example"]
     assert (s.shutdown_timeout, s.log_level, s.model_name) == (3, "debug", "my-model")
     assert {"my-model", "some/model"} <= s.model_aliases()
+    assert (s.prefill_chunk, s.kv_cache_bytes, s.batch_speculation) == (64, 1000000, "always")
 
 
 def test_json_list_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
