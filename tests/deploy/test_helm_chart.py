@@ -354,7 +354,8 @@ def test_unset_limits_keep_server_defaults(default_render: Rendered) -> None:
     data = default_render.get("ConfigMap")["data"]
     for key in ("SPECSERVE_MAX_QUEUE", "SPECSERVE_MAX_ACTIVE", "SPECSERVE_MAX_TOKENS",
                 "SPECSERVE_PREFILL_CHUNK", "SPECSERVE_KV_CACHE_BYTES",
-                "SPECSERVE_BATCH_SPECULATION", "SPECSERVE_REDIS_URL", "SPECSERVE_CORS_ORIGINS", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+                "SPECSERVE_BATCH_SPECULATION", "SPECSERVE_REDIS_URL", "SPECSERVE_CORS_ORIGINS",
+                "OTEL_EXPORTER_OTLP_ENDPOINT"):
         assert key not in data
 
 
