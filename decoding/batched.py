@@ -136,6 +136,19 @@ class BatchedLM(CausalLM):
         self._rows[row] = state
         return state
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run a pass of every token count up to ``_ONEDNN_MAX_TOKENS``: oneDNN builds a
+        primitive per shape on first use, which would otherwise cost time and memory
+        while serving."""
+        state = self.new_state()
+        try:
+            for tokens in range(1, _ONEDNN_MAX_TOKENS + 1):
+                self.forward_batch([BatchItem(state, [0] * tokens, tokens)])
+                self.rollback(state, 0)
+        finally:
+            self.release(state)
+
     def kv_bytes(self, rows: int, positions: int) -> int:
         """The KV buffers' size for ``rows`` sequences of up to ``positions`` tokens."""
         return max(rows, _INITIAL_ROWS) * _aligned(max(positions, _INITIAL_CAPACITY)) \
@@ -308,9 +321,9 @@ class BatchedLM(CausalLM):
 class _Matrix:
     """A weight matrix kept in the layouts a CPU multiplies fastest: in float32,
     ``[in, out]`` for a single token (one step streams it in one pass, well faster
-    than the usual ``[out, in]`` product); ``[out, in]`` through oneDNN for several
-    tokens (small-batch products that MKL does poorly) and for bfloat16. On a GPU
-    the plain ``[out, in]`` product."""
+    than the usual ``[out, in]`` product); ``[out, in]`` through oneDNN for a few
+    tokens (small-batch products that MKL does poorly) and the default product for
+    more. On a GPU the plain ``[out, in]`` product."""
 
     def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.rows = rows  # [out, in], contiguous
@@ -325,7 +338,7 @@ class _Matrix:
             if self.bias is not None:
                 return torch.addmm(self.bias, x, self.cols)
             return x @ self.cols
-        if self.onednn is not None:
+        if self.onednn is not None and x.shape[0] <= _ONEDNN_MAX_TOKENS:
             return self.onednn(x, self.rows, self.bias, "none", [], "")
         return F.linear(x, self.rows, self.bias)
 
@@ -345,6 +358,9 @@ def _onednn_linear() -> Any:
 
 
 _ONEDNN_LINEAR = _onednn_linear()
+# oneDNN keeps a primitive per shape it has run: used for a bounded range of token counts
+# (where MKL is slow), its memory stays bounded too; larger products go to MKL
+_ONEDNN_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)

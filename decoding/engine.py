@@ -218,10 +218,12 @@ class Engine:
         return stream
 
     def warmup(self) -> None:
-        """Run one short request through every loaded drafter (outside the thread)."""
+        """Prepare the target's kernels for every small pass size, then run one short
+        request through every loaded drafter (outside the thread)."""
         from decoding.sequence import decode
         from decoding.types import SamplingParams
 
+        self.target.warmup()
         ids = tuple(self.target.tokenizer.encode("Hello, world. Hello, world.")) or (0,)
         for drafter in [None, *self.drafters.values()]:
             request = GenerationRequest(prompt_ids=ids, max_new_tokens=4,

@@ -107,6 +107,9 @@ class CausalLM:
         """Size the KV storage for this many sequences and positions (per-sequence
         caches here grow as they go: nothing to do)."""
 
+    def warmup(self) -> None:
+        """Build whatever the first passes would otherwise build while serving."""
+
     def release(self, state: CacheState) -> None:
         """Free the sequence's cache."""
         self.rollback(state, 0)
