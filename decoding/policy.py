@@ -52,6 +52,7 @@ class AdaptiveSpeculation:
     _step_s: float = 0.0  # measured plain target step time
     draft_s_per_token: float = 0.0  # measured drafting time per draft token, seconds
     drafted_rounds: int = 0  # rounds that verified at least one draft token
+    informed: bool = False  # started from rates earlier requests measured (a prior)
 
     @property
     def alpha(self) -> float:
@@ -157,6 +158,7 @@ class SpeculationPrior:
             policy._hits = [INITIAL_WEIGHT * rate for rate in self._rates]
             policy.draft_s_per_token = self._draft_s
             policy.k = max(policy.best_k(), MIN_DRAFT_TOKENS)  # one token to measure itself
+            policy.informed = True
         return policy
 
 
@@ -289,14 +291,14 @@ def plan_batch(
     large one speculation shrinks and, past the point where plain batched decoding
     wins, stops. ``None`` policies (no drafter) and zero limits get no draft. A
     sequence whose drafts have never been verified drafts as its own policy says
-    (its first round measures the drafter).
+    (its first round measures the drafter) unless earlier requests measured it.
     """
     n = len(policies)
     ks = [0] * n
     if not cost.known:  # no measurement yet: each sequence's own choice
         return [min(p.next_k(limit), limit) if p is not None else 0
                 for p, limit in zip(policies, limits, strict=True)]
-    fresh = [p is not None and p.drafted_rounds == 0 and limit > 0
+    fresh = [p is not None and p.drafted_rounds == 0 and not p.informed and limit > 0
              for p, limit in zip(policies, limits, strict=True)]
     per_token = cost.line()[1]
     draft_s = draft_seconds or [0.0] * n
@@ -328,6 +330,7 @@ def plan_batch(
             continue
         if fresh[i]:
             ks[i] = max(ks[i], min(p.next_k(limits[i]), limits[i]))
-        elif ks[i] == 0 and p.wants_probe():  # stopped drafting: probe now and then
+        elif ks[i] == 0 and p.best_k() == 0 and p.wants_probe():
+            # its own drafts stopped paying (not just the batch's size): probe now and then
             ks[i] = MIN_DRAFT_TOKENS
     return ks
