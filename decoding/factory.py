@@ -6,6 +6,7 @@ import logging
 
 from decoding import model_store
 from decoding.batched import BatchedLM
+from decoding.distill import draft as distilled
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.continuation import ContinuationDrafter
@@ -60,6 +61,12 @@ def load_drafter(
 
 
 def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32") -> ModelDrafter:
+    """A draft model: a distilled draft directory (or ``default-draft``, the one shipped for
+    the default model), a local model directory, or a hub id."""
+    directory = distilled.resolve_draft_dir(spec)
+    if directory is not None:
+        log.info("loading distilled draft %s", directory)
+        return ModelDrafter(distilled.load_causal_lm(directory, target, dtype), target)
     path = model_store.resolve(spec)
     log.info("loading draft model %s", path)
     model = CausalLM.load(path, dtype=dtype, device=str(target.device))

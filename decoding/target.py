@@ -53,7 +53,7 @@ class CausalLM:
         config = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
+        self.eos_token_ids = frozenset(eos_ids(model, tokenizer))
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", device: str = "cpu") -> CausalLM:
@@ -152,7 +152,7 @@ class CausalLM:
         return out.logits[0]  # [keep, vocab]
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "eos_token_id", None) if source is not None else None

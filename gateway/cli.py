@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from decoding import model_store
+from decoding.distill.cli import add_distill_command
 from decoding.drafters.base import Drafter
 from decoding.factory import load_target
 from decoding.prompting import encode_chat, encode_text
@@ -83,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --concurrency: comma-separated subset of off, on, adaptive")
     bench.set_defaults(func=_cmd_bench)
     add_export_command(sub)
+    add_distill_command(sub)
 
     try:
         from gateway.server import add_serve_command

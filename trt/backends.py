@@ -157,6 +157,8 @@ def _auto(source: DraftSource, dtype: str, export_root: Path | None) -> DraftBac
 def _load(source: DraftSource, target: CausalLM, choice: DraftBackend, dtype: str,
           export_root: Path | None) -> Drafter:
     if choice is DraftBackend.TORCH:
+        if source.distilled:  # shares the running target's embedding
+            return load_model_drafter(str(source.path), target, dtype)
         model = source.load_causal_lm(dtype, str(target.device))
         return ModelDrafter(model, target)
     if choice is DraftBackend.ONNX:

@@ -1,9 +1,10 @@
 """Which model a draft spec names, how to load it, and a fingerprint of its weights.
 
-A draft spec is a local Hugging Face model directory, ``default``, or either of
-those with ``-truncated:N`` appended, which keeps only the model's first N
-decoder layers (``default-truncated:4`` is the default model cut to 4 layers: a
-cheap draft that needs no training and shares the target's tokenizer).
+A draft spec is a local Hugging Face model directory, a ``specserve distill``
+draft directory (or ``default-draft``), ``default``, or a model with
+``-truncated:N`` appended, which keeps only the model's first N decoder layers
+(``default-truncated:4`` is the default model cut to 4 layers: a cheap draft
+that needs no training and shares the target's tokenizer).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from decoding import model_store
+from decoding.distill import draft as distilled
 from decoding.target import DTYPES, CausalLM
 
 log = logging.getLogger(__name__)
@@ -48,12 +50,19 @@ class DraftSource:
         base, layers = (match["base"], int(match["layers"])) if match else (spec, None)
         if layers is not None and layers < 1:
             raise DraftSourceError(f"{spec!r}: keep at least one layer")
+        if layers is None and (found := distilled.resolve_draft_dir(base)) is not None:
+            return cls(spec=spec, path=found.resolve())
         path = Path(model_store.resolve(base)).expanduser()
         if not (path / "config.json").is_file():
             raise DraftSourceError(
                 f"{spec!r} is not a local model directory; exported drafts need the weights "
                 "on disk (download the model first, then pass its directory)")
         return cls(spec=spec, path=path.resolve(), layers=layers)
+
+    @property
+    def distilled(self) -> bool:
+        """A ``specserve distill`` draft: only what the target lacks, loaded with the target."""
+        return distilled.is_draft_dir(self.path)
 
     @property
     def key(self) -> str:
@@ -66,7 +75,8 @@ class DraftSource:
         """``sha256:...`` over the config, every weight file and the truncation."""
         digest = hashlib.sha256()
         digest.update(f"layers={self.layers or 'all'}\n".encode())
-        for file in [self.path / "config.json", *self._weight_files()]:
+        config = distilled.CONFIG_NAME if self.distilled else "config.json"
+        for file in [self.path / config, *self._weight_files()]:
             digest.update(f"{file.name}\n".encode())
             with file.open("rb") as f:
                 while block := f.read(_CHUNK):
@@ -74,8 +84,10 @@ class DraftSource:
         return f"sha256:{digest.hexdigest()}"
 
     def load_config(self) -> Any:
-        from transformers import AutoConfig
+        from transformers import AutoConfig, LlamaConfig
 
+        if self.distilled:
+            return LlamaConfig.from_dict(distilled.DraftInfo.load(self.path).model)
         config = AutoConfig.from_pretrained(self.path)
         if self.layers is not None:
             total = int(config.num_hidden_layers)
@@ -93,6 +105,10 @@ class DraftSource:
 
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        if self.distilled:
+            target = AutoModelForCausalLM.from_pretrained(self._target_path(), dtype=DTYPES[dtype])
+            draft = distilled.load_model(self.path, target, dtype)
+            return draft.to(torch.device(device)).eval()
         config = self.load_config()
         with _quiet_transformers(self.layers is not None):
             model: Any = AutoModelForCausalLM.from_pretrained(
@@ -102,7 +118,11 @@ class DraftSource:
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.path)
+        return AutoTokenizer.from_pretrained(self._target_path() if self.distilled else self.path)
+
+    def _target_path(self) -> str:
+        """A distilled draft's target, as ``specserve distill --target`` named it."""
+        return model_store.resolve(distilled.DraftInfo.load(self.path).made_with["target"])
 
     def load_causal_lm(self, dtype: str = "float32", device: str = "cpu") -> CausalLM:
         return CausalLM(self.load_model(dtype, device), self.load_tokenizer(), name=self.spec)

@@ -80,7 +80,8 @@ def model_shape(model: Any) -> dict[str, int]:
         "num_layers": int(config.num_hidden_layers),
         "num_kv_heads": int(config.num_key_value_heads),
         "head_dim": _head_dim(config),
-        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "vocab_size": int(getattr(model.get_output_embeddings(), "vocab_size", 0)
+                          or model.get_output_embeddings().weight.shape[0]),  # subset heads
         "max_positions": int(getattr(config, "max_position_embeddings", 0) or 4096),
     }
 

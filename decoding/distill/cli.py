@@ -1,0 +1,148 @@
+"""``specserve distill``: make a draft for a target.
+
+Two resumable phases in one work directory: the target answers diverse prompts
+(data), then a small draft learns to match its distributions (training). The
+draft directory is rewritten at every evaluation, so an interrupted run leaves
+a usable draft behind; ``--resume`` continues both phases where they stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import shlex
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from decoding import model_store
+from decoding.distill.data import DataSettings, generate
+from decoding.distill.train import CHECKPOINT_NAME, Progress, TrainSettings, train
+
+log = logging.getLogger(__name__)
+
+SETTINGS_NAME = "settings.json"
+
+
+def add_distill_command(sub: Any) -> None:
+    """Register ``distill`` on the ``specserve`` sub-command parser."""
+    p = sub.add_parser("distill", help="train a small draft model for a target by distillation")
+    p.add_argument("--target", default="default", help="the target model (path or 'default')")
+    p.add_argument("--out", required=True, type=Path, help="the draft directory to write")
+    p.add_argument("--layers", type=int, default=TrainSettings.layers,
+                   help="decoder layers of the draft (started from the target's)")
+    p.add_argument("--from-layers", default=None,
+                   help="comma-separated target layers the draft's layers start from "
+                        "(default: the first N)")
+    p.add_argument("--vocab-top", type=int, default=TrainSettings.vocab_top_k,
+                   help="output head over the K most frequent target tokens (0: full vocabulary)")
+    p.add_argument("--tokens", type=int, default=DataSettings.tokens,
+                   help="target answer tokens to generate as training data")
+    p.add_argument("--steps", type=int, default=TrainSettings.steps, help="training steps")
+    p.add_argument("--batch-tokens", type=int, default=TrainSettings.batch_tokens)
+    p.add_argument("--lr", type=float, default=TrainSettings.lr)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=DataSettings.max_new_tokens,
+                   help="longest target answer per prompt")
+    p.add_argument("--batch-size", type=int, default=DataSettings.batch_size,
+                   help="prompts the target answers at once")
+    p.add_argument("--held-out-prompts", type=int, default=DataSettings.held_out_prompts)
+    p.add_argument("--work", type=Path, default=None,
+                   help="data and checkpoints (default: a folder under the specserve cache)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for PyTorch (default: its own choice; 1 is fastest on a "
+                        "busy machine)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run in the work directory")
+    p.set_defaults(func=run_distill)
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_dir = model_store.resolve(args.target)
+    out_dir: Path = args.out.expanduser().resolve()
+    data_settings = DataSettings(
+        seed=args.seed, tokens=args.tokens, held_out_prompts=args.held_out_prompts,
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    train_settings = TrainSettings(
+        layers=args.layers,
+        from_layers=tuple(int(i) for i in args.from_layers.split(",")) if args.from_layers
+        else None,
+        vocab_top_k=args.vocab_top or None, steps=args.steps,
+        batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed)
+    work = (args.work or default_work_dir(out_dir)).expanduser().resolve()
+    _check_work(work, data_settings, train_settings, args.resume)
+    command = _command_line(args)
+    target_spec = (args.target if args.target in model_store.DEFAULT_ALIASES
+                   else str(Path(target_dir).expanduser().resolve()))  # how loaders find it
+    made_with = {"command": command, "target": target_spec, "data": asdict(data_settings),
+                 "prompt_sources": "Debian package descriptions (apt-cache dumpavail), Python "
+                                   "standard-library docstrings, everyday subjects"}
+
+    print(f"distill: data in {work / 'data'}", file=sys.stderr)
+    with tqdm(total=data_settings.tokens, desc="target answers", unit="tok") as bar:
+        def data_progress(have: int, total: int) -> None:
+            bar.update(min(have, total) - bar.n)
+
+        have = generate(target_dir, work / "data", data_settings, data_progress)
+        bar.update(min(have, data_settings.tokens) - bar.n)
+    with tqdm(total=train_settings.steps, desc="distilling", unit="step") as bar:
+        postfix: dict[str, str] = {}
+
+        def train_progress(p: Progress) -> None:
+            bar.n = p.step
+            postfix["loss"] = f"{p.loss:.3f}"
+            if p.acceptance is not None:  # shown until the next evaluation
+                postfix["held_out_acc"] = f"{p.acceptance:.3f}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.refresh()
+
+        results = train(target_dir, work / "data", work, out_dir, train_settings, made_with,
+                        train_progress)
+    last = results["history"][-1] if results["history"] else {}
+    print(f"draft written to {out_dir}: {results['steps']} steps, held-out acceptance "
+          f"{last.get('acceptance', float('nan')):.3f}, head coverage "
+          f"{results['held_out_head_coverage']:.3f}", file=sys.stderr)
+    return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as typed when run from a shell, else rebuilt from the parsed flags."""
+    if sys.argv[1:2] == ["distill"]:
+        return "specserve distill " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}")
+             for k, v in vars(args).items() if k != "func" and v is not None and v is not False]
+    return "specserve distill " + " ".join(flags)
+
+
+def default_work_dir(out_dir: Path) -> Path:
+    key = hashlib.sha256(str(out_dir).encode()).hexdigest()[:12]
+    return model_store.home() / "distill" / f"{out_dir.name}-{key}"
+
+
+def _check_work(work: Path, data: DataSettings, training: TrainSettings, resume: bool) -> None:
+    """A work directory belongs to one set of settings; refuse to mix runs silently."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / SETTINGS_NAME
+    fixed = {"data": {k: v for k, v in asdict(data).items() if k != "tokens"},
+             "train": {f.name: getattr(training, f.name) for f in fields(training)
+                       if f.name not in ("steps", "eval_every")}}
+    fixed = json.loads(json.dumps(fixed))  # tuples as lists, as read back
+    if path.exists():
+        before = json.loads(path.read_text())
+        if not resume:
+            raise SystemExit(f"{work} holds an earlier run; pass --resume to continue it, or "
+                             "--work DIR for a fresh one")
+        if before != fixed:
+            raise SystemExit(f"--resume with different settings than the run in {work}: "
+                             f"{before} vs {fixed}")
+    elif resume and (work / CHECKPOINT_NAME).exists():
+        raise SystemExit(f"{work} has a checkpoint but no {SETTINGS_NAME}")
+    path.write_text(json.dumps(fixed, indent=2) + "\n")

@@ -1,0 +1,226 @@
+"""The distilled draft: a self-describing directory that holds only what the target lacks.
+
+A draft directory holds ``draft.json`` (format, the target it was made for, the
+draft's Llama config, which target layers it started from, how it was made) and
+``draft.safetensors`` (its decoder layers, final norm and output head in
+float16, plus the ids of the output head's rows). The input embedding is the
+target's own, frozen during training and taken from the target at load time,
+so it is never stored. A head over the K most frequent target tokens returns
+logits over the full vocabulary with the lowest finite value outside its set:
+the draft can only propose tokens in the set, the target still verifies over
+the full vocabulary, and sampled draft probabilities are exactly zero outside.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from decoding.target import DTYPES, CausalLM
+
+log = logging.getLogger(__name__)
+
+FORMAT = "specserve-draft"
+VERSION = 1
+CONFIG_NAME = "draft.json"
+WEIGHTS_NAME = "draft.safetensors"
+VOCAB_IDS = "lm_head.ids"
+EMBEDDING = "model.embed_tokens.weight"
+DEFAULT_DRAFT = "default-draft"  # the spec naming the draft shipped for the default model
+DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-instruct"
+PROBE_ROWS = 16  # embedding rows whose norms identify the target
+PROBE_RTOL = 2e-2  # loose enough for a bfloat16 target
+
+
+class DraftFormatError(ValueError):
+    """A draft directory is malformed or was made for another target."""
+
+
+@dataclass(frozen=True)
+class DraftInfo:
+    """``draft.json``."""
+
+    target: dict[str, Any]  # name, vocab_size, hidden_size, num_layers, embedding_probe
+    model: dict[str, Any]  # the draft's transformers (Llama) config
+    source_layers: list[int]  # the target layers the draft's layers started from
+    vocab_top_k: int | None  # rows of the output head; None: the full vocabulary
+    dtype: str = "float16"
+    seed: int = 0
+    made_with: dict[str, Any] = field(default_factory=dict)  # command, data, training, results
+    format: str = FORMAT
+    version: int = VERSION
+    kind: str = "causal-lm"
+
+    def save(self, directory: Path) -> None:
+        text = json.dumps(asdict(self), indent=2, sort_keys=False)
+        (directory / CONFIG_NAME).write_text(text + "\n", encoding="utf-8")
+
+    @staticmethod
+    def load(directory: Path) -> DraftInfo:
+        try:
+            raw = json.loads((directory / CONFIG_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise DraftFormatError(f"{directory}: cannot read {CONFIG_NAME}: {exc}") from exc
+        if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+            raise DraftFormatError(
+                f"{directory}: not a {FORMAT} v{VERSION} draft "
+                f"(format={raw.get('format')!r}, version={raw.get('version')!r})")
+        return DraftInfo(**raw)
+
+
+class SubsetHead(nn.Module):
+    """An output head over ``ids`` (K of the vocabulary's tokens), scattered into the full
+    vocabulary; every token outside the set gets the dtype's lowest finite logit."""
+
+    ids: torch.Tensor  # [K] vocabulary id of each row
+
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:
+        super().__init__()  # weight: [K, hidden]; ids: [K]
+        self.weight = nn.Parameter(weight)
+        self.register_buffer("ids", ids.long())
+        self.vocab_size = vocab_size
+
+    def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., K]
+        return nn.functional.linear(hidden, self.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
+        sub = self.subset_logits(hidden)  # [..., K]
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), torch.finfo(sub.dtype).min)
+        index = self.ids.expand_as(sub)
+        return full.scatter(-1, index, sub)
+
+
+def is_draft_dir(spec: str | Path) -> bool:
+    return Path(spec).expanduser().joinpath(CONFIG_NAME).is_file()
+
+
+def resolve_draft_dir(spec: str) -> Path | None:
+    """The draft directory ``spec`` names (``default-draft`` or a path), else None."""
+    if spec == DEFAULT_DRAFT:
+        if not is_draft_dir(DEFAULT_DRAFT_DIR):
+            raise FileNotFoundError(f"the default draft is missing from {DEFAULT_DRAFT_DIR}")
+        return DEFAULT_DRAFT_DIR
+    return Path(spec).expanduser() if is_draft_dir(spec) else None
+
+
+def target_identity(target_model: Any, name: str) -> dict[str, Any]:
+    embed = target_model.get_input_embeddings().weight
+    probe = embed[:PROBE_ROWS].float().norm(dim=-1)  # [PROBE_ROWS]
+    config = target_model.config
+    return {"name": name, "vocab_size": int(embed.shape[0]), "hidden_size": int(embed.shape[1]),
+            "num_layers": int(config.num_hidden_layers),
+            "embedding_probe": [round(float(x), 5) for x in probe]}
+
+
+def check_target(info: DraftInfo, target_model: Any, where: Path | str) -> None:
+    embed = target_model.get_input_embeddings().weight
+    want = info.target
+    if (int(embed.shape[0]), int(embed.shape[1])) != (want["vocab_size"], want["hidden_size"]):
+        raise DraftFormatError(
+            f"draft {where} was made for {want['name']!r} (vocab {want['vocab_size']}, hidden "
+            f"{want['hidden_size']}); this target has vocab {embed.shape[0]}, hidden "
+            f"{embed.shape[1]}")
+    probe = embed[:PROBE_ROWS].float().norm(dim=-1).cpu()
+    expected = torch.tensor(want["embedding_probe"])
+    if not torch.allclose(probe, expected, rtol=PROBE_RTOL, atol=1e-3):
+        raise DraftFormatError(
+            f"draft {where} was made for {want['name']!r}, whose input embedding differs from "
+            "this target's; a distilled draft only works with the target it was made for")
+
+
+def draft_config(target_config: Any, layers: int) -> Any:
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:layers]
+    config.tie_word_embeddings = False
+    return config
+
+
+def init_from_target(target_model: Any, source_layers: list[int],
+                     vocab_ids: torch.Tensor | None) -> Any:
+    """A fresh draft: the target's ``source_layers``, final norm and input embedding (shared),
+    and an output head made of the target's output rows for ``vocab_ids`` (all when None)."""
+    from transformers import LlamaForCausalLM
+
+    config = draft_config(target_model.config, len(source_layers))
+    draft: Any = LlamaForCausalLM(config)
+    draft = draft.to(target_model.dtype)
+    draft.model.embed_tokens = target_model.get_input_embeddings()
+    for mine, theirs in zip(draft.model.layers, source_layers, strict=True):
+        mine.load_state_dict(target_model.model.layers[theirs].state_dict())
+    draft.model.norm.load_state_dict(target_model.model.norm.state_dict())
+    out_rows = target_model.get_output_embeddings().weight.detach()
+    vocab = int(out_rows.shape[0])
+    ids = vocab_ids if vocab_ids is not None else torch.arange(vocab)
+    draft.lm_head = SubsetHead(out_rows[ids].clone(), ids, vocab)
+    return draft.eval()
+
+
+def stored_state(draft: Any) -> dict[str, torch.Tensor]:
+    """What a draft directory stores: everything but the shared input embedding."""
+    state = {k: v for k, v in draft.state_dict().items() if k != EMBEDDING}
+    state[VOCAB_IDS] = draft.lm_head.ids
+    return state
+
+
+def save(draft: Any, info: DraftInfo, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    half = DTYPES[info.dtype]
+    state = {k: (v if k == VOCAB_IDS else v.to(half)).contiguous().cpu()
+             for k, v in stored_state(draft).items()}
+    tmp = directory / (WEIGHTS_NAME + ".tmp")
+    save_file(state, str(tmp), metadata={"format": FORMAT})
+    tmp.chmod(0o644)
+    tmp.replace(directory / WEIGHTS_NAME)
+    info.save(directory)
+
+
+def load_model(directory: Path, target_model: Any, dtype: str = "float32") -> Any:
+    """The draft as a transformers causal LM that shares ``target_model``'s input embedding
+    (a float copy of it when the dtypes or devices differ)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    info = DraftInfo.load(directory)
+    check_target(info, target_model, directory)
+    state = load_file(str(directory / WEIGHTS_NAME))
+    config = LlamaConfig.from_dict(info.model)
+    config.tie_word_embeddings = False
+    torch_dtype = DTYPES[dtype]
+    embed = target_model.get_input_embeddings()
+    ids = state.pop(VOCAB_IDS).long()
+    head_weight = state.pop("lm_head.weight").to(torch_dtype)
+    draft: Any = LlamaForCausalLM(config)
+    draft = draft.to(torch_dtype)
+    draft.lm_head = SubsetHead(head_weight, ids, int(embed.weight.shape[0]))
+    expected = {k for k in draft.model.state_dict() if k != "embed_tokens.weight"}
+    got = {k.removeprefix("model.") for k in state}
+    if expected - got:
+        raise DraftFormatError(f"{directory}: {WEIGHTS_NAME} lacks {sorted(expected - got)[:4]}")
+    draft.model.load_state_dict(
+        {k.removeprefix("model."): v.to(torch_dtype) for k, v in state.items()}, strict=False)
+    device = embed.weight.device
+    if embed.weight.dtype == torch_dtype:
+        draft.model.embed_tokens = embed
+    else:
+        draft.model.embed_tokens = nn.Embedding.from_pretrained(
+            embed.weight.detach().to(torch_dtype), freeze=True)
+    return draft.to(device).eval()
+
+
+def load_causal_lm(directory: Path, target: CausalLM, dtype: str = "float32") -> CausalLM:
+    """The draft as the runner the model drafter uses (tokenizer shared with the target)."""
+    model = load_model(directory, target.model, dtype)
+    lm = CausalLM(model, target.tokenizer, name=str(directory))
+    lm.vocab_size = int(model.lm_head.vocab_size)  # logits span the full vocabulary
+    return lm

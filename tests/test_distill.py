@@ -1,0 +1,161 @@
+"""`specserve distill` end to end on a tiny random target, and the distilled draft it makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from decoding.distill import draft as distilled
+from decoding.distill.data import HELD_OUT_NAME, existing_shards, load_shard
+from decoding.distill.train import CHECKPOINT_NAME, collate, loss_and_hits, subset_index
+from decoding.drafters.base import DraftContext
+from decoding.drafters.model import ModelDrafter
+from decoding.factory import load_drafter
+from decoding.sequence import decode
+from decoding.target import CausalLM
+from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from gateway.cli import main
+
+VOCAB_TOP = 512
+
+
+def _distill(target_dir: Path, out: Path, work: Path, steps: int, *extra: str) -> None:
+    threads = torch.get_num_threads()
+    code = main(["distill", "--threads", "1", "--target", str(target_dir), "--out", str(out),
+                 "--work", str(work),
+                 "--layers", "1", "--from-layers", "0", "--vocab-top", str(VOCAB_TOP),
+                 "--tokens", "120",
+                 "--max-new-tokens", "12", "--batch-size", "8", "--held-out-prompts", "4",
+                 "--batch-tokens", "512", "--steps", str(steps), "--lr", "3e-3", *extra])
+    torch.set_num_threads(threads)
+    assert code == 0
+
+
+@pytest.fixture(scope="module")
+def distilled_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path
+                  ) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("distill")
+    _distill(tiny_target_dir, root / "draft", root / "work", steps=40)
+    return root / "draft", root / "work"
+
+
+def _mean_loss(model: object, work: Path, pad: int) -> float:
+    examples = [e for p in existing_shards(work / "data") for e in load_shard(p)]
+    index = subset_index(model.lm_head.ids, model.lm_head.vocab_size)  # type: ignore[attr-defined]
+    with torch.no_grad():
+        loss, _, _ = loss_and_hits(model, collate(examples, 512, pad), index)
+    return float(loss)
+
+
+def test_distill_writes_a_small_self_describing_draft_and_lowers_the_loss(
+        distilled_run: tuple[Path, Path], tiny_target: CausalLM) -> None:
+    out, work = distilled_run
+    info = distilled.DraftInfo.load(out)
+    assert info.vocab_top_k == VOCAB_TOP and info.source_layers == [0]
+    assert info.made_with["command"].startswith("specserve distill")
+    assert info.made_with["results"]["steps"] == 40
+    stored = load_file(str(out / distilled.WEIGHTS_NAME))
+    assert distilled.EMBEDDING not in stored  # shared with the target, never stored
+    assert stored["lm_head.weight"].dtype == torch.float16
+    assert stored["lm_head.weight"].shape[0] == VOCAB_TOP
+    assert (work / CHECKPOINT_NAME).exists() and (work / "data" / HELD_OUT_NAME).exists()
+
+    pad = int(tiny_target.tokenizer.pad_token_id)
+    examples = [e for p in existing_shards(work / "data") for e in load_shard(p)]
+    ids = distilled.load_model(out, tiny_target.model).lm_head.ids
+    before = distilled.init_from_target(tiny_target.model, [0], ids)
+    trained = distilled.load_model(out, tiny_target.model)
+    assert examples
+    assert _mean_loss(trained, work, pad) < _mean_loss(before, work, pad) - 0.05
+
+
+def test_resume_continues_to_the_same_weights(
+        tmp_path: Path, tiny_target_dir: Path, distilled_run: tuple[Path, Path]) -> None:
+    out, _ = distilled_run
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", steps=20)
+    with pytest.raises(SystemExit, match="--resume"):
+        _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", steps=40)
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 40, "--resume")
+    resumed = load_file(str(tmp_path / "d" / distilled.WEIGHTS_NAME))
+    straight = load_file(str(out / distilled.WEIGHTS_NAME))
+    assert resumed.keys() == straight.keys()
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, resumed[name]), name
+
+
+def _request(prompt: list[int], new: int = 24) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=new,
+                             sampling=SamplingParams(temperature=0.0),
+                             speculation=SpeculationParams(enabled=True))
+
+
+def test_truncated_vocabulary_draft_is_lossless_and_stays_in_its_set(
+        distilled_run: tuple[Path, Path], tiny_target: CausalLM) -> None:
+    out, _ = distilled_run
+    drafter = load_drafter(str(out), tiny_target)
+    assert isinstance(drafter, ModelDrafter)
+    allowed = set(distilled.load_model(out, tiny_target.model).lm_head.ids.tolist())
+    prompts = [tiny_target.tokenizer.encode(t) for t in
+               ("The quick brown fox", "def main():\n    return", "Once upon a time there")]
+    for prompt in prompts:
+        plain = [t for e in decode(tiny_target, None, _request(prompt)) for t in e.token_ids]
+        spec = [t for e in decode(tiny_target, drafter, _request(prompt)) for t in e.token_ids]
+        assert spec == plain
+
+        state = drafter.begin(prompt)
+        greedy = drafter.propose(state, DraftContext(prompt, SamplingParams(), None), 6)
+        assert len(greedy.tokens) == 6 and set(greedy.tokens) <= allowed
+        generator = torch.Generator().manual_seed(0)
+        sampling = SamplingParams(temperature=1.0)
+        sampled = drafter.propose(state, DraftContext(prompt, sampling, generator), 6)
+        assert set(sampled.tokens) <= allowed
+        assert sampled.probs is not None  # [6, vocab]
+        outside = torch.ones(sampled.probs.shape[-1], dtype=torch.bool)
+        outside[sorted(allowed)] = False
+        assert float(sampled.probs[:, outside].sum()) == 0.0
+        torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(6))
+
+
+def test_a_draft_refuses_another_target(distilled_run: tuple[Path, Path],
+                                        tiny_draft: CausalLM) -> None:
+    out, _ = distilled_run
+    with pytest.raises(distilled.DraftFormatError, match="made for"):
+        load_drafter(str(out), tiny_draft)
+
+
+def test_distilled_draft_exports_to_onnx_and_stays_lossless(
+        distilled_run: tuple[Path, Path], tiny_target: CausalLM, tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    from trt.backends import load_draft
+
+    out, _ = distilled_run
+    drafter, backend = load_draft(str(out), tiny_target, "onnx", export_root=tmp_path)
+    assert backend == "onnx" and drafter is not None
+    torch_drafter = load_drafter(str(out), tiny_target)
+    assert torch_drafter is not None
+    prompt = tiny_target.tokenizer.encode("A short note about")
+    plain = [t for e in decode(tiny_target, None, _request(prompt)) for t in e.token_ids]
+    spec = [t for e in decode(tiny_target, drafter, _request(prompt)) for t in e.token_ids]
+    assert spec == plain
+    context = DraftContext(prompt, SamplingParams(), None)
+    onnx_tokens = drafter.propose(drafter.begin(prompt), context, 5).tokens
+    torch_tokens = torch_drafter.propose(torch_drafter.begin(prompt), context, 5).tokens
+    assert onnx_tokens == torch_tokens
+
+
+def test_the_shipped_default_draft_is_small_and_lossless(default_target: CausalLM) -> None:
+    directory = distilled.resolve_draft_dir(distilled.DEFAULT_DRAFT)
+    assert directory is not None
+    size = sum(p.stat().st_size for p in directory.iterdir())
+    assert size < 25 * 2**20
+    drafter = load_drafter(f"ngram+{distilled.DEFAULT_DRAFT}", default_target)
+    prompt = default_target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Give me two tips for writing clear emails."}],
+        add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    plain = [t for e in decode(default_target, None, _request(prompt, 32)) for t in e.token_ids]
+    spec = [t for e in decode(default_target, drafter, _request(prompt, 32)) for t in e.token_ids]
+    assert spec == plain
