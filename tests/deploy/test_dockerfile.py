@@ -182,6 +182,15 @@ def test_dockerignore_keeps_out(path: str) -> None:
     assert _dockerignore_excludes(path)
 
 
+def test_dockerignore_lets_in_the_shipped_draft() -> None:
+    """The default draft is package data (pyproject.toml), so the image must get it."""
+    drafts = sorted((REPO / "decoding" / "drafts").glob("*/draft.safetensors"))
+    assert drafts
+    for path in drafts:
+        assert not _dockerignore_excludes(str(path.relative_to(REPO)))
+    assert _dockerignore_excludes("decoding/drafts/x/other.safetensors")
+
+
 def test_dockerignore_lets_in_everything_the_build_copies(stages: dict[str, Stage]) -> None:
     sources: set[str] = set()
     for stage in stages.values():
