@@ -81,13 +81,8 @@ class BatchedLM(CausalLM):
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"{name}: cannot run batched: {reason}")
-        config = model.config
         self._inner = model.model
         self._layers = list(self._inner.layers)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", config.num_attention_heads))
-        self.heads = int(config.num_attention_heads)
-        self.head_dim = int(getattr(config, "head_dim", None)
-                            or config.hidden_size // config.num_attention_heads)
         self.scaling = float(self._layers[0].self_attn.scaling)
         self._qkv_sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim,
                            self.kv_heads * self.head_dim]
@@ -99,8 +94,6 @@ class BatchedLM(CausalLM):
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
         self._capacity = 0
-        element = torch.empty((), dtype=self.dtype).element_size()
-        self._position_bytes = 2 * len(self._layers) * self.kv_heads * self.head_dim * element
         self._allocate(_INITIAL_ROWS, _INITIAL_CAPACITY)
 
     @classmethod
@@ -151,8 +144,8 @@ class BatchedLM(CausalLM):
 
     def kv_bytes(self, rows: int, positions: int) -> int:
         """The KV buffers' size for ``rows`` sequences of up to ``positions`` tokens."""
-        return max(rows, _INITIAL_ROWS) * _aligned(max(positions, _INITIAL_CAPACITY)) \
-            * self._position_bytes
+        return super().kv_bytes(max(rows, _INITIAL_ROWS),
+                                _aligned(max(positions, _INITIAL_CAPACITY)))
 
     def fit(self, rows: int, positions: int) -> None:
         """Size the buffers for ``rows`` sequences of up to ``positions`` tokens: grow to

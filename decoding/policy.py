@@ -72,8 +72,7 @@ class AdaptiveSpeculation:
         k = min(self.k, limit, self.max_tokens)
         if k > 0:
             return k
-        if limit > 0 and self.max_tokens > 0 and self._plain_rounds >= PROBE_INTERVAL:
-            self._plain_rounds = 0
+        if limit > 0 and self.max_tokens > 0 and self.wants_probe():
             return min(MIN_DRAFT_TOKENS, limit)
         return 0
 
@@ -107,12 +106,18 @@ class AdaptiveSpeculation:
             self.draft_cost_per_token = _ema(self.draft_cost_per_token, per_token)
         self.k = self.best_k()
 
-    def best_k(self) -> int:
-        best_k, best_rate = 0, 1.0
-        tokens, run = 1.0, 1.0
-        for k, rate in enumerate(self.position_rates()[: self.max_tokens], start=1):
+    def expected_tokens(self, limit: int) -> list[float]:
+        """Expected committed tokens of a round drafting k = 1 .. ``limit`` tokens."""
+        tokens, run, out = 1.0, 1.0, []
+        for rate in self.position_rates()[: min(limit, self.max_tokens)]:
             run *= rate
             tokens += run
+            out.append(tokens)
+        return out
+
+    def best_k(self) -> int:
+        best_k, best_rate = 0, 1.0
+        for k, tokens in enumerate(self.expected_tokens(self.max_tokens), start=1):
             cost = 1 + (VERIFY_COST_PER_TOKEN + self.draft_cost_per_token) * k
             if tokens / cost > best_rate * (MIN_GAIN if best_k == 0 else 1.0):
                 best_k, best_rate = k, tokens / cost
@@ -168,10 +173,7 @@ def _best_single(policy: AdaptiveSpeculation, limit: int, cost: StepCost,
     so adding draft tokens one at a time could stop at the jump from one token to two)."""
     plain = 1.0 / cost.predict(1)
     best_k, best_rate = 0, plain * BATCH_MIN_GAIN
-    tokens, run = 1.0, 1.0
-    for k, rate in enumerate(policy.position_rates()[: min(limit, policy.max_tokens)], 1):
-        run *= rate
-        tokens += run
+    for k, tokens in enumerate(policy.expected_tokens(limit), start=1):
         value = tokens / (cost.predict(1 + k) + draft_s * k)
         if value > best_rate:
             best_k, best_rate = k, value

@@ -54,6 +54,13 @@ class CausalLM:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = frozenset(eos_ids(model, tokenizer))
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        # keys and values of every layer for one position of one sequence
+        self.kv_position_bytes = (2 * int(config.num_hidden_layers) * self.kv_heads
+                                  * self.head_dim * element)
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", device: str = "cpu") -> CausalLM:
@@ -96,12 +103,7 @@ class CausalLM:
 
     def kv_bytes(self, rows: int, positions: int) -> int:
         """At most how much KV ``rows`` sequences of up to ``positions`` tokens hold."""
-        config = self.model.config
-        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None)
-                       or config.hidden_size // config.num_attention_heads)
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return rows * positions * 2 * self.num_layers * heads * head_dim * element
+        return rows * positions * self.kv_position_bytes
 
     def fit(self, rows: int, positions: int) -> None:
         """Size the KV storage for this many sequences and positions (per-sequence
