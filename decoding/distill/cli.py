@@ -48,7 +48,7 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=DataSettings.max_new_tokens,
                    help="longest target answer per prompt")
     p.add_argument("--batch-size", type=int, default=DataSettings.batch_size,
-                   help="prompts the target answers at once")
+                   help="answers the target generates together")
     p.add_argument("--held-out-prompts", type=int, default=DataSettings.held_out_prompts)
     p.add_argument("--work", type=Path, default=None,
                    help="data and checkpoints (default: a folder under the specserve cache)")
@@ -131,7 +131,8 @@ def _check_work(work: Path, data: DataSettings, training: TrainSettings, resume:
     """A work directory belongs to one set of settings; refuse to mix runs silently."""
     work.mkdir(parents=True, exist_ok=True)
     path = work / SETTINGS_NAME
-    fixed = {"data": {k: v for k, v in asdict(data).items() if k != "tokens"},
+    # how many tokens, and how many answers grow at once, may change between runs
+    fixed = {"data": {k: v for k, v in asdict(data).items() if k not in ("tokens", "batch_size")},
              "train": {f.name: getattr(training, f.name) for f in fields(training)
                        if f.name not in ("steps", "eval_every")}}
     fixed = json.loads(json.dumps(fixed))  # tuples as lists, as read back

@@ -1,7 +1,8 @@
 """Distillation data: the target's own greedy answers, with its next-token distributions.
 
-The target answers prompts from ``prompts.py`` in left-padded batches. For every
-answer token we keep the target's top-``k`` log-probabilities at that position,
+The target answers prompts from ``prompts.py``, many at once through its batched
+runner (a finished answer's place goes to the next prompt). For every answer token
+we keep the target's top-``k`` log-probabilities at that position,
 so training needs no target forward pass at all (forward KL on the top logits).
 Data is written in shards of a fixed number of prompts; shard ``i`` always holds
 the same prompts for a given seed, so an interrupted run resumes at the first
@@ -13,8 +14,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,12 @@ import torch
 
 from decoding.distill import prompts as prompt_source
 from decoding.prompting import encode_chat
-from decoding.target import eos_ids
+from decoding.target import BatchItem, CausalLM
 
 log = logging.getLogger(__name__)
 
 SHARD_PROMPTS = 64
+SHARDS_PER_PASS = 4  # prompts answered in one go: few passes run with idle streams
 HELD_OUT_NAME = "heldout.pt"
 
 
@@ -35,7 +37,7 @@ class DataSettings:
     seed: int = 0
     tokens: int = 200_000  # answer tokens to generate for training
     held_out_prompts: int = 48
-    batch_size: int = 24
+    batch_size: int = 32  # answers generated together
     max_new_tokens: int = 128
     top_k: int = 8  # teacher log-probabilities kept per position
 
@@ -81,31 +83,54 @@ def existing_shards(data_dir: Path) -> list[Path]:
 
 
 @torch.inference_mode()
-def generate_batch(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int,
-                   top_k: int, eos_ids: list[int]) -> list[Example]:
-    """The target's greedy answers to ``texts`` (one batch, left-padded)."""
-    encoded = [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    width = max(len(e) for e in encoded)
-    ids = torch.full((len(encoded), width), pad, dtype=torch.long)  # [b, width]
-    mask = torch.zeros_like(ids)
-    for row, e in enumerate(encoded):
-        ids[row, width - len(e):] = torch.tensor(e)
-        mask[row, width - len(e):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                         max_new_tokens=max_new_tokens, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos_ids)
-    answers = out.sequences[:, width:]  # [b, t]
-    examples = []
-    for row, e in enumerate(encoded):
-        answer = answers[row]
-        ends = [i for i, t in enumerate(answer.tolist()) if t in eos_ids]
-        n = ends[0] + 1 if ends else int(answer.numel())
-        logits = torch.stack([step[row] for step in out.logits[:n]]).float()  # [n, vocab]
-        top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
-        examples.append(Example(torch.tensor(e), answer[:n].clone(), top.indices,
-                                top.values.to(torch.float16)))
-    return examples
+def answer_all(target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               top_k: int, streams: int) -> list[Example]:
+    """The target's greedy answers to ``prompts`` (token ids), in order.
+
+    Up to ``streams`` answers grow together, one forward pass per step: a new prompt
+    joins (its whole prefill in the same pass) as soon as an answer ends, so no pass
+    is spent on padding or on answers that have already finished."""
+    stop = target.eos_token_ids
+    results: list[Example | None] = [None] * len(prompts)
+    queue = list(range(len(prompts)))[::-1]
+    running: list[_Answer] = []
+    try:
+        while queue or running:
+            while queue and len(running) < streams:
+                i = queue.pop()
+                running.append(_Answer(i, target.new_state(), list(prompts[i])))
+            items = [BatchItem(a.state, a.feed, 1) for a in running]
+            logits = torch.cat(target.forward_batch(items)).float()  # [n, vocab]
+            top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+            still: list[_Answer] = []
+            for row, a in enumerate(running):
+                token = int(top.indices[row, 0])  # greedy: the most likely token
+                a.tokens.append(token)
+                a.top_ids.append(top.indices[row])
+                a.top_logprobs.append(top.values[row])
+                a.feed = [token]
+                if token in stop or len(a.tokens) >= max_new_tokens:
+                    results[a.index] = Example(
+                        torch.tensor(prompts[a.index]), torch.tensor(a.tokens),
+                        torch.stack(a.top_ids), torch.stack(a.top_logprobs).to(torch.float16))
+                    target.release(a.state)
+                else:
+                    still.append(a)
+            running = still
+    finally:
+        for a in running:
+            target.release(a.state)
+    return [r for r in results if r is not None]
+
+
+@dataclass
+class _Answer:
+    index: int
+    state: Any
+    feed: list[int]  # tokens the next pass appends
+    tokens: list[int] = field(default_factory=list)
+    top_ids: list[torch.Tensor] = field(default_factory=list)
+    top_logprobs: list[torch.Tensor] = field(default_factory=list)
 
 
 def generate(target_dir: str, data_dir: Path, settings: DataSettings,
@@ -117,21 +142,16 @@ def generate(target_dir: str, data_dir: Path, settings: DataSettings,
     have = sum(answer_tokens(load_shard(p)) for p in done)
     if have >= settings.tokens and (data_dir / HELD_OUT_NAME).exists():
         return have
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from decoding.batched import BatchedLM
 
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    stop_ids = sorted(eos_ids(model, tokenizer))
+    target = BatchedLM.load(target_dir, dtype="float32")
     pools = prompt_source.load_pools(settings.seed)
 
     def batches(stream: Iterator[str], count: int) -> list[Example]:
         texts = list(itertools.islice(stream, count))
-        out: list[Example] = []
-        for start in range(0, len(texts), settings.batch_size):
-            chunk = sorted(texts[start:start + settings.batch_size], key=len)
-            out.extend(generate_batch(model, tokenizer, chunk, settings.max_new_tokens,
-                                      settings.top_k, stop_ids))
-        return out
+        ids = [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+        return answer_all(target, ids, settings.max_new_tokens, settings.top_k,
+                          settings.batch_size)
 
     held = data_dir / HELD_OUT_NAME
     if not held.exists():
@@ -143,10 +163,15 @@ def generate(target_dir: str, data_dir: Path, settings: DataSettings,
     for _ in itertools.islice(stream, index * SHARD_PROMPTS):  # skip the prompts already done
         pass
     while have < settings.tokens:
-        shard = batches(stream, SHARD_PROMPTS)
-        save_atomic([e.as_dict() for e in shard], shard_path(data_dir, index))
-        have += answer_tokens(shard)
-        index += 1
-        if on_progress is not None:
-            on_progress(have, settings.tokens)
+        answers = batches(stream, SHARD_PROMPTS * SHARDS_PER_PASS)
+        if not answers:
+            log.warning("the prompt source ran out at %d answer tokens", have)
+            break
+        for start in range(0, len(answers), SHARD_PROMPTS):
+            shard = answers[start : start + SHARD_PROMPTS]
+            save_atomic([e.as_dict() for e in shard], shard_path(data_dir, index))
+            have += answer_tokens(shard)
+            index += 1
+            if on_progress is not None:
+                on_progress(have, settings.tokens)
     return have
