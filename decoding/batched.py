@@ -90,6 +90,7 @@ class BatchedLM(CausalLM):
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
         self._head = _Matrix(head.weight.detach(), bias.detach() if bias is not None else None)
+        self._head_ids = getattr(head, "ids", None)  # [K]: a head over part of the vocabulary
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
@@ -237,7 +238,7 @@ class BatchedLM(CausalLM):
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
                 for i in range(i + len(item.token_ids) - min(item.keep, len(item.token_ids)),
                                i + len(item.token_ids))]
-        logits = (self._head(self._inner.norm(hidden[kept])) if kept
+        logits = (self._logits(self._inner.norm(hidden[kept])) if kept
                   else hidden.new_empty((0, self.vocab_size)))  # [K, V]
         outputs: list[torch.Tensor] = []
         offset = 0
@@ -247,6 +248,15 @@ class BatchedLM(CausalLM):
             offset += keep
             item.state.length += len(item.token_ids)
         return outputs
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [K, H] -> [K, vocab]
+        rows = self._head(hidden)
+        if self._head_ids is None:
+            return rows
+        # tokens outside the head's set get the lowest finite logit: never proposed
+        full = rows.new_full((rows.shape[0], self.vocab_size), torch.finfo(rows.dtype).min)
+        full[:, self._head_ids] = rows
+        return full
 
     def _forward_layers(self, batch: _Layout) -> torch.Tensor:
         """The decoder layers over packed tokens; attention per group over padded rows."""

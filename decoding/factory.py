@@ -69,5 +69,5 @@ def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32") -> M
         return ModelDrafter(distilled.load_causal_lm(directory, target, dtype), target)
     path = model_store.resolve(spec)
     log.info("loading draft model %s", path)
-    model = CausalLM.load(path, dtype=dtype, device=str(target.device))
+    model = BatchedLM.load(path, dtype=dtype, device=str(target.device))
     return ModelDrafter(model, target)

@@ -41,6 +41,15 @@ class BatchItem:
     keep: int
 
 
+def output_vocab_size(model: Any) -> int:
+    """How many vocabulary logits the model returns. A head over part of the vocabulary
+    (a distilled draft's) says so: it keeps ``ids`` and the full ``vocab_size``."""
+    head = model.get_output_embeddings()
+    if getattr(head, "ids", None) is not None:
+        return int(head.vocab_size)
+    return int(head.weight.shape[0])
+
+
 class CausalLM:
     """Prefill / score / rollback over a transformers causal LM."""
 
@@ -51,7 +60,7 @@ class CausalLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         config = model.config
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = output_vocab_size(model)
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = frozenset(eos_ids(model, tokenizer))
         self.heads = int(config.num_attention_heads)

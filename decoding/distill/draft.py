@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from decoding.batched import BatchedLM
 from decoding.target import DTYPES, CausalLM
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,4 @@ def load_model(directory: Path, target_model: Any, dtype: str = "float32") -> An
 def load_causal_lm(directory: Path, target: CausalLM, dtype: str = "float32") -> CausalLM:
     """The draft as the runner the model drafter uses (tokenizer shared with the target)."""
     model = load_model(directory, target.model, dtype)
-    lm = CausalLM(model, target.tokenizer, name=str(directory))
-    lm.vocab_size = int(model.lm_head.vocab_size)  # logits span the full vocabulary
-    return lm
+    return BatchedLM.wrap(model, target.tokenizer, name=str(directory))
