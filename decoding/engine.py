@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.drafters.base import Drafter
+from decoding.drafters.base import Drafter, DraftProposal, propose_many
 from decoding.policy import SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
 from decoding.sequence import ContextOverflowError, RoundPlan, SequenceDecoder
@@ -218,12 +218,16 @@ class Engine:
         return stream
 
     def warmup(self) -> None:
-        """Prepare the target's kernels for every small pass size, then run one short
-        request through every loaded drafter (outside the thread)."""
+        """Prepare the target's and the draft models' kernels for every small pass size,
+        then run one short request through every loaded drafter (outside the thread)."""
         from decoding.sequence import decode
         from decoding.types import SamplingParams
 
         self.target.warmup()
+        for loaded in self.drafters.values():
+            prepare = getattr(loaded, "warmup", None)
+            if prepare is not None:
+                prepare()
         ids = tuple(self.target.tokenizer.encode("Hello, world. Hello, world.")) or (0,)
         for drafter in [None, *self.drafters.values()]:
             request = GenerationRequest(prompt_ids=ids, max_new_tokens=4,
@@ -282,8 +286,10 @@ class Engine:
             return
         if decoding:
             ks = self._draft_lengths(decoding)
-            for active, k in zip(decoding, ks, strict=True):
-                plan = self._plan(active, k=k)
+            lengths = [a.decoder.draft_length(k) for a, k in zip(decoding, ks, strict=True)]
+            drafted = self._draft_together(decoding, lengths)
+            for active, k, made in zip(decoding, lengths, drafted, strict=True):
+                plan = self._plan(active, k=k, drafted=made)
                 if plan is not None:
                     plans.append((active, plan))
         # the step-cost fit describes decoding passes; a prompt chunk would skew it
@@ -311,10 +317,40 @@ class Engine:
         draft_s = [d.policy.draft_s_per_token for d in decoders]
         return list(plan_batch(policies, limits, self.step_cost, draft_s))
 
-    def _plan(self, active: _Active, k: int | None = None, prefill_chunk: int | None = None
-              ) -> RoundPlan | None:
+    def _draft_together(self, decoding: list[_Active], lengths: list[int]
+                        ) -> list[tuple[DraftProposal, float] | None]:
+        """Each sequence's proposal, made together with the others that share its
+        drafter (a draft model's steps run batched), with its share of the seconds
+        spent. None where drafting is left to the sequence itself: nothing to draft, or
+        the group failed (alone, only the sequence at fault fails)."""
+        made: list[tuple[DraftProposal, float] | None] = [None] * len(decoding)
+        groups: dict[int, list[int]] = {}
+        for i, (active, k) in enumerate(zip(decoding, lengths, strict=True)):
+            if k > 0 and active.decoder.drafter is not None:
+                groups.setdefault(id(active.decoder.drafter), []).append(i)
+        for members in groups.values():
+            if len(members) == 1:
+                continue
+            decoders = [decoding[i].decoder for i in members]
+            start = time.perf_counter()
+            try:
+                proposals = propose_many(
+                    decoders[0].drafter, [d.draft_state for d in decoders],  # type: ignore[arg-type]
+                    [d.draft_context() for d in decoders], [lengths[i] for i in members])
+            except Exception:
+                log.warning("drafting for %d requests together failed; each drafts alone",
+                            len(members), exc_info=True)
+                continue
+            seconds = time.perf_counter() - start
+            total = sum(lengths[i] for i in members)
+            for i, proposal in zip(members, proposals, strict=True):
+                made[i] = (proposal, seconds * lengths[i] / total)
+        return made
+
+    def _plan(self, active: _Active, k: int | None = None, prefill_chunk: int | None = None,
+              drafted: tuple[DraftProposal, float] | None = None) -> RoundPlan | None:
         try:
-            return active.decoder.plan(k=k, prefill_chunk=prefill_chunk)
+            return active.decoder.plan(k=k, prefill_chunk=prefill_chunk, drafted=drafted)
         except Exception:
             log.exception("drafting failed in request %s", active.stream.request.request_id)
             self._finish(active, _final_event(active.decoder, FinishReason.ERROR,

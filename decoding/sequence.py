@@ -111,9 +111,12 @@ class SequenceDecoder:
             if event is not None:
                 return event
 
-    def plan(self, k: int | None = None, prefill_chunk: int | None = None) -> RoundPlan:
+    def plan(self, k: int | None = None, prefill_chunk: int | None = None,
+             drafted: tuple[DraftProposal, float] | None = None) -> RoundPlan:
         """What the target must run next for this sequence: the next piece of the
-        prompt, or the pending token plus ``k`` drafts (``None``: the policy's k)."""
+        prompt, or the pending token plus ``k`` drafts (``None``: the policy's k), or
+        the ``drafted`` proposal (made with others' in one batch, and its share of that
+        batch's seconds)."""
         if self.finished:
             raise RuntimeError("the sequence has already finished")
         start = time.perf_counter()
@@ -130,14 +133,29 @@ class SequenceDecoder:
         if self._store_prefix_pending:  # after the first token went out, not before
             self._store_prefix()
             start = time.perf_counter()
+        if drafted is None:
+            proposal = self._propose(self.draft_length(k))
+            draft_s = time.perf_counter() - start
+        else:
+            proposal, draft_s = drafted
         remaining = self.max_new - len(self.output)
-        if k is None:
-            k = self.policy.next_k(remaining - 1) if self.drafter is not None else 0
-        proposal = self._propose(min(k, remaining - 1))
         draft = list(proposal.tokens[: max(0, remaining - 1)])
         tokens = [self.tokens[-1], *draft]  # the pending token, then the drafts
         return RoundPlan(BatchItem(self.state, tokens, len(tokens)), draft=draft,
-                         proposal=proposal, started=start, draft_s=time.perf_counter() - start)
+                         proposal=proposal, started=start, draft_s=draft_s)
+
+    def draft_length(self, k: int | None = None) -> int:
+        """How many tokens to draft next round: ``k`` (``None``: the policy's choice),
+        never past ``max_tokens``. Asking the policy counts as its decision."""
+        remaining = self.max_new - len(self.output)
+        if self.drafter is None:
+            return 0
+        if k is None:
+            k = self.policy.next_k(remaining - 1)
+        return max(0, min(k, remaining - 1))
+
+    def draft_context(self) -> DraftContext:
+        return DraftContext(self.tokens, self.params, self.generator)
 
     def complete(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float
                  ) -> RoundEvent | None:
@@ -220,8 +238,7 @@ class SequenceDecoder:
     def _propose(self, k: int) -> DraftProposal:
         if self.drafter is None or k <= 0:
             return DraftProposal.empty()
-        context = DraftContext(self.tokens, self.params, self.generator)
-        return self.drafter.propose(self.draft_state, context, k)
+        return self.drafter.propose(self.draft_state, self.draft_context(), k)
 
     def _process(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:  # [n, V]
         """Penalties, then (when sampling) temperature/top-k/top-p into probabilities."""

@@ -298,6 +298,54 @@ def test_a_failing_batch_fails_only_the_request_at_fault(
         assert _tokens(events) == _alone(tiny_target, drafters["ngram"], request)
 
 
+def _spy_on_draft_passes(model: BatchedLM, monkeypatch: pytest.MonkeyPatch,
+                         fail_batches: bool = False) -> list[int]:
+    """The sizes of the draft model's forward passes (optionally failing every pass of
+    more than one sequence: a fault that cannot be caused from outside)."""
+    sizes: list[int] = []
+    real = model.forward_batch
+
+    def forward_batch(items):  # type: ignore[no-untyped-def]
+        sizes.append(len(items))
+        if fail_batches and len(items) > 1:
+            raise RuntimeError("injected draft fault")
+        return real(items)
+
+    monkeypatch.setattr(model, "forward_batch", forward_batch)
+    return sizes
+
+
+@pytest.mark.parametrize("fail_batches", [False, True])
+def test_a_draft_model_drafts_for_the_whole_batch_in_one_pass_per_step(
+    tiny_target: CausalLM, tiny_target_dir: object, monkeypatch: pytest.MonkeyPatch,
+    fail_batches: bool
+) -> None:
+    """Draft step i of every stream runs in one pass of the draft model; the outputs are
+    what each stream gives alone. When such a pass fails, each stream drafts alone."""
+    draft = BatchedLM.load(str(tiny_target_dir), dtype="float32")  # agrees with the target
+    drafter = ModelDrafter(draft, tiny_target)
+    requests = [GenerationRequest(prompt_ids=_ids(tiny_target, p), max_new_tokens=24,
+                                  sampling=GREEDY, request_id=str(i),
+                                  speculation=SpeculationParams(drafter="model"))
+                for i, p in enumerate(PROMPTS[:4])]
+    sizes = _spy_on_draft_passes(draft, monkeypatch, fail_batches)
+    engine = _engine(tiny_target, {"ngram": NgramDrafter(), "model": drafter})
+    try:
+        streams = [engine.submit(r) for r in requests]
+        results = [list(s) for s in streams]
+    finally:
+        engine.shutdown()
+    monkeypatch.undo()
+    assert max(sizes) > 1, "the streams' draft steps never shared a pass"
+    if fail_batches:
+        assert 1 in sizes, "after a failed shared pass each stream drafts alone"
+    for request, events in zip(requests, results, strict=True):
+        assert _tokens(events) == _alone(tiny_target, drafter, request), request.request_id
+        assert sum(e.accepted_tokens for e in events) > 0
+    assert draft.rows_in_use == 0
+    assert tiny_target.rows_in_use == 0  # type: ignore[attr-defined]
+
+
 # -- choosing draft lengths for a batch ------------------------------------------------
 
 

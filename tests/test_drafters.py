@@ -5,7 +5,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from decoding.batched import BatchedLM
 from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
+from decoding.drafters.base import DraftProposal
+from decoding.drafters.combined import CombinedDrafter
 from decoding.target import CausalLM, TokenizerMismatchError
 from decoding.types import SamplingParams
 
@@ -36,7 +39,7 @@ def test_ngram_prefers_longer_matches_and_never_matches_itself() -> None:
     assert drafter.propose(state, DraftContext(tokens, GREEDY, None), 2).tokens == (4, 9)
 
 
-def test_model_drafter_rollback_reuses_the_committed_prefix(tiny_target: CausalLM) -> None:
+def test_model_drafter_rollback_reuses_the_committed_prefix(tiny_target: BatchedLM) -> None:
     drafter = ModelDrafter(tiny_target, tiny_target)
     tokens = [10, 11, 12, 13]
     state = drafter.begin(tokens)
@@ -49,6 +52,9 @@ def test_model_drafter_rollback_reuses_the_committed_prefix(tiny_target: CausalL
     fresh_state = drafter.begin(committed)
     fresh = drafter.propose(fresh_state, DraftContext(committed, GREEDY, None), 2)
     assert second.tokens == fresh.tokens
+    drafter.release(state)
+    drafter.release(fresh_state)
+    assert tiny_target.rows_in_use == 0
 
 
 def test_model_drafter_sampling_returns_its_distribution(tiny_target: CausalLM) -> None:
@@ -57,7 +63,9 @@ def test_model_drafter_sampling_returns_its_distribution(tiny_target: CausalLM) 
     drafter = ModelDrafter(tiny_target, tiny_target)
     params = SamplingParams(temperature=0.8, top_k=20)
     generator = torch.Generator().manual_seed(0)
-    proposal = drafter.propose(drafter.begin([1, 2]), DraftContext([1, 2], params, generator), 3)
+    state = drafter.begin([1, 2])
+    proposal = drafter.propose(state, DraftContext([1, 2], params, generator), 3)
+    drafter.release(state)
     assert proposal.probs is not None and proposal.probs.shape == (3, tiny_target.vocab_size)
     for i, token in enumerate(proposal.tokens):
         assert proposal.probs[i, token] > 0
@@ -73,3 +81,62 @@ def test_mismatched_tokenizer_is_refused(
     draft.tokenizer = tokenizer
     with pytest.raises(TokenizerMismatchError, match="does not share the target's tokenizer"):
         ModelDrafter(draft, tiny_target)
+
+
+class _Scripted:
+    """Drafts the next tokens of a known continuation, optionally with a wrong first one."""
+
+    def __init__(self, name: str, truth: list[int], wrong_first: bool) -> None:
+        self.name, self.truth, self.wrong_first = name, truth, wrong_first
+        self.calls = 0
+
+    def begin(self, prompt_ids: object) -> None:
+        return None
+
+    def propose(self, state: None, context: DraftContext, k: int) -> DraftProposal:
+        self.calls += 1
+        at = len(context.token_ids)
+        tokens = list(self.truth[at : at + k])
+        if self.wrong_first:
+            tokens[0] += 1
+        return DraftProposal(tokens=tuple(tokens))
+
+    def rollback(self, state: None, length: int) -> None:
+        pass
+
+    def release(self, state: None) -> None:
+        pass
+
+
+def _rounds(drafter: CombinedDrafter, truth: list[int], rounds: int) -> list[tuple[int, ...]]:
+    """Propose, then commit one true token, ``rounds`` times; the proposals made."""
+    state = drafter.begin(truth[:1])
+    made = []
+    for n in range(1, rounds + 1):
+        made.append(drafter.propose(state, DraftContext(truth[:n], GREEDY, None), 3).tokens)
+    drafter.release(state)
+    return made
+
+
+def test_combined_hands_rounds_to_the_model_when_lookup_keeps_missing() -> None:
+    truth = list(range(100, 200))
+    lookup = _Scripted("lookup", truth, wrong_first=True)
+    model = _Scripted("model", truth, wrong_first=False)
+    combined = CombinedDrafter([lookup], model)
+    made = _rounds(combined, truth, 12)
+    assert made[0] == (102, 102, 103)  # nothing measured yet: the free proposal first
+    assert made[-1] == tuple(truth[12:15]), "the model drafts once lookup has been measured worse"
+    assert lookup.calls == 12, "lookup still proposes (and is scored) every round"
+    # a new request starts from what this one measured: the model from the first round
+    model.calls = 0
+    assert _rounds(combined, truth, 3)[0] == (101, 102, 103)
+    assert model.calls == 3
+
+
+def test_combined_keeps_lookup_when_it_is_right() -> None:
+    truth = list(range(100, 200))
+    lookup = _Scripted("lookup", truth, wrong_first=False)
+    model = _Scripted("model", truth, wrong_first=True)
+    combined = CombinedDrafter([lookup], model)
+    assert _rounds(combined, truth, 10) == [tuple(truth[n : n + 3]) for n in range(1, 11)]
+    assert model.calls == 0, "a model is not run while free lookup proposals are right"

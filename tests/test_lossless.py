@@ -6,6 +6,7 @@ import pytest
 
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
+from decoding.drafters.combined import CombinedDrafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
@@ -43,6 +44,8 @@ def _drafters(target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
         "ngram-unigram": NgramDrafter(max_ngram=3, min_ngram=1),
         "model-poor": ModelDrafter(tiny_draft, target),
         "model-self": ModelDrafter(target, target),  # full acceptance
+        "ngram+model-poor": CombinedDrafter([NgramDrafter()], ModelDrafter(tiny_draft, target)),
+        "ngram+model-self": CombinedDrafter([NgramDrafter()], ModelDrafter(target, target)),
     }
 
 

@@ -49,3 +49,14 @@ class Drafter(Protocol):
     def release(self, state: Any) -> None:
         """The sequence is finished; free what its state holds."""
         ...
+
+
+def propose_many(drafter: Drafter, states: Sequence[Any], contexts: Sequence[DraftContext],
+                 ks: Sequence[int]) -> list[DraftProposal]:
+    """Proposals for several sequences of one drafter: together where the drafter can
+    (a batched draft model runs each draft step for all of them in one pass), else one
+    after another."""
+    together = getattr(drafter, "propose_many", None)
+    if together is not None:
+        return list(together(states, contexts, ks))
+    return [drafter.propose(s, c, k) for s, c, k in zip(states, contexts, ks, strict=True)]

@@ -1,16 +1,45 @@
-"""Several drafters at once: each proposes, the longest proposal wins.
+"""Several drafters at once: deterministic ones (n-gram lookup, continuations) and at
+most one model.
 
-Only deterministic drafters combine (n-gram lookup, continuations), plus at
-most one model drafter, which is consulted last and only when the cheap ones
-found nothing, so its cost is paid only when needed.
+The cheap drafters all propose and the longest proposal wins. The model runs when
+they found nothing, and also when their proposals have lately been worse than the
+model's: every proposal is scored afterwards against what the target committed
+(an unused cheap proposal too, since scoring it costs nothing), and the share of
+first tokens that were right is kept per source, per request, starting from what
+earlier requests measured (a model not yet measured gets one try once lookup has
+been wrong). Grounded text keeps n-gram lookup in charge; chat, where
+lookup matches are mostly coincidence, hands the round to the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.drafters.base import DraftContext, Drafter, DraftProposal
+from decoding.drafters.base import DraftContext, Drafter, DraftProposal, propose_many
+
+# The model must be right this much more often than lookup before it takes a round
+# that lookup could have drafted for free.
+MODEL_MARGIN = 0.1
+REQUEST_RATE = 0.25  # weight of the newest outcome in a request's estimate
+PRIOR_RATE = 0.05  # ... and in the estimate new requests start from
+
+CHEAP, MODEL = 0, 1
+
+
+@dataclass
+class _Proposed:
+    start: int  # committed tokens when it was proposed
+    tokens: tuple[int, ...]
+    source: int  # CHEAP or MODEL
+
+
+@dataclass
+class CombinedState:
+    parts: list[Any]  # each drafter's own state
+    hit_rate: list[float | None]  # per source: share of first tokens the target kept
+    pending: list[_Proposed] = field(default_factory=list)  # scored on the next call
 
 
 class CombinedDrafter:
@@ -20,27 +49,77 @@ class CombinedDrafter:
         self.cheap = list(cheap)
         self.model = model
         self.name = "+".join(d.name for d in [*self.cheap, *([model] if model else [])])
+        self.prior: list[float | None] = [None, None]  # across requests, by source
 
-    def begin(self, prompt_ids: Sequence[int]) -> list[Any]:
-        return [d.begin(prompt_ids) for d in self._all()]
+    def begin(self, prompt_ids: Sequence[int]) -> CombinedState:
+        return CombinedState([d.begin(prompt_ids) for d in self._all()], list(self.prior))
 
-    def propose(self, state: list[Any], context: DraftContext, k: int) -> DraftProposal:
-        best = DraftProposal.empty()
-        for drafter, sub in zip(self.cheap, state, strict=False):
-            proposal = drafter.propose(sub, context, k)
-            if len(proposal.tokens) > len(best.tokens):
-                best = proposal
-        if self.model is not None and not best.tokens:
-            best = self.model.propose(state[-1], context, k)
-        return best
+    def warmup(self) -> None:
+        for drafter in self._all():
+            prepare = getattr(drafter, "warmup", None)
+            if prepare is not None:
+                prepare()
 
-    def rollback(self, state: list[Any], length: int) -> None:
-        for drafter, sub in zip(self._all(), state, strict=True):
+    def propose(self, state: CombinedState, context: DraftContext, k: int) -> DraftProposal:
+        return self.propose_many([state], [context], [k])[0]
+
+    def propose_many(self, states: Sequence[CombinedState], contexts: Sequence[DraftContext],
+                     ks: Sequence[int]) -> list[DraftProposal]:
+        """Lookup for each sequence, then the model for those that need it, together."""
+        chosen: list[DraftProposal] = []
+        for_model: list[int] = []
+        for i, (state, context, k) in enumerate(zip(states, contexts, ks, strict=True)):
+            self._score(state, context.token_ids)
+            best = DraftProposal.empty()
+            for drafter, sub in zip(self.cheap, state.parts, strict=False):
+                proposal = drafter.propose(sub, context, k)
+                if len(proposal.tokens) > len(best.tokens):
+                    best = proposal
+            if best.tokens:
+                state.pending.append(_Proposed(len(context.token_ids), best.tokens, CHEAP))
+            chosen.append(best)
+            if self.model is not None and k > 0 and (not best.tokens or self._model_leads(state)):
+                for_model.append(i)
+        if self.model is not None and for_model:
+            proposals = propose_many(self.model, [states[i].parts[-1] for i in for_model],
+                                     [contexts[i] for i in for_model], [ks[i] for i in for_model])
+            for i, proposal in zip(for_model, proposals, strict=True):
+                chosen[i] = proposal
+                if proposal.tokens:
+                    states[i].pending.append(
+                        _Proposed(len(contexts[i].token_ids), proposal.tokens, MODEL))
+        return chosen
+
+    def rollback(self, state: CombinedState, length: int) -> None:
+        for drafter, sub in zip(self._all(), state.parts, strict=True):
             drafter.rollback(sub, length)
 
-    def release(self, state: list[Any]) -> None:
-        for drafter, sub in zip(self._all(), state, strict=True):
+    def release(self, state: CombinedState) -> None:
+        for drafter, sub in zip(self._all(), state.parts, strict=True):
             drafter.release(sub)
+        state.pending.clear()
+
+    def _model_leads(self, state: CombinedState) -> bool:
+        cheap, model = state.hit_rate
+        if cheap is None:  # lookup's proposals are free: try them first
+            return False
+        return (1.0 if model is None else model) > cheap + MODEL_MARGIN  # unknown: try it
+
+    def _score(self, state: CombinedState, committed: Sequence[int]) -> None:
+        """Score the proposals whose first token the target has since decided."""
+        waiting = []
+        for p in state.pending:
+            if len(committed) <= p.start:  # nothing decided yet (a round without a verdict)
+                waiting.append(p)
+                continue
+            hit = 1.0 if committed[p.start] == p.tokens[0] else 0.0
+            state.hit_rate[p.source] = _mix(state.hit_rate[p.source], hit, REQUEST_RATE)
+            self.prior[p.source] = _mix(self.prior[p.source], hit, PRIOR_RATE)
+        state.pending = waiting
 
     def _all(self) -> list[Drafter]:
         return [*self.cheap, *([self.model] if self.model is not None else [])]
+
+
+def _mix(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

@@ -14,7 +14,7 @@ import torch
 
 from decoding.drafters.base import DraftContext, DraftProposal
 from decoding.sampling import logits_to_probs
-from decoding.target import CausalLM, check_same_vocabulary
+from decoding.target import BatchItem, CausalLM, check_same_vocabulary
 
 
 class DraftModel(Protocol):
@@ -50,30 +50,59 @@ class ModelDrafter:
     def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
         return ModelDraftState(cache=self.model.new_state())
 
-    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Let the model prepare its kernels (a batched PyTorch model builds one per
+        pass size) before the first request needs them."""
+        prepare = getattr(self.model, "warmup", None)
+        if prepare is not None:
+            prepare()
+
     def propose(self, state: ModelDraftState, context: DraftContext, k: int) -> DraftProposal:
-        tokens = context.token_ids
-        if k <= 0:
-            return DraftProposal.empty()
-        common = common_prefix(state.fed, tokens)
-        if common == len(tokens):  # must feed at least one token to get logits
-            common -= 1
-        self.model.rollback(state.cache, common)
-        del state.fed[common:]
-        logits = self.model.prefill(state.cache, tokens[common:])  # [vocab]
-        state.fed.extend(tokens[common:])
-        proposed: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(k):
-            token, probs = self._pick(logits, context)
-            proposed.append(token)
-            if probs is not None:
-                rows.append(probs)
-            if i + 1 < k:
-                logits = self.model.prefill(state.cache, [token])
-                state.fed.append(token)
-        probs_all = torch.stack(rows) if rows else None  # [k, vocab]
-        return DraftProposal(tokens=tuple(proposed), probs=probs_all)
+        return self.propose_many([state], [context], [k])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
+                     ks: Sequence[int]) -> list[DraftProposal]:
+        """Draft for several sequences: draft step ``i`` of every sequence that wants an
+        ``i``-th token is one batch (one forward pass on a batched model)."""
+        feeds: list[list[int]] = []
+        for state, context, k in zip(states, contexts, ks, strict=True):
+            tokens = context.token_ids
+            if k <= 0:
+                feeds.append([])
+                continue
+            common = common_prefix(state.fed, tokens)
+            if common == len(tokens):  # must feed at least one token to get logits
+                common -= 1
+            self.model.rollback(state.cache, common)
+            del state.fed[common:]
+            feeds.append(list(tokens[common:]))
+        proposed: list[list[int]] = [[] for _ in states]
+        rows: list[list[torch.Tensor]] = [[] for _ in states]
+        active = [i for i, feed in enumerate(feeds) if feed]
+        while active:
+            logits = self._forward([states[i].cache for i in active], [feeds[i] for i in active])
+            still = []
+            for i, out in zip(active, logits, strict=True):
+                states[i].fed.extend(feeds[i])
+                token, probs = self._pick(out, contexts[i])
+                proposed[i].append(token)
+                if probs is not None:
+                    rows[i].append(probs)
+                if len(proposed[i]) < ks[i]:
+                    feeds[i] = [token]
+                    still.append(i)
+            active = still
+        return [DraftProposal(tokens=tuple(p), probs=torch.stack(r) if r else None)
+                for p, r in zip(proposed, rows, strict=True)]
+
+    def _forward(self, caches: list[Any], feeds: list[list[int]]) -> list[torch.Tensor]:
+        """Each cache's logits after its feed, ``[vocab]`` each."""
+        together = getattr(self.model, "forward_batch", None)
+        if together is None:  # an exported step (ONNX Runtime, TensorRT): one at a time
+            return [self.model.prefill(c, f) for c, f in zip(caches, feeds, strict=True)]
+        items = [BatchItem(c, f, 1) for c, f in zip(caches, feeds, strict=True)]
+        return [out[0] for out in together(items)]
 
     def rollback(self, state: ModelDraftState, length: int) -> None:
         if length < len(state.fed):
