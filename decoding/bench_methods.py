@@ -18,6 +18,7 @@ import torch
 from transformers import GenerationConfig
 
 from decoding.drafters.base import Drafter
+from decoding.drafters.combined import MODEL_MARGIN, CombinedDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import DEFAULT_MAX_NGRAM, NgramDrafter
 from decoding.policy import MAX_DRAFT_TOKENS
@@ -28,11 +29,13 @@ from decoding.types import GenerationRequest, RoundEvent, SamplingParams, Specul
 PLAIN = "plain"
 SPEC_NGRAM = "spec:ngram"
 SPEC_DRAFT = "spec:draft"
+SPEC_NGRAM_DRAFT = "spec:ngram+draft"  # lookup, and the draft model where lookup does worse
 HF_PLAIN = "hf:plain"
 HF_ASSISTED_NGRAM = "hf:assisted-ngram"
 HF_ASSISTED_DRAFT = "hf:assisted-draft"
-ALL_METHODS = (PLAIN, SPEC_NGRAM, SPEC_DRAFT, HF_PLAIN, HF_ASSISTED_NGRAM, HF_ASSISTED_DRAFT)
-DRAFT_METHODS = frozenset({SPEC_DRAFT, HF_ASSISTED_DRAFT})
+ALL_METHODS = (PLAIN, SPEC_NGRAM, SPEC_DRAFT, SPEC_NGRAM_DRAFT, HF_PLAIN, HF_ASSISTED_NGRAM,
+               HF_ASSISTED_DRAFT)
+DRAFT_METHODS = frozenset({SPEC_DRAFT, SPEC_NGRAM_DRAFT, HF_ASSISTED_DRAFT})
 HF_METHODS = frozenset({HF_PLAIN, HF_ASSISTED_NGRAM, HF_ASSISTED_DRAFT})
 
 # transformers' prompt lookup, set to match our n-gram drafter as closely as it allows:
@@ -158,6 +161,8 @@ def _runner(method: str, target: CausalLM, draft: ModelDrafter | None,
         return engine_runner(target, NgramDrafter())
     if method == SPEC_DRAFT and spec_draft is not None:
         return engine_runner(target, spec_draft)
+    if method == SPEC_NGRAM_DRAFT and spec_draft is not None:
+        return engine_runner(target, CombinedDrafter([NgramDrafter()], spec_draft))
     if method == HF_PLAIN:
         return hf_runner(target)
     if method == HF_ASSISTED_NGRAM:
@@ -179,6 +184,8 @@ def method_settings() -> dict[str, Any]:
         SPEC_NGRAM: {"max_ngram": DEFAULT_MAX_NGRAM, "min_ngram": NgramDrafter().min_ngram,
                      "max_draft_tokens": MAX_DRAFT_TOKENS, "policy": "adaptive"},
         SPEC_DRAFT: {"max_draft_tokens": MAX_DRAFT_TOKENS, "policy": "adaptive"},
+        SPEC_NGRAM_DRAFT: {"max_draft_tokens": MAX_DRAFT_TOKENS, "policy": "adaptive",
+                           "model_margin": MODEL_MARGIN},
         HF_ASSISTED_NGRAM: {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS,
                             "max_matching_ngram_size": HF_MAX_MATCHING_NGRAM},
         HF_ASSISTED_DRAFT: {"num_assistant_tokens": HF_ASSISTANT_TOKENS,
