@@ -35,8 +35,9 @@ def load_drafter(
     prefix_cache: PrefixCache | None = None,
 ) -> Drafter | None:
     """Parse a draft spec: ``none``, ``ngram``, ``cache``, a model (path or hub id),
-    or several joined by ``+`` (e.g. ``ngram+cache``): the longest proposal wins,
-    and a model draft runs only when the cheap drafters found nothing."""
+    or several joined by ``+`` (e.g. ``ngram+cache``): the longest lookup proposal
+    wins, and a model draft runs when lookup found nothing or has lately been right
+    less often than the model (``CombinedDrafter``)."""
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts or parts == [NO_DRAFT]:
         return None

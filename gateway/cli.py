@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from decoding import model_store
+from decoding.bench_methods import ALL_METHODS
 from decoding.distill.cli import add_distill_command
 from decoding.drafters.base import Drafter
 from decoding.factory import load_target
@@ -71,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="new tokens per prompt (default 64 with --quick, else 192)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     bench.add_argument("--methods", default=None,
-                       help="comma-separated subset of plain, spec:ngram, spec:draft, hf:plain, "
-                            "hf:assisted-ngram, hf:assisted-draft (plain always runs)")
+                       help=f"comma-separated subset of {', '.join(ALL_METHODS)} "
+                            "(plain always runs)")
     bench.add_argument("--prompt-sets", default="chat,grounded",
                        help="comma-separated shipped prompt sets")
     bench.add_argument("--prompts", type=int, default=None,
