@@ -2,13 +2,13 @@
 most one model.
 
 The cheap drafters all propose and the longest proposal wins. The model runs when
-they found nothing, and also when their proposals have lately been worse than the
-model's: every proposal is scored afterwards against what the target committed
-(an unused cheap proposal too, since scoring it costs nothing), and the share of
-first tokens that were right is kept per source, per request, starting from what
-earlier requests measured (a model not yet measured gets one try once lookup has
-been wrong). Grounded text keeps n-gram lookup in charge; chat, where
-lookup matches are mostly coincidence, hands the round to the model.
+they found nothing, and also when their proposals have lately kept fewer tokens
+than the model's: every proposal is scored afterwards against what the target
+committed (an unused cheap proposal too, since scoring it costs nothing), and the
+tokens each source gets kept per proposal are averaged per request, starting from
+what earlier requests measured (a model not yet measured is tried once lookup keeps
+less than a token). Grounded text, where lookup copies long runs, keeps lookup in
+charge; chat, where lookup matches are mostly coincidence, goes to the model.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from typing import Any
 
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal, propose_many
 
-# The model must be right this much more often than lookup before it takes a round
-# that lookup could have drafted for free.
-MODEL_MARGIN = 0.1
+# The model must keep this many more tokens per proposal than lookup before it takes
+# a round that lookup could have drafted for free (a draft token costs the model about
+# a tenth of a target step; a round drafts a few).
+MODEL_MARGIN = 0.25
+MODEL_GUESS = 1.0  # tokens kept per proposal assumed for a model not yet measured
 REQUEST_RATE = 0.25  # weight of the newest outcome in a request's estimate
 PRIOR_RATE = 0.05  # ... and in the estimate new requests start from
 
@@ -38,7 +40,7 @@ class _Proposed:
 @dataclass
 class CombinedState:
     parts: list[Any]  # each drafter's own state
-    hit_rate: list[float | None]  # per source: share of first tokens the target kept
+    kept: list[float | None]  # per source: tokens the target kept per proposal
     pending: list[_Proposed] = field(default_factory=list)  # scored on the next call
 
 
@@ -100,21 +102,25 @@ class CombinedDrafter:
         state.pending.clear()
 
     def _model_leads(self, state: CombinedState) -> bool:
-        cheap, model = state.hit_rate
+        cheap, model = state.kept
         if cheap is None:  # lookup's proposals are free: try them first
             return False
-        return (1.0 if model is None else model) > cheap + MODEL_MARGIN  # unknown: try it
+        return (MODEL_GUESS if model is None else model) > cheap + MODEL_MARGIN
 
     def _score(self, state: CombinedState, committed: Sequence[int]) -> None:
-        """Score the proposals whose first token the target has since decided."""
+        """Score the proposals whose fate the target has since decided: how many of
+        their tokens it kept (a mismatch, or the whole proposal, is committed)."""
         waiting = []
         for p in state.pending:
-            if len(committed) <= p.start:  # nothing decided yet (a round without a verdict)
+            after = committed[p.start : p.start + len(p.tokens)]
+            kept = 0
+            while kept < len(after) and after[kept] == p.tokens[kept]:
+                kept += 1
+            if kept == len(after) and kept < len(p.tokens):  # not decided yet
                 waiting.append(p)
                 continue
-            hit = 1.0 if committed[p.start] == p.tokens[0] else 0.0
-            state.hit_rate[p.source] = _mix(state.hit_rate[p.source], hit, REQUEST_RATE)
-            self.prior[p.source] = _mix(self.prior[p.source], hit, PRIOR_RATE)
+            state.kept[p.source] = _mix(state.kept[p.source], kept, REQUEST_RATE)
+            self.prior[p.source] = _mix(self.prior[p.source], kept, PRIOR_RATE)
         state.pending = waiting
 
     def _all(self) -> list[Drafter]:
