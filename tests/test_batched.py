@@ -137,6 +137,24 @@ def _engine(target: CausalLM, drafters: dict[str, Drafter], **kw: object) -> Eng
     return engine
 
 
+def _serve(target: CausalLM, drafters: dict[str, Drafter], requests: list[GenerationRequest],
+           **kw: object) -> list[list[RoundEvent]]:
+    """Submit every request to a fresh engine at once; each one's events."""
+    engine = _engine(target, drafters, **kw)
+    try:
+        streams = [engine.submit(r) for r in requests]
+        return [list(s) for s in streams]
+    finally:
+        engine.shutdown()
+
+
+def _greedy(target: CausalLM, prompts: list[str], max_new_tokens: int,
+            **kw: object) -> list[GenerationRequest]:
+    return [GenerationRequest(prompt_ids=_ids(target, p), max_new_tokens=max_new_tokens,
+                              sampling=GREEDY, request_id=str(i), **kw)  # type: ignore[arg-type]
+            for i, p in enumerate(prompts)]
+
+
 @pytest.fixture()
 def drafters(tiny_target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
     return {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_draft, tiny_target)}
@@ -196,15 +214,11 @@ def test_seeded_sampling_with_drafts_is_reproducible_in_a_batch(
     """Speculative sampling in a batch: the same seed and batch give the same text;
     every request completes its budget."""
     def run() -> list[list[int]]:
-        engine = _engine(tiny_target, drafters)
-        try:
-            streams = [engine.submit(GenerationRequest(
-                prompt_ids=_ids(tiny_target, p), max_new_tokens=20, request_id=p,
-                sampling=SamplingParams(temperature=1.0, seed=11 + i)))
-                for i, p in enumerate(PROMPTS[:4])]
-            return [_tokens(list(s)) for s in streams]
-        finally:
-            engine.shutdown()
+        requests = [GenerationRequest(
+            prompt_ids=_ids(tiny_target, p), max_new_tokens=20, request_id=p,
+            sampling=SamplingParams(temperature=1.0, seed=11 + i))
+            for i, p in enumerate(PROMPTS[:4])]
+        return [_tokens(events) for events in _serve(tiny_target, drafters, requests)]
 
     first = run()
     assert all(len(tokens) > 0 for tokens in first)
@@ -214,9 +228,7 @@ def test_seeded_sampling_with_drafts_is_reproducible_in_a_batch(
 def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(
     tiny_target: CausalLM, drafters: dict[str, Drafter]
 ) -> None:
-    requests = [GenerationRequest(prompt_ids=_ids(tiny_target, p), max_new_tokens=40,
-                                  sampling=GREEDY, request_id=str(i))
-                for i, p in enumerate(PROMPTS[:4])]
+    requests = _greedy(tiny_target, PROMPTS[:4], 40)
     engine = _engine(tiny_target, drafters)
     try:
         streams = [engine.submit(r) for r in requests]
@@ -278,9 +290,7 @@ def test_a_failing_batch_fails_only_the_request_at_fault(
         return real(items)
 
     monkeypatch.setattr(tiny_target, "forward_batch", forward_batch)
-    good = [GenerationRequest(prompt_ids=_ids(tiny_target, p), max_new_tokens=12,
-                              sampling=GREEDY, request_id=str(i))
-            for i, p in enumerate(PROMPTS[:3])]
+    good = _greedy(tiny_target, PROMPTS[:3], 12)
     bad = GenerationRequest(prompt_ids=(1000, poisoned), max_new_tokens=12, sampling=GREEDY,
                             stop_token_ids=(), request_id="bad")
     engine = _engine(tiny_target, drafters)
@@ -324,17 +334,10 @@ def test_a_draft_model_drafts_for_the_whole_batch_in_one_pass_per_step(
     what each stream gives alone. When such a pass fails, each stream drafts alone."""
     draft = BatchedLM.load(str(tiny_target_dir), dtype="float32")  # agrees with the target
     drafter = ModelDrafter(draft, tiny_target)
-    requests = [GenerationRequest(prompt_ids=_ids(tiny_target, p), max_new_tokens=24,
-                                  sampling=GREEDY, request_id=str(i),
-                                  speculation=SpeculationParams(drafter="model"))
-                for i, p in enumerate(PROMPTS[:4])]
+    requests = _greedy(tiny_target, PROMPTS[:4], 24,
+                       speculation=SpeculationParams(drafter="model"))
     sizes = _spy_on_draft_passes(draft, monkeypatch, fail_batches)
-    engine = _engine(tiny_target, {"ngram": NgramDrafter(), "model": drafter})
-    try:
-        streams = [engine.submit(r) for r in requests]
-        results = [list(s) for s in streams]
-    finally:
-        engine.shutdown()
+    results = _serve(tiny_target, {"ngram": NgramDrafter(), "model": drafter}, requests)
     monkeypatch.undo()
     assert max(sizes) > 1, "the streams' draft steps never shared a pass"
     if fail_batches:
@@ -426,14 +429,8 @@ def test_batched_greedy_on_cuda_matches_each_sequence_alone(tiny_target_dir: obj
     engine produce what each produces alone."""
     target = BatchedLM.load(str(tiny_target_dir), dtype="float32", device="cuda")
     assert target.batched
-    requests = [GenerationRequest(prompt_ids=_ids(target, p), max_new_tokens=24,
-                                  sampling=GREEDY, request_id=str(i))
-                for i, p in enumerate(PROMPTS)]
-    engine = _engine(target, {"ngram": NgramDrafter()})
-    try:
-        results = [list(s) for s in [engine.submit(r) for r in requests]]
-    finally:
-        engine.shutdown()
+    requests = _greedy(target, PROMPTS, 24)
+    results = _serve(target, {"ngram": NgramDrafter()}, requests)
     for request, events in zip(requests, results, strict=True):
         assert _tokens(events) == _alone(target, NgramDrafter(), request)
 
@@ -456,26 +453,16 @@ def test_one_stream_weighs_whole_drafts_past_the_one_token_jump() -> None:
 def test_admission_waits_for_kv_room(tiny_target: BatchedLM) -> None:
     """With a KV budget for one request at a time, a second waits for the first to end
     (rather than growing the cache past the budget), then completes unchanged."""
-    requests = [GenerationRequest(prompt_ids=_ids(tiny_target, p), max_new_tokens=16,
-                                  sampling=GREEDY, request_id=str(i))
-                for i, p in enumerate(PROMPTS[:2])]
+    requests = _greedy(tiny_target, PROMPTS[:2], 16)
     positions = max(len(r.prompt_ids) + r.max_new_tokens + 1 for r in requests)
     one = tiny_target.kv_bytes(1, positions)
     assert tiny_target.kv_bytes(2, positions) == one  # both fit the first rows...
     budget = one - 1  # ...so the budget is set just under them
-    engine = _engine(tiny_target, {"ngram": NgramDrafter()}, max_kv_bytes=budget)
-    try:
-        results = [list(s) for s in [engine.submit(r) for r in requests]]
-    finally:
-        engine.shutdown()
+    results = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=budget)
     for request, events in zip(requests, results, strict=True):
         assert _tokens(events) == _alone(tiny_target, NgramDrafter(), request)
         assert all(e.batch_size == 1 for e in events)  # never ran together
-    engine = _engine(tiny_target, {"ngram": NgramDrafter()}, max_kv_bytes=2 * one)
-    try:
-        together = [list(s) for s in [engine.submit(r) for r in requests]]
-    finally:
-        engine.shutdown()
+    together = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=2 * one)
     assert any(e.batch_size == 2 for e in together[0])
 
 
