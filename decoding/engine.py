@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.drafters.base import Drafter, DraftProposal, propose_many
+from decoding.drafters.base import Drafter, DraftProposal, propose_many, warm_up
 from decoding.policy import SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
 from decoding.sequence import ContextOverflowError, RoundPlan, SequenceDecoder
@@ -225,9 +225,7 @@ class Engine:
 
         self.target.warmup()
         for loaded in self.drafters.values():
-            prepare = getattr(loaded, "warmup", None)
-            if prepare is not None:
-                prepare()
+            warm_up(loaded)
         ids = tuple(self.target.tokenizer.encode("Hello, world. Hello, world.")) or (0,)
         for drafter in [None, *self.drafters.values()]:
             request = GenerationRequest(prompt_ids=ids, max_new_tokens=4,

@@ -60,3 +60,10 @@ def propose_many(drafter: Drafter, states: Sequence[Any], contexts: Sequence[Dra
     if together is not None:
         return list(together(states, contexts, ks))
     return [drafter.propose(s, c, k) for s, c, k in zip(states, contexts, ks, strict=True)]
+
+
+def warm_up(part: object) -> None:
+    """Let a drafter or draft model prepare its kernels, where it has a ``warmup``."""
+    prepare = getattr(part, "warmup", None)
+    if prepare is not None:
+        prepare()

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.drafters.base import DraftContext, Drafter, DraftProposal, propose_many
+from decoding.drafters.base import DraftContext, Drafter, DraftProposal, propose_many, warm_up
 
 # The model must keep this many more tokens per proposal than lookup before it takes
 # a round that lookup could have drafted for free (a draft token costs the model about
@@ -58,9 +58,7 @@ class CombinedDrafter:
 
     def warmup(self) -> None:
         for drafter in self._all():
-            prepare = getattr(drafter, "warmup", None)
-            if prepare is not None:
-                prepare()
+            warm_up(drafter)
 
     def propose(self, state: CombinedState, context: DraftContext, k: int) -> DraftProposal:
         return self.propose_many([state], [context], [k])[0]

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from decoding.drafters.base import DraftContext, DraftProposal
+from decoding.drafters.base import DraftContext, DraftProposal, warm_up
 from decoding.sampling import logits_to_probs
 from decoding.target import BatchItem, CausalLM, check_same_vocabulary
 
@@ -53,9 +53,7 @@ class ModelDrafter:
     def warmup(self) -> None:
         """Let the model prepare its kernels (a batched PyTorch model builds one per
         pass size) before the first request needs them."""
-        prepare = getattr(self.model, "warmup", None)
-        if prepare is not None:
-            prepare()
+        warm_up(self.model)
 
     def propose(self, state: ModelDraftState, context: DraftContext, k: int) -> DraftProposal:
         return self.propose_many([state], [context], [k])[0]
