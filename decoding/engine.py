@@ -25,10 +25,11 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from decoding.drafters.base import Drafter, DraftProposal, propose_many, warm_up
-from decoding.policy import SpeculationPrior, StepCost, plan_batch
+from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
 from decoding.sequence import ContextOverflowError, RoundPlan, SequenceDecoder
 from decoding.target import CausalLM
@@ -138,7 +139,8 @@ class Engine:
         # request is always admitted when none runs)
         self.max_kv_bytes = max_kv_bytes
         self.step_cost = StepCost()
-        self._priors: dict[str, SpeculationPrior] = {}  # per drafter, from finished requests
+        # per drafter and draft source, from finished requests
+        self._priors: dict[tuple[str, str], SpeculationPrior] = {}
         self.forward_passes = 0
         self.prefix_cache = prefix_cache
         self.info = dict(info or {})  # descriptive facts for clients (e.g. the draft backend)
@@ -282,6 +284,7 @@ class Engine:
                 if plan is not None:
                     self._forward([(active, plan)], observe=False)
             return
+        decoding = [a for a in decoding if self._choose_source(a)]
         if decoding:
             ks = self._draft_lengths(decoding)
             lengths = [a.decoder.draft_length(k) for a, k in zip(decoding, ks, strict=True)]
@@ -304,6 +307,18 @@ class Engine:
         if stream.started_at is None:
             stream.started_at = time.monotonic()
         return True
+
+    def _choose_source(self, active: _Active) -> bool:
+        """Which source drafts the request's next round; False when the drafter failed
+        (the request ends, the others go on)."""
+        try:
+            active.decoder.choose_source()
+            return True
+        except Exception:
+            log.exception("drafting failed in request %s", active.stream.request.request_id)
+            self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
+                                              "the model failed"))
+            return False
 
     def _draft_lengths(self, decoding: list[_Active]) -> list[int | None]:
         """Per sequence: its own policy's k, or (batch planning) k chosen for the batch."""
@@ -420,10 +435,9 @@ class Engine:
                 continue
             try:
                 drafter = self.drafters[stream.drafter] if stream.drafter else None
-                prior = self._priors.setdefault(stream.drafter or "", SpeculationPrior())
                 decoder = SequenceDecoder(self.target, drafter, stream.request,
-                                          policy=prior.new_policy(),
-                                          prefix_cache=self.prefix_cache)
+                                          prefix_cache=self.prefix_cache,
+                                          new_policy=partial(self._new_policy, stream.drafter))
             except Exception as exc:  # invalid for this model: fail this request only
                 log.exception("request %s could not start", stream.request.request_id)
                 self._fail(stream, str(exc))
@@ -433,6 +447,14 @@ class Engine:
             self._active.append(_Active(stream, decoder, deadline,
                                         self._positions(stream.request)))
             self._fit_kv()
+
+    def _prior(self, drafter: str, source: str) -> SpeculationPrior:
+        return self._priors.setdefault((drafter, source), SpeculationPrior())
+
+    def _new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:
+        """A new request's policy for one of its drafter's sources, from what earlier
+        requests measured of it."""
+        return self._prior(drafter or "", source).new_policy()
 
     def _positions(self, request: GenerationRequest) -> int:
         prompt = len(request.prompt_ids)
@@ -455,7 +477,8 @@ class Engine:
     def _finish(self, active: _Active, last: RoundEvent | None) -> None:
         active.decoder.close()
         if active.stream.drafter is not None:
-            self._priors[active.stream.drafter].observe(active.decoder.policy)
+            for source, policy in active.decoder.policies.items():
+                self._prior(active.stream.drafter, source).observe(policy)
         with self._lock:  # free the slot before the client can see the end
             if active in self._active:
                 self._active.remove(active)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from decoding.drafters.base import DraftContext, Drafter, DraftProposal
+from decoding.drafters.base import DraftContext, Drafter, DraftProposal, draft_source
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
@@ -49,6 +49,7 @@ class RoundPlan:
     proposal: DraftProposal | None = None
     started: float = 0.0
     draft_s: float = 0.0
+    policy: AdaptiveSpeculation | None = None  # the draft source's policy, told the outcome
 
 
 class ContextOverflowError(ValueError):
@@ -63,7 +64,10 @@ class SequenceDecoder:
         request: GenerationRequest,
         policy: AdaptiveSpeculation | None = None,
         prefix_cache: PrefixCache | None = None,
+        new_policy: Callable[[str], AdaptiveSpeculation] | None = None,
     ) -> None:
+        """``policy``: one draft-length policy for every source of the drafter; else
+        each source gets its own from ``new_policy(source)`` (default: a fresh one)."""
         prompt_len = len(request.prompt_ids)
         if prompt_len >= target.max_context:
             raise ContextOverflowError(
@@ -73,10 +77,11 @@ class SequenceDecoder:
         self.request = request
         self.params = request.sampling
         self.drafter = drafter if request.speculation.enabled else None
-        cap = request.speculation.max_draft_tokens
-        self.policy = policy or AdaptiveSpeculation()
-        if cap is not None:
-            self.policy.max_tokens = min(self.policy.max_tokens, cap)
+        self._shared_policy = policy
+        self._new_policy = new_policy
+        self.policies: dict[str, AdaptiveSpeculation] = {}  # by draft source
+        self.source = ""  # the source that drafts the next round
+        self._source_round = -1  # the round it was chosen for
         self.generator = None if self.params.greedy else make_generator(
             self.params.seed, target.device)
         self.stop_ids = target.eos_token_ids | frozenset(request.stop_token_ids)
@@ -99,6 +104,27 @@ class SequenceDecoder:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def policy(self) -> AdaptiveSpeculation:
+        """The draft-length policy of the source that drafts the next round."""
+        policy = self.policies.get(self.source)
+        if policy is None:
+            policy = self._shared_policy or (
+                self._new_policy(self.source) if self._new_policy else AdaptiveSpeculation())
+            cap = self.request.speculation.max_draft_tokens
+            if cap is not None:
+                policy.max_tokens = min(policy.max_tokens, cap)
+            self.policies[self.source] = policy
+        return policy
+
+    def choose_source(self) -> None:
+        """Let the drafter say which of its sources drafts the next round (once per
+        round); ``policy`` is then that source's."""
+        if self.drafter is None or self.rounds == 0 or self._source_round == self.rounds:
+            return
+        self.source = draft_source(self.drafter, self.draft_state, self.draft_context())
+        self._source_round = self.rounds
 
     def step(self) -> RoundEvent:
         """Run one round and describe what it committed (the whole prompt's prefill is
@@ -142,7 +168,8 @@ class SequenceDecoder:
         draft = list(proposal.tokens[: max(0, remaining - 1)])
         tokens = [self.tokens[-1], *draft]  # the pending token, then the drafts
         return RoundPlan(BatchItem(self.state, tokens, len(tokens)), draft=draft,
-                         proposal=proposal, started=start, draft_s=draft_s)
+                         proposal=proposal, started=start, draft_s=draft_s,
+                         policy=self.policy)
 
     def draft_length(self, k: int | None = None) -> int:
         """How many tokens to draft next round: ``k`` (``None``: the policy's choice),
@@ -151,6 +178,7 @@ class SequenceDecoder:
         if self.drafter is None:
             return 0
         if k is None:
+            self.choose_source()
             k = self.policy.next_k(remaining - 1)
         return max(0, min(k, remaining - 1))
 
@@ -180,7 +208,8 @@ class SequenceDecoder:
         # The cache holds pending + drafts; keep pending + the accepted drafts.
         self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
         timing = RoundTiming(plan.draft_s, verify_s, 0.0)
-        self.policy.update(len(draft), verdict.accepted, timing.draft_s, timing.verify_s)
+        if plan.policy is not None:
+            plan.policy.update(len(draft), verdict.accepted, timing.draft_s, timing.verify_s)
         return self._commit(verdict.committed(draft), len(draft), verdict.accepted, logits,
                             timing, plan.started)
 
@@ -303,6 +332,7 @@ class SequenceDecoder:
             prompt_tokens=len(self.request.prompt_ids),
             completion_tokens=len(self.output),
             cached_tokens=self.cached_tokens if self.rounds == 1 else 0,
+            draft_source=(self.source or getattr(self.drafter, "name", "")) if drafted else "",
         )
 
     def _logprobs(self, new: list[int], logits: torch.Tensor) -> tuple[TokenLogprob, ...]:

@@ -120,6 +120,7 @@ class RoundEvent:
     completion_tokens: int = 0  # committed so far, this round included
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first round)
     batch_size: int = 1  # sequences in the forward pass that verified this round
+    draft_source: str = ""  # which of a combined drafter's sources drafted ("lookup", "model")
     error: str | None = None  # set only with FinishReason.ERROR; safe to show
 
     @property

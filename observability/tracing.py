@@ -95,6 +95,7 @@ class RequestSpan:
                 "specserve.round.draft_ms": t.draft_s * 1000,
                 "specserve.round.verify_ms": t.verify_s * 1000,
                 "specserve.round.drafter": drafter or "none",
+                "specserve.round.draft_source": event.draft_source or "none",
                 "specserve.round.cached_tokens": event.cached_tokens,
                 "specserve.round.batch_size": event.batch_size,
             },

@@ -14,6 +14,7 @@ import torch
 from decoding.batched import BatchedLM
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
+from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
 from decoding.policy import AdaptiveSpeculation, StepCost, plan_batch
 from decoding.prompting import encode_text
@@ -157,7 +158,8 @@ def _greedy(target: CausalLM, prompts: list[str], max_new_tokens: int,
 
 @pytest.fixture()
 def drafters(tiny_target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
-    return {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_draft, tiny_target)}
+    return {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_draft, tiny_target),
+            "ngram+model": CombinedDrafter([NgramDrafter()], ModelDrafter(tiny_draft, tiny_target))}
 
 
 def _mixed_requests(target: CausalLM) -> list[GenerationRequest]:
@@ -168,7 +170,7 @@ def _mixed_requests(target: CausalLM) -> list[GenerationRequest]:
         requests.append(GenerationRequest(
             prompt_ids=_ids(target, prompt), max_new_tokens=(5, 40, 17, 33, 9, 26)[i],
             sampling=GREEDY, request_id=f"greedy-{i}",
-            speculation=SpeculationParams(drafter=("ngram", "model", None)[i % 3],
+            speculation=SpeculationParams(drafter=("ngram", "model", "ngram+model", None)[i % 4],
                                           enabled=i != 5)))
     requests.append(GenerationRequest(
         prompt_ids=_ids(target, PROMPTS[0]), max_new_tokens=30, request_id="penalties",

@@ -9,8 +9,10 @@ from decoding.batched import BatchedLM
 from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
 from decoding.drafters.base import DraftProposal
 from decoding.drafters.combined import CombinedDrafter
+from decoding.prompting import encode_text
+from decoding.sequence import SequenceDecoder, decode
 from decoding.target import CausalLM, TokenizerMismatchError
-from decoding.types import SamplingParams
+from decoding.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -140,3 +142,45 @@ def test_combined_keeps_lookup_when_it_is_right() -> None:
     combined = CombinedDrafter([lookup], model)
     assert _rounds(combined, truth, 10) == [tuple(truth[n : n + 3]) for n in range(1, 11)]
     assert model.calls == 0, "a model is not run while free lookup proposals are right"
+
+
+class _Sometimes(_Scripted):
+    """Right, but finds something only in the first half of every ten positions (as
+    lookup finds a passage to copy now and then)."""
+
+    def propose(self, state: None, context: DraftContext, k: int) -> DraftProposal:
+        if len(context.token_ids) % 10 >= 5:
+            self.calls += 1
+            return DraftProposal.empty()
+        return super().propose(state, context, k)
+
+
+def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> None:
+    """Lookup, always right where it finds something, drafts long runs although the
+    model it alternates with is always wrong: the model's rejections shorten (and stop)
+    the model's drafts only. Output stays the target's own."""
+    prompt = tuple(encode_text(tiny_target.tokenizer, "Hello"))
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=120, sampling=GREEDY)
+    plain = [t for event in decode(tiny_target, None, request) for t in event.token_ids]
+    truth = [*prompt, *plain]
+    lookup = _Sometimes("lookup", truth, wrong_first=False)
+    model = _Scripted("model", truth, wrong_first=True)
+    combined = CombinedDrafter([lookup], model)
+    decoder = SequenceDecoder(tiny_target, combined, request)
+    rounds = []
+    while not decoder.finished:
+        event = decoder.step()
+        rounds.append((decoder.source, event))
+    assert [t for _, event in rounds for t in event.token_ids] == plain
+    assert set(decoder.policies) == {"lookup", "model"}
+    later = rounds[len(rounds) // 2 :]
+    assert max(e.draft_tokens for source, e in later if source == "lookup") >= 4, \
+        "lookup's drafts were cut short by the model's rejections"
+    assert max(e.draft_tokens for source, e in later if source == "model") <= 1, \
+        "the model kept drafting long runs on lookup's record"
+    assert decoder.policies["lookup"].alpha > 0.9
+    assert decoder.policies["model"].alpha < 0.5
+    assert decoder.policies["model"].best_k() == 0, "the model's drafts stop paying"
+    assert all(e.accepted_tokens == e.draft_tokens for s, e in rounds if s == "lookup")
+    # the source was chosen before the round's length, and lookup proposed once per round
+    assert lookup.calls == len(rounds) - 1

@@ -62,6 +62,17 @@ def propose_many(drafter: Drafter, states: Sequence[Any], contexts: Sequence[Dra
     return [drafter.propose(s, c, k) for s, c, k in zip(states, contexts, ks, strict=True)]
 
 
+def draft_source(drafter: Drafter, state: Any, context: DraftContext) -> str:
+    """Which of the drafter's sources drafts the next round ("" for a drafter with one).
+
+    A drafter that combines sources (lookup, a model) names the one it will use
+    before the round's length is chosen, so that each source gets a length policy
+    of its own: a source whose drafts are often rejected must not shorten the long,
+    free runs of another."""
+    choose = getattr(drafter, "source", None)
+    return str(choose(state, context)) if choose is not None else ""
+
+
 def warm_up(part: object) -> None:
     """Let a drafter or draft model prepare its kernels, where it has a ``warmup``."""
     prepare = getattr(part, "warmup", None)

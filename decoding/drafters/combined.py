@@ -9,6 +9,11 @@ tokens each source gets kept per proposal are averaged per request, starting fro
 what earlier requests measured (a model not yet measured is tried once lookup keeps
 less than a token). Grounded text, where lookup copies long runs, keeps lookup in
 charge; chat, where lookup matches are mostly coincidence, goes to the model.
+
+Which source drafts a round is decided before its length (``source()``): lookup
+and the model are right in different runs and cost different amounts, so the
+sequence keeps a draft-length policy for each. Lookup's proposal is made once per
+round, as long as any policy may ask for, and cut to the length chosen.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal, propose_many, warm_up
+from decoding.policy import MAX_DRAFT_TOKENS
 
 # The model must keep this many more tokens per proposal than lookup before it takes
 # a round that lookup could have drafted for free (a draft token costs the model about
@@ -28,6 +34,7 @@ REQUEST_RATE = 0.25  # weight of the newest outcome in a request's estimate
 PRIOR_RATE = 0.05  # ... and in the estimate new requests start from
 
 CHEAP, MODEL = 0, 1
+SOURCES = ("lookup", "model")  # names of the sources, as the decoder's policies know them
 
 
 @dataclass
@@ -37,11 +44,19 @@ class _Proposed:
     source: int  # CHEAP or MODEL
 
 
+@dataclass(frozen=True)
+class _Round:
+    length: int  # committed tokens when it was decided
+    lookup: DraftProposal  # the longest cheap proposal, MAX_DRAFT_TOKENS long at most
+    source: int  # CHEAP or MODEL
+
+
 @dataclass
 class CombinedState:
     parts: list[Any]  # each drafter's own state
     kept: list[float | None]  # per source: tokens the target kept per proposal
     pending: list[_Proposed] = field(default_factory=list)  # scored on the next call
+    round: _Round | None = None  # this round's decision, once made
 
 
 class CombinedDrafter:
@@ -60,26 +75,28 @@ class CombinedDrafter:
         for drafter in self._all():
             warm_up(drafter)
 
+    def source(self, state: CombinedState, context: DraftContext) -> str:
+        """Which source drafts the next round: "lookup" or "model"."""
+        return SOURCES[self._round(state, context).source]
+
     def propose(self, state: CombinedState, context: DraftContext, k: int) -> DraftProposal:
         return self.propose_many([state], [context], [k])[0]
 
     def propose_many(self, states: Sequence[CombinedState], contexts: Sequence[DraftContext],
                      ks: Sequence[int]) -> list[DraftProposal]:
-        """Lookup for each sequence, then the model for those that need it, together."""
+        """Lookup's proposal for the sequences it drafts, the model's for the others
+        (those steps run together)."""
         chosen: list[DraftProposal] = []
         for_model: list[int] = []
         for i, (state, context, k) in enumerate(zip(states, contexts, ks, strict=True)):
-            self._score(state, context.token_ids)
-            best = DraftProposal.empty()
-            for drafter, sub in zip(self.cheap, state.parts, strict=False):
-                proposal = drafter.propose(sub, context, k)
-                if len(proposal.tokens) > len(best.tokens):
-                    best = proposal
-            if best.tokens:
-                state.pending.append(_Proposed(len(context.token_ids), best.tokens, CHEAP))
-            chosen.append(best)
-            if self.model is not None and k > 0 and (not best.tokens or self._model_leads(state)):
+            decided = self._round(state, context)
+            lookup = DraftProposal(decided.lookup.tokens[: max(k, 1)])
+            if lookup.tokens:  # scored even when unused: it costs nothing
+                state.pending.append(_Proposed(decided.length, lookup.tokens, CHEAP))
+            if decided.source == MODEL and k > 0:
                 for_model.append(i)
+            chosen.append(DraftProposal(lookup.tokens[:k]) if decided.source == CHEAP
+                          else DraftProposal.empty())
         if self.model is not None and for_model:
             proposals = propose_many(self.model, [states[i].parts[-1] for i in for_model],
                                      [contexts[i] for i in for_model], [ks[i] for i in for_model])
@@ -90,6 +107,22 @@ class CombinedDrafter:
                         _Proposed(len(contexts[i].token_ids), proposal.tokens, MODEL))
         return chosen
 
+    def _round(self, state: CombinedState, context: DraftContext) -> _Round:
+        """This round's lookup proposal and source, decided once (committed tokens only
+        grow, so their count tells rounds apart)."""
+        length = len(context.token_ids)
+        if state.round is not None and state.round.length == length:
+            return state.round
+        self._score(state, context.token_ids)
+        best = DraftProposal.empty()
+        for drafter, sub in zip(self.cheap, state.parts, strict=False):
+            proposal = drafter.propose(sub, context, MAX_DRAFT_TOKENS)
+            if len(proposal.tokens) > len(best.tokens):
+                best = proposal
+        use_model = self.model is not None and (not best.tokens or self._model_leads(state))
+        state.round = _Round(length, best, MODEL if use_model else CHEAP)
+        return state.round
+
     def rollback(self, state: CombinedState, length: int) -> None:
         for drafter, sub in zip(self._all(), state.parts, strict=True):
             drafter.rollback(sub, length)
@@ -98,6 +131,7 @@ class CombinedDrafter:
         for drafter, sub in zip(self._all(), state.parts, strict=True):
             drafter.release(sub)
         state.pending.clear()
+        state.round = None
 
     def _model_leads(self, state: CombinedState) -> bool:
         cheap, model = state.kept

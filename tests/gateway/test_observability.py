@@ -140,8 +140,13 @@ async def test_one_span_per_request_and_one_child_per_round(tiny_engine: Engine)
     first = dict(children[0].attributes or {})
     for key in ("specserve.round.index", "specserve.round.draft_tokens",
                 "specserve.round.accepted_tokens", "specserve.round.draft_ms",
-                "specserve.round.verify_ms", "specserve.round.drafter"):
+                "specserve.round.verify_ms", "specserve.round.drafter",
+                "specserve.round.draft_source"):
         assert key in first
+    for span in children:  # a single drafter is its own source; a plain round has none
+        a = dict(span.attributes or {})
+        source = a["specserve.round.drafter"] if a["specserve.round.draft_tokens"] else "none"
+        assert a["specserve.round.draft_source"] == source
 
 
 async def test_one_json_log_line_per_request(tiny_engine: Engine,
