@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 NO_DRAFT = "none"
 NGRAM = "ngram"
 CACHE = "cache"
+AUTO = "auto"  # lookup, plus the shipped draft model where it fits the target
 
 
 def load_target(spec: str = "default", dtype: str = "float32", device: str = "cpu") -> CausalLM:
@@ -59,6 +60,16 @@ def load_drafter(
     if len(cheap) + (model is not None) == 1:
         return cheap[0] if cheap else model
     return CombinedDrafter(cheap, model)
+
+
+def auto_draft(target: CausalLM, prefix_cache: bool) -> str:
+    """What ``auto`` means for ``target``: n-gram lookup and (with a prefix cache)
+    continuation drafts, plus the draft shipped for the default model when ``target``
+    is the model it was made for (a draft refuses any other)."""
+    parts = [NGRAM, *([CACHE] if prefix_cache else [])]
+    if distilled.default_draft_fits(target):
+        parts.append(distilled.DEFAULT_DRAFT)
+    return "+".join(parts)
 
 
 def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32") -> ModelDrafter:

@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     metrics_port: int = Field(default=9100, ge=0, le=65535)
     target: str = "default"
-    draft: str = "ngram+cache"
+    draft: str = "auto"
     draft_backend: Literal["auto", "torch", "onnx", "tensorrt"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int | None = Field(default=None, ge=1)
@@ -77,15 +77,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _draft_without_cache(self) -> Settings:
-        """The default draft includes the continuation cache; without a prefix cache it
-        goes without it. A draft that names ``cache`` explicitly is refused instead."""
+        """A draft that names ``cache`` needs the prefix cache (``auto`` leaves the
+        continuation drafts out by itself when the cache is off)."""
         parts = [p.strip() for p in self.draft.split("+") if p.strip()]
-        if self.prefix_cache or CACHE_DRAFT not in parts:
-            return self
-        if "draft" in self.model_fields_set:
+        if not self.prefix_cache and CACHE_DRAFT in parts:
             raise ValueError(f"the draft {self.draft!r} uses the prefix cache, which is "
                              "disabled; leave 'cache' out of the draft or enable the cache")
-        self.draft = "+".join(p for p in parts if p != CACHE_DRAFT) or "none"
         return self
 
     @field_validator("log_level", mode="before")
@@ -124,9 +121,11 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                         "help": "Prometheus metrics port (SPECSERVE_METRICS_PORT, default 9100)"}),
     ("--target", {"help": "target model: 'default', a model directory or a hub id "
                           "(SPECSERVE_TARGET)"}),
-    ("--draft", {"help": "'none', 'ngram', 'cache' (continuations), a draft model directory "
-                         "sharing the target's tokenizer, or several joined by '+' "
-                         "(SPECSERVE_DRAFT, default ngram+cache)"}),
+    ("--draft", {"help": "'auto' (n-gram lookup, continuations when the prefix cache is on, "
+                         "and for the default target its shipped draft model), 'none', "
+                         "'ngram', 'cache' (continuations), 'default-draft', a draft model "
+                         "directory sharing the target's tokenizer, or several joined by '+' "
+                         "(SPECSERVE_DRAFT, default auto)"}),
     ("--draft-backend", {"choices": ["auto", "torch", "onnx", "tensorrt"],
                          "help": "where a draft model runs: auto (TensorRT with a GPU, else ONNX "
                                  "Runtime when an export exists, else PyTorch) "

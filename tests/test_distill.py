@@ -13,7 +13,7 @@ from decoding.distill.data import HELD_OUT_NAME, existing_shards, load_shard
 from decoding.distill.train import CHECKPOINT_NAME, collate, loss_and_hits, subset_index
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import load_drafter
+from decoding.factory import auto_draft, load_drafter
 from decoding.sequence import decode
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
@@ -159,3 +159,11 @@ def test_the_shipped_default_draft_is_small_and_lossless(default_target: CausalL
     plain = [t for e in decode(default_target, None, _request(prompt, 32)) for t in e.token_ids]
     spec = [t for e in decode(default_target, drafter, _request(prompt, 32)) for t in e.token_ids]
     assert spec == plain
+
+
+def test_auto_adds_the_shipped_draft_only_for_the_target_it_fits(
+        default_target: CausalLM, tiny_target: CausalLM) -> None:
+    assert auto_draft(default_target, prefix_cache=True) == \
+        f"ngram+cache+{distilled.DEFAULT_DRAFT}"
+    assert auto_draft(default_target, prefix_cache=False) == f"ngram+{distilled.DEFAULT_DRAFT}"
+    assert auto_draft(tiny_target, prefix_cache=True) == "ngram+cache"

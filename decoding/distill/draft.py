@@ -111,6 +111,15 @@ def resolve_draft_dir(spec: str) -> Path | None:
     return Path(spec).expanduser() if is_draft_dir(spec) else None
 
 
+def default_draft_fits(target: CausalLM) -> bool:
+    """Whether the draft shipped for the default model was made for ``target``."""
+    try:
+        check_target(DraftInfo.load(DEFAULT_DRAFT_DIR), target.model, DEFAULT_DRAFT_DIR)
+    except DraftFormatError:
+        return False
+    return True
+
+
 def target_identity(target_model: Any, name: str) -> dict[str, Any]:
     embed = target_model.get_input_embeddings().weight
     probe = embed[:PROBE_ROWS].float().norm(dim=-1)  # [PROBE_ROWS]

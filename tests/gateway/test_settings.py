@@ -22,7 +22,7 @@ def test_defaults() -> None:
     settings = Settings()
     assert (settings.host, settings.port, settings.metrics_port) == ("0.0.0.0", 8000, 9100)
     assert (settings.target, settings.dtype) == ("default", "float32")
-    assert settings.draft == "ngram+cache"
+    assert settings.draft == "auto"
     assert settings.prefix_cache and settings.redis_url is None
     assert settings.api_keys == [] and settings.cors_origins == []
     assert settings.shutdown_timeout == 30

@@ -19,6 +19,8 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from decoding.target import CausalLM
+from gateway.server import build_drafters
 from gateway.settings import Settings
 from tests.conftest import RedisServer
 from tests.reliability.conftest import Measure
@@ -185,10 +187,12 @@ def test_redis_faults_under_load(servers: tuple[ServeProcess, ServeProcess],
     cached.assert_clean_log()
 
 
-def test_no_prefix_cache_keeps_the_default_draft_usable() -> None:
-    """Regression: ``serve --no-prefix-cache`` with the default draft (ngram+cache)
-    failed to load ("the 'cache' drafter needs the prefix cache")."""
-    assert Settings(prefix_cache=False).draft == "ngram"
+def test_no_prefix_cache_keeps_the_default_draft_usable(tiny_target: CausalLM) -> None:
+    """Regression: ``serve --no-prefix-cache`` with the default draft failed to load
+    ("the 'cache' drafter needs the prefix cache")."""
+    drafters, default, backend = build_drafters(Settings(prefix_cache=False), tiny_target, None)
+    assert "cache" not in drafters
+    assert default == "ngram" and backend == "builtin"  # the shipped draft fits no tiny target
     assert Settings(prefix_cache=False, draft="ngram+draft-model").draft == "ngram+draft-model"
     with pytest.raises(ValidationError, match="uses the prefix cache"):
         Settings(prefix_cache=False, draft="ngram+cache")
