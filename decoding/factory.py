@@ -38,7 +38,9 @@ def load_drafter(
     """Parse a draft spec: ``none``, ``ngram``, ``cache``, a model (path or hub id),
     or several joined by ``+`` (e.g. ``ngram+cache``): the longest lookup proposal
     wins, and a model draft runs when lookup found nothing or has lately been right
-    less often than the model (``CombinedDrafter``)."""
+    less often than the model (``CombinedDrafter``); or ``auto`` (``auto_draft``)."""
+    if spec == AUTO:
+        spec = auto_draft(target, prefix_cache=prefix_cache is not None)
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts or parts == [NO_DRAFT]:
         return None

@@ -96,11 +96,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "ngram") -> None:
+def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto") -> None:
     p.add_argument("--target", default="default", help="model directory, hub id or 'default'")
     p.add_argument("--draft", default=draft_default,
-                   help="'none', 'ngram', a draft model directory (same tokenizer), "
-                        "'default-truncated:N', or an export directory")
+                   help="'auto' (n-gram lookup, plus the shipped draft model for the default "
+                        "target), 'none', 'ngram', 'default-draft', a draft model directory "
+                        "(same tokenizer), 'default-truncated:N', an export directory, or "
+                        "several joined by '+'")
     p.add_argument("--draft-backend", default="auto", choices=BACKENDS,
                    help="where a draft model runs: auto (TensorRT with a GPU, else ONNX "
                         "Runtime when an export exists, else PyTorch), torch, onnx, tensorrt")

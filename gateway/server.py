@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from decoding import model_store
 from decoding.drafters.base import Drafter
 from decoding.engine import Engine
-from decoding.factory import AUTO, CACHE, NGRAM, NO_DRAFT, auto_draft, load_drafter, load_target
+from decoding.factory import CACHE, NGRAM, NO_DRAFT, load_drafter, load_target
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import CausalLM
 from gateway.errors import install_error_handlers
@@ -81,11 +81,8 @@ def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | No
         drafters[drafter.name] = drafter
     if settings.draft == NO_DRAFT:
         return drafters, None, "none"
-    spec = settings.draft
-    if spec == AUTO:
-        spec = auto_draft(target, prefix_cache=cache is not None)
-        log.info("draft auto: %s", spec)
-    default, backend = load_draft(spec, target, settings.draft_backend, settings.dtype, cache)
+    default, backend = load_draft(settings.draft, target, settings.draft_backend,
+                                  settings.dtype, cache)
     assert default is not None
     drafters.setdefault(default.name, default)
     log.info("default drafter %s (draft backend: %s)", default.name, backend)

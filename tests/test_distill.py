@@ -167,3 +167,4 @@ def test_auto_adds_the_shipped_draft_only_for_the_target_it_fits(
         f"ngram+cache+{distilled.DEFAULT_DRAFT}"
     assert auto_draft(default_target, prefix_cache=False) == f"ngram+{distilled.DEFAULT_DRAFT}"
     assert auto_draft(tiny_target, prefix_cache=True) == "ngram+cache"
+    assert load_drafter("auto", tiny_target).name == "ngram"  # type: ignore[union-attr]

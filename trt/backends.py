@@ -23,7 +23,15 @@ from pathlib import Path
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import CACHE, NGRAM, NO_DRAFT, load_drafter, load_model_drafter
+from decoding.factory import (
+    AUTO,
+    CACHE,
+    NGRAM,
+    NO_DRAFT,
+    auto_draft,
+    load_drafter,
+    load_model_drafter,
+)
 from decoding.prefix_cache import PrefixCache
 from decoding.target import CausalLM
 from trt import store
@@ -68,9 +76,13 @@ def load_draft(
     """The drafter for ``spec`` with its model on ``backend``, and the backend chosen.
 
     ``spec`` is what ``decoding.factory.load_drafter`` takes (``none``, ``ngram``,
-    ``cache``, a draft model, or several joined by ``+``); only the model part runs
-    on the backend. The chosen backend is ``none``/``builtin`` when no model runs.
+    ``cache``, a draft model, or several joined by ``+``), or ``auto`` (see
+    ``decoding.factory.auto_draft``); only the model part runs on the backend. The
+    chosen backend is ``none``/``builtin`` when no model runs.
     """
+    if spec == AUTO:
+        spec = auto_draft(target, prefix_cache=prefix_cache is not None)
+        log.info("draft auto: %s", spec)
     try:
         choice = DraftBackend(backend)
     except ValueError:
