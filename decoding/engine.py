@@ -315,9 +315,7 @@ class Engine:
             active.decoder.choose_source()
             return True
         except Exception:
-            log.exception("drafting failed in request %s", active.stream.request.request_id)
-            self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
-                                              "the model failed"))
+            self._drafting_failed(active)
             return False
 
     def _draft_lengths(self, decoding: list[_Active]) -> list[int | None]:
@@ -365,10 +363,14 @@ class Engine:
         try:
             return active.decoder.plan(k=k, prefill_chunk=prefill_chunk, drafted=drafted)
         except Exception:
-            log.exception("drafting failed in request %s", active.stream.request.request_id)
-            self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
-                                              "the model failed"))
+            self._drafting_failed(active)
             return None
+
+    def _drafting_failed(self, active: _Active) -> None:
+        """End the request whose drafter (or planning) just raised; the others go on."""
+        log.exception("drafting failed in request %s", active.stream.request.request_id)
+        self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
+                                          "the model failed"))
 
     def _forward(self, plans: list[tuple[_Active, RoundPlan]], observe: bool) -> None:
         """Run the planned rounds in one forward pass and hand out their events. When

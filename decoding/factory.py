@@ -39,8 +39,7 @@ def load_drafter(
     or several joined by ``+`` (e.g. ``ngram+cache``): the longest lookup proposal
     wins, and a model draft runs when lookup found nothing or has lately been right
     less often than the model (``CombinedDrafter``); or ``auto`` (``auto_draft``)."""
-    if spec == AUTO:
-        spec = auto_draft(target, prefix_cache=prefix_cache is not None)
+    spec = resolve_auto(spec, target, prefix_cache)
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts or parts == [NO_DRAFT]:
         return None
@@ -62,6 +61,15 @@ def load_drafter(
     if len(cheap) + (model is not None) == 1:
         return cheap[0] if cheap else model
     return CombinedDrafter(cheap, model)
+
+
+def resolve_auto(spec: str, target: CausalLM, prefix_cache: PrefixCache | None) -> str:
+    """``spec``, with ``auto`` replaced by what it means for ``target``."""
+    if spec != AUTO:
+        return spec
+    resolved = auto_draft(target, prefix_cache=prefix_cache is not None)
+    log.info("draft auto: %s", resolved)
+    return resolved
 
 
 def auto_draft(target: CausalLM, prefix_cache: bool) -> str:

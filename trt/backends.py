@@ -24,13 +24,12 @@ from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import (
-    AUTO,
     CACHE,
     NGRAM,
     NO_DRAFT,
-    auto_draft,
     load_drafter,
     load_model_drafter,
+    resolve_auto,
 )
 from decoding.prefix_cache import PrefixCache
 from decoding.target import CausalLM
@@ -77,12 +76,10 @@ def load_draft(
 
     ``spec`` is what ``decoding.factory.load_drafter`` takes (``none``, ``ngram``,
     ``cache``, a draft model, or several joined by ``+``), or ``auto`` (see
-    ``decoding.factory.auto_draft``); only the model part runs on the backend. The
+    ``decoding.factory.resolve_auto``); only the model part runs on the backend. The
     chosen backend is ``none``/``builtin`` when no model runs.
     """
-    if spec == AUTO:
-        spec = auto_draft(target, prefix_cache=prefix_cache is not None)
-        log.info("draft auto: %s", spec)
+    spec = resolve_auto(spec, target, prefix_cache)
     try:
         choice = DraftBackend(backend)
     except ValueError:

@@ -90,12 +90,12 @@ class CombinedDrafter:
         for_model: list[int] = []
         for i, (state, context, k) in enumerate(zip(states, contexts, ks, strict=True)):
             decided = self._round(state, context)
-            lookup = DraftProposal(decided.lookup.tokens[: max(k, 1)])
-            if lookup.tokens:  # scored even when unused: it costs nothing
-                state.pending.append(_Proposed(decided.length, lookup.tokens, CHEAP))
+            scored = decided.lookup.tokens[: max(k, 1)]
+            if scored:  # scored even when unused (at least one token): it costs nothing
+                state.pending.append(_Proposed(decided.length, scored, CHEAP))
             if decided.source == MODEL and k > 0:
                 for_model.append(i)
-            chosen.append(DraftProposal(lookup.tokens[:k]) if decided.source == CHEAP
+            chosen.append(DraftProposal(scored[:k]) if decided.source == CHEAP
                           else DraftProposal.empty())
         if self.model is not None and for_model:
             proposals = propose_many(self.model, [states[i].parts[-1] for i in for_model],
