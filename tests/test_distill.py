@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,15 @@ import torch
 from safetensors.torch import load_file
 
 from decoding.distill import draft as distilled
-from decoding.distill.data import HELD_OUT_NAME, existing_shards, load_shard
+from decoding.distill import prompts as prompt_source
+from decoding.distill.data import (
+    HELD_OUT_NAME,
+    POOLS_NAME,
+    answer_all,
+    existing_shards,
+    load_or_make_pools,
+    load_shard,
+)
 from decoding.distill.train import CHECKPOINT_NAME, collate, loss_and_hits, subset_index
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
@@ -84,6 +93,91 @@ def test_resume_continues_to_the_same_weights(
     assert resumed.keys() == straight.keys()
     for name, tensor in straight.items():
         assert torch.equal(tensor, resumed[name]), name
+
+
+def test_the_subject_pools_are_kept_with_the_data(
+        distilled_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    _, work = distilled_run
+    data = work / "data"
+    assert (data / POOLS_NAME).exists()
+    kept = load_or_make_pools(data, seed=0)
+
+    def elsewhere(seed: int) -> prompt_source.Pools:  # another machine's apt lists
+        raise AssertionError("a resumed run must not read the subjects again")
+
+    monkeypatch.setattr(prompt_source, "load_pools", elsewhere)
+    assert load_or_make_pools(data, seed=0) == kept
+    assert kept.everyday and kept.passages
+
+
+@pytest.mark.parametrize(("reply", "question"), [
+    ('A person might ask, "What\'s the best text editor for Python?"',
+     "What's the best text editor for Python?"),
+    ("Can you suggest a backup tool that works for a small server?",
+     "Can you suggest a backup tool that works for a small server?"),
+    ("Question: How do I keep basil alive indoors?", "How do I keep basil alive indoors?"),
+    ('\u201cWhy do cats purr when they are happy?\u201d', "Why do cats purr when they are happy?"),
+    ("Sure! Here are some ideas:\n\n1. Ask about recipes.\n2. Ask about timing?", None),
+    ('I would say "hello there" to them.', None),  # quoted, but no question
+    ("Why?", None),  # too short to be a user's message
+])
+def test_a_question_is_read_out_of_the_targets_reply(reply: str, question: str | None) -> None:
+    assert prompt_source.extract_question(reply) == question
+
+
+def test_asks_take_their_share_of_the_stream_and_only_when_asked_for() -> None:
+    pools = prompt_source.Pools(topics=[f"tool {i}" for i in range(200)],
+                                everyday=[f"hobby {i}" for i in range(200)],
+                                python=[f"mod.f{i}" for i in range(200)],
+                                passages=[f"Passage {i}. " * 20 for i in range(200)])
+    plain = list(itertools.islice(prompt_source.prompts(pools, seed=3), 2000))
+    assert not any(p.ask for p in plain)
+    mixed = list(itertools.islice(prompt_source.prompts(pools, seed=3, questions=0.3), 2000))
+    asks = [p for p in mixed if p.ask]
+    assert 0.25 < len(asks) / len(mixed) < 0.35
+    assert all(p.text in {t.format(t=s) for t in prompt_source.ASK_TEMPLATES
+                          for s in pools.everyday + pools.topics} for p in asks)
+    assert mixed == list(itertools.islice(
+        prompt_source.prompts(pools, seed=3, questions=0.3), 2000))  # deterministic
+
+
+def test_sampled_answers_follow_their_seed_alone_and_greedy_ones_are_unchanged(
+        tiny_target: CausalLM) -> None:
+    prompts = [tiny_target.tokenizer.encode(t) for t in ("Write a question", "Ask me", "Hi")]
+
+    def run(seeds: list[int] | None, streams: int = 2) -> list[list[int]]:
+        out = answer_all(tiny_target, prompts, 10, 1, streams, 0.0 if seeds is None else 0.8,
+                         seeds)
+        return [e.answer_ids.tolist() for e in out]
+
+    sampled = run([1, 2, 3])
+    assert sampled == run([1, 2, 3], streams=3)  # the batch does not change an answer
+    assert sampled[1:] == run([9, 2, 3])[1:] and sampled[0] != run([9, 2, 3])[0]
+    greedy = run(None)
+    assert greedy == [[t for e in decode(tiny_target, None, _request(p, 10)) for t in e.token_ids]
+                      for p in prompts]
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        run([1])
+
+
+def test_a_missing_gpu_is_a_clear_error(tmp_path: Path, tiny_target_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1, "--device", "cuda")
+
+
+@pytest.mark.gpu
+def test_distilling_on_a_gpu_makes_a_lossless_draft_that_resumes_on_cpu(
+        tmp_path: Path, tiny_target_dir: Path, tiny_target: CausalLM) -> None:
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 20, "--device", "cuda")
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 30, "--device", "cpu", "--resume")
+    assert distilled.DraftInfo.load(tmp_path / "d").made_with["results"]["steps"] == 30
+    drafter = load_drafter(str(tmp_path / "d"), tiny_target)
+    prompt = tiny_target.tokenizer.encode("A short note about")
+    plain = [t for e in decode(tiny_target, None, _request(prompt)) for t in e.token_ids]
+    spec = [t for e in decode(tiny_target, drafter, _request(prompt)) for t in e.token_ids]
+    assert spec == plain
 
 
 def _request(prompt: list[int], new: int = 24) -> GenerationRequest:

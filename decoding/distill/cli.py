@@ -50,6 +50,12 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=DataSettings.batch_size,
                    help="answers the target generates together")
     p.add_argument("--held-out-prompts", type=int, default=DataSettings.held_out_prompts)
+    p.add_argument("--questions", type=float, default=DataSettings.questions,
+                   help="share of prompts the target first writes itself, as a user would "
+                        "ask them (0: template prompts only)")
+    p.add_argument("--device", default="auto",
+                   help="where the target answers and the draft trains: cpu, cuda, cuda:N, "
+                        "or auto (a CUDA GPU when there is one)")
     p.add_argument("--work", type=Path, default=None,
                    help="data and checkpoints (default: a folder under the specserve cache)")
     p.add_argument("--threads", type=int, default=None,
@@ -66,11 +72,13 @@ def run_distill(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = _device(args.device)
     target_dir = model_store.resolve(args.target)
     out_dir: Path = args.out.expanduser().resolve()
     data_settings = DataSettings(
         seed=args.seed, tokens=args.tokens, held_out_prompts=args.held_out_prompts,
-        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        questions=args.questions)
     train_settings = TrainSettings(
         layers=args.layers,
         from_layers=tuple(int(i) for i in args.from_layers.split(",")) if args.from_layers
@@ -84,14 +92,16 @@ def run_distill(args: argparse.Namespace) -> int:
                    else str(Path(target_dir).expanduser().resolve()))  # how loaders find it
     made_with = {"command": command, "target": target_spec, "data": asdict(data_settings),
                  "prompt_sources": "Debian package descriptions (apt-cache dumpavail), Python "
-                                   "standard-library docstrings, everyday subjects"}
+                                   "standard-library docstrings, everyday subjects, and "
+                                   "questions the target wrote about those subjects",
+                 "device": device}
 
-    print(f"distill: data in {work / 'data'}", file=sys.stderr)
+    print(f"distill: data in {work / 'data'}, on {device}", file=sys.stderr)
     with tqdm(total=data_settings.tokens, desc="target answers", unit="tok") as bar:
         def data_progress(have: int, total: int) -> None:
             bar.update(min(have, total) - bar.n)
 
-        have = generate(target_dir, work / "data", data_settings, data_progress)
+        have = generate(target_dir, work / "data", data_settings, data_progress, device)
         bar.update(min(have, data_settings.tokens) - bar.n)
     with tqdm(total=train_settings.steps, desc="distilling", unit="step") as bar:
         postfix: dict[str, str] = {}
@@ -105,12 +115,24 @@ def run_distill(args: argparse.Namespace) -> int:
             bar.refresh()
 
         results = train(target_dir, work / "data", work, out_dir, train_settings, made_with,
-                        train_progress)
+                        train_progress, device)
     last = results["history"][-1] if results["history"] else {}
     print(f"draft written to {out_dir}: {results['steps']} steps, held-out acceptance "
           f"{last.get('acceptance', float('nan')):.3f}, head coverage "
           f"{results['held_out_head_coverage']:.3f}", file=sys.stderr)
     return 0
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: no CUDA GPU is available here")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise SystemExit(f"--device must be cpu, cuda, cuda:N or auto, not {name!r}")
+    return name
 
 
 def _command_line(args: argparse.Namespace) -> str:

@@ -6,12 +6,19 @@ we keep the target's top-``k`` log-probabilities at that position,
 so training needs no target forward pass at all (forward KL on the top logits).
 Data is written in shards of a fixed number of prompts; shard ``i`` always holds
 the same prompts for a given seed, so an interrupted run resumes at the first
-missing shard and produces the same data.
+missing shard and produces the same data. The subject pools are read once and
+kept in the data directory, so a run resumed later, or on another machine whose
+apt lists or Python differ, continues the same prompt stream.
+
+Asks (see ``prompts.py``) are answered first, by sampling (seeded per block of
+prompts); the question read out of each reply is then answered greedily like any
+other prompt. Only greedy answers become training data.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -28,8 +35,13 @@ from decoding.target import BatchItem, CausalLM
 log = logging.getLogger(__name__)
 
 SHARD_PROMPTS = 64
-SHARDS_PER_PASS = 4  # prompts answered in one go: few passes run with idle streams
+SHARDS_PER_PASS = 4  # at least this many shards' prompts are answered in one go
 HELD_OUT_NAME = "heldout.pt"
+POOLS_NAME = "pools.json"
+ASK_MAX_NEW_TOKENS = 64  # a written question is short; longer replies rarely hold one
+ASK_TEMPERATURE = 0.8
+ASK_TOP_K = 40  # the question is sampled among the target's 40 most likely tokens
+HELD_OUT_FIRST = 1 << 40  # seeds the held-out asks apart from the training stream's
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,7 @@ class DataSettings:
     batch_size: int = 32  # answers generated together
     max_new_tokens: int = 128
     top_k: int = 8  # teacher log-probabilities kept per position
+    questions: float = 0.3  # share of prompts the target writes itself (asks)
 
 
 @dataclass(frozen=True)
@@ -84,30 +97,47 @@ def existing_shards(data_dir: Path) -> list[Path]:
 
 @torch.inference_mode()
 def answer_all(target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-               top_k: int, streams: int) -> list[Example]:
-    """The target's greedy answers to ``prompts`` (token ids), in order.
+               top_k: int, streams: int, temperature: float = 0.0,
+               seeds: Sequence[int] | None = None) -> list[Example]:
+    """The target's answers to ``prompts`` (token ids), in order: greedy, or, when
+    ``temperature`` > 0, sampled among the ``ASK_TOP_K`` most likely tokens with one
+    random stream per answer (``seeds``), so an answer does not depend on its batch.
 
     Up to ``streams`` answers grow together, one forward pass per step: a new prompt
     joins (its whole prefill in the same pass) as soon as an answer ends, so no pass
     is spent on padding or on answers that have already finished."""
+    if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError("sampled answers need one seed per prompt")
     stop = target.eos_token_ids
     results: list[Example | None] = [None] * len(prompts)
     queue = list(range(len(prompts)))[::-1]
     running: list[_Answer] = []
+    keep = max(top_k, ASK_TOP_K if temperature > 0 else 1)
     try:
         while queue or running:
             while queue and len(running) < streams:
                 i = queue.pop()
-                running.append(_Answer(i, target.new_state(), list(prompts[i])))
+                generator = (torch.Generator().manual_seed(seeds[i])
+                             if temperature > 0 and seeds is not None else None)
+                running.append(_Answer(i, target.new_state(), list(prompts[i]),
+                                       generator=generator))
             items = [BatchItem(a.state, a.feed, 1) for a in running]
             logits = torch.cat(target.forward_batch(items)).float()  # [n, vocab]
-            top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+            top = torch.log_softmax(logits, dim=-1).topk(keep, dim=-1)
+            # one copy to the host per pass (not a device sync per answer)
+            top_ids, top_values = top.indices.cpu(), top.values.cpu()
+            if temperature > 0:
+                probs = torch.softmax(top_values / temperature, dim=-1)
+                tokens = [int(top_ids[row, torch.multinomial(probs[row], 1, generator=a.generator)])
+                          for row, a in enumerate(running)]
+            else:
+                tokens = top_ids[:, 0].tolist()  # greedy: the most likely token
             still: list[_Answer] = []
             for row, a in enumerate(running):
-                token = int(top.indices[row, 0])  # greedy: the most likely token
+                token = tokens[row]
                 a.tokens.append(token)
-                a.top_ids.append(top.indices[row])
-                a.top_logprobs.append(top.values[row])
+                a.top_ids.append(top_ids[row, :top_k])
+                a.top_logprobs.append(top_values[row, :top_k])
                 a.feed = [token]
                 if token in stop or len(a.tokens) >= max_new_tokens:
                     results[a.index] = Example(
@@ -131,10 +161,24 @@ class _Answer:
     tokens: list[int] = field(default_factory=list)
     top_ids: list[torch.Tensor] = field(default_factory=list)
     top_logprobs: list[torch.Tensor] = field(default_factory=list)
+    generator: torch.Generator | None = None  # sampled answers: this answer's random stream
+
+
+def load_or_make_pools(data_dir: Path, seed: int) -> prompt_source.Pools:
+    """The run's subject pools: read from the data directory, else built and kept there."""
+    path = data_dir / POOLS_NAME
+    if path.exists():
+        return prompt_source.Pools(**json.loads(path.read_text(encoding="utf-8")))
+    pools = prompt_source.load_pools(seed)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(pools.__dict__, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)
+    return pools
 
 
 def generate(target_dir: str, data_dir: Path, settings: DataSettings,
-             on_progress: Callable[[int, int], None] | None = None) -> int:
+             on_progress: Callable[[int, int], None] | None = None,
+             device: str = "cpu") -> int:
     """Fill ``data_dir`` with shards until ``settings.tokens`` answer tokens exist
     (resuming after the last complete shard); returns the answer tokens on disk."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -144,26 +188,49 @@ def generate(target_dir: str, data_dir: Path, settings: DataSettings,
         return have
     from decoding.batched import BatchedLM
 
-    target = BatchedLM.load(target_dir, dtype="float32")
-    pools = prompt_source.load_pools(settings.seed)
+    target = BatchedLM.load(target_dir, dtype="float32", device=device)
+    pools = load_or_make_pools(data_dir, settings.seed)
+    asked = [0, 0]  # asks answered, questions read out of the replies
 
-    def batches(stream: Iterator[str], count: int) -> list[Example]:
-        texts = list(itertools.islice(stream, count))
-        ids = [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
-        return answer_all(target, ids, settings.max_new_tokens, settings.top_k,
-                          settings.batch_size)
+    def encode(text: str) -> list[int]:
+        return encode_chat(target.tokenizer, [{"role": "user", "content": text}])
+
+    def batches(stream: Iterator[prompt_source.Prompt], count: int, first: int
+                ) -> list[Example]:
+        """Answers to the stream's next ``count`` prompts, the first being the stream's
+        ``first``-th (each ask samples with a seed made from its place in the stream)."""
+        items = list(itertools.islice(stream, count))
+        texts = [p.text for p in items]
+        asks = [i for i, p in enumerate(items) if p.ask]
+        if asks:  # the target writes these users' messages first
+            seeds = [settings.seed * 1_000_003 + first + i for i in asks]
+            replies = answer_all(target, [encode(texts[i]) for i in asks], ASK_MAX_NEW_TOKENS,
+                                 1, settings.batch_size, ASK_TEMPERATURE, seeds)
+            for i, reply in zip(asks, replies, strict=True):
+                text = target.tokenizer.decode(reply.answer_ids.tolist(),
+                                               skip_special_tokens=True)
+                question = prompt_source.extract_question(text)
+                if question is not None:
+                    texts[i] = question
+                    asked[1] += 1
+            asked[0] += len(asks)
+        return answer_all(target, [encode(t) for t in texts], settings.max_new_tokens,
+                          settings.top_k, settings.batch_size)
 
     held = data_dir / HELD_OUT_NAME
     if not held.exists():
-        examples = batches(prompt_source.prompts(pools, settings.seed, held_out=True),
-                           settings.held_out_prompts)
+        examples = batches(prompt_source.prompts(pools, settings.seed, held_out=True,
+                                                 questions=settings.questions),
+                           settings.held_out_prompts, first=HELD_OUT_FIRST)
         save_atomic([e.as_dict() for e in examples], held)
-    stream = prompt_source.prompts(pools, settings.seed)
+    stream = prompt_source.prompts(pools, settings.seed, questions=settings.questions)
     index = len(done)
     for _ in itertools.islice(stream, index * SHARD_PROMPTS):  # skip the prompts already done
         pass
+    # a pass holds several times the streams, so few of its steps run with idle streams
+    per_pass = max(SHARDS_PER_PASS, -(-4 * settings.batch_size // SHARD_PROMPTS))
     while have < settings.tokens:
-        answers = batches(stream, SHARD_PROMPTS * SHARDS_PER_PASS)
+        answers = batches(stream, SHARD_PROMPTS * per_pass, first=index * SHARD_PROMPTS)
         if not answers:
             log.warning("the prompt source ran out at %d answer tokens", have)
             break
@@ -174,4 +241,6 @@ def generate(target_dir: str, data_dir: Path, settings: DataSettings,
             index += 1
             if on_progress is not None:
                 on_progress(have, settings.tokens)
+    if asked[0]:
+        log.info("asks: %d answered, %d questions read out of them", asked[0], asked[1])
     return have

@@ -9,6 +9,12 @@ imported), plus everyday subjects. Each subject is wrapped in one of many
 instructions of the kinds chat users send: explanations, how-tos, creative
 pieces, advice, and edits of a given passage (rewrite, summarise, list, fix).
 
+Templates alone ask in few ways, and real users ask in many: a share of the
+stream (``questions``) is therefore an *ask*, an instruction to the target to
+write a question about a subject. The data phase samples the target's answer
+and, where a question can be read out of it (``extract_question``), the target
+then answers that question greedily; otherwise the ask itself is the prompt.
+
 A fixed share of every subject pool is held out for evaluation, so held-out
 acceptance is measured on subjects the draft never saw. The prompts of
 ``decoding/prompts/*.json`` (the benchmark sets) are never used.
@@ -51,6 +57,14 @@ TOPIC_TEMPLATES = (
     "Why might someone care about {t}? Answer in two or three sentences.",
     "Compare {t} with a common alternative and say when each is better.",
     "Write a short, friendly email recommending {t} to a colleague.",
+)
+ASK_TEMPLATES = (  # the target writes the user's message
+    "Write one question a person might ask an AI assistant about {t}. "
+    "Reply with only the question.",
+    "Write one question a curious beginner might ask about {t}. Reply with only the question.",
+    "Write one specific question someone could ask a friend who knows a lot about {t}. "
+    "Reply with only the question.",
+    "What might someone ask a helpful assistant about {t}? Write only their question.",
 )
 PYTHON_TEMPLATES = (
     "In Python, what does {t} do? Show a short example.",
@@ -96,7 +110,34 @@ EVERYDAY = (
     "unit testing", "recursion", "sorting algorithms", "HTTP requests", "regular expressions",
     "version control", "cloud storage", "spreadsheets", "time zones", "prime numbers",
     "fractions", "the Pythagorean theorem", "probability with dice", "percentages",
+    "repairing a flat tyre", "making pancakes", "brewing green tea", "painting a bedroom wall",
+    "choosing running shoes", "a first camping trip", "hanging a picture frame",
+    "growing herbs indoors", "composting kitchen scraps", "storing fresh vegetables",
+    "writing a thank-you note", "giving a wedding toast", "negotiating rent",
+    "learning to touch type", "memorising a speech", "keeping houseplants alive in winter",
+    "stretching after exercise", "taking better phone photos", "organising a closet",
+    "making friends in a new town", "dealing with jet lag", "choosing a board game for a party",
+    "teaching a parrot to talk", "making a simple vegetable soup",
+    "knitting a scarf", "fixing a squeaky door", "making a paper airplane",
+    "the life cycle of a butterfly", "how bees make honey", "why the sky is blue",
+    "how a refrigerator keeps food cold", "how glaciers move", "why cats purr",
+    "how tea is grown", "what causes thunder", "how coral reefs form",
+    "the history of chocolate", "how maps are made", "the invention of the bicycle bell",
+    "how elevators work", "why bread rises", "how a compass works", "the speed of sound",
+    "a lost umbrella", "a talking teapot", "a lonely snowman", "a clockmaker's apprentice",
+    "a night market", "a library after closing time", "a sailor's last voyage",
+    "email etiquette at work", "running a short meeting", "writing a clear bug report",
+    "naming variables", "reading error messages", "spreadsheet formulas",
+    "keyboard shortcuts", "choosing a strong password manager", "renaming many files at once",
 )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One user message, or (``ask``) an instruction to the target to write one."""
+
+    text: str
+    ask: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,8 +224,10 @@ def split(pool: list[str], held_out: bool) -> list[str]:
     return pool[:cut] if held_out else pool[cut:]
 
 
-def prompts(pools: Pools, seed: int, held_out: bool = False) -> Iterator[str]:
-    """An endless, deterministic stream of user messages (train or held-out subjects)."""
+def prompts(pools: Pools, seed: int, held_out: bool = False, questions: float = 0.0
+            ) -> Iterator[Prompt]:
+    """An endless, deterministic stream of user messages (train or held-out subjects);
+    about ``questions`` of them are asks (the target writes the message)."""
     rng = random.Random(seed * 1_000_003 + (1 if held_out else 0))
     kinds = [
         (split(pools.topics, held_out), TOPIC_TEMPLATES, 0.4),
@@ -192,6 +235,12 @@ def prompts(pools: Pools, seed: int, held_out: bool = False) -> Iterator[str]:
         (split(pools.python, held_out), PYTHON_TEMPLATES, 0.15),
         (split(pools.passages, held_out), PASSAGE_TEMPLATES, 0.33),
     ]
+    if questions > 0:  # without asks the stream is the one earlier versions made
+        if not 0 < questions < 1:
+            raise ValueError("the share of questions must be in [0, 1)")
+        share = questions / (1 - questions) / 2  # of the other kinds' total weight (1.0)
+        kinds += [(split(pools.everyday, held_out), ASK_TEMPLATES, share),
+                  (split(pools.topics, held_out), ASK_TEMPLATES, share)]
     kinds = [k for k in kinds if k[0]]
     if not kinds:
         raise RuntimeError("no prompt sources found (no apt lists and no stdlib sources)")
@@ -202,4 +251,24 @@ def prompts(pools: Pools, seed: int, held_out: bool = False) -> Iterator[str]:
         pool, templates, _ = kinds[i]
         subject = pool[cursors[i] % len(pool)]
         cursors[i] += 1
-        yield rng.choice(templates).format(t=subject)
+        yield Prompt(rng.choice(templates).format(t=subject), ask=templates is ASK_TEMPLATES)
+
+
+_QUOTED = re.compile(r'"([^"\n]+)"|\u201c([^\u201d\n]+)\u201d')
+_LABEL = re.compile(r"^(?:question|q|a|user|request)\s*:\s*", re.I)
+MIN_QUESTION_CHARS = 12
+MAX_QUESTION_CHARS = 300
+
+
+def extract_question(answer: str) -> str | None:
+    """The question in the target's reply to an ask: the first quoted question, else the
+    whole reply when it is one line that ends with '?'; None when neither is there."""
+    for match in _QUOTED.finditer(answer):
+        quoted = (match.group(1) or match.group(2)).strip()
+        if quoted.endswith("?") and MIN_QUESTION_CHARS <= len(quoted) <= MAX_QUESTION_CHARS:
+            return quoted
+    line = _LABEL.sub("", answer.strip()).strip().strip('"').strip()
+    if ("\n" not in line and line.endswith("?")
+            and MIN_QUESTION_CHARS <= len(line) <= MAX_QUESTION_CHARS):
+        return line
+    return None

@@ -19,7 +19,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,12 @@ class Tensors:
     top_ids: torch.Tensor  # [m, top_k]
     top_logprobs: torch.Tensor  # [m, top_k]
 
+    def to(self, device: torch.device) -> Tensors:
+        if self.input_ids.device == device:
+            return self
+        return Tensors(*(getattr(self, f.name).to(device, non_blocking=True)
+                         for f in fields(self)))
+
 
 def collate(batch: Sequence[Example], max_len: int, pad: int) -> Tensors:
     seqs, rows, cols, answers, tops, lps = [], [], [], [], [], []
@@ -185,6 +191,7 @@ def subset_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [vocab]
 def loss_and_hits(draft: Any, t: Tensors, index: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """Mean cross-entropy to the target's top-k (restricted to the head's set), and how
     many answer positions the draft's greedy choice matches."""
+    t = t.to(index.device)
     hidden = draft.model(input_ids=t.input_ids, attention_mask=t.attention_mask).last_hidden_state
     picked = hidden[t.rows, t.cols]  # [m, hidden]
     head = draft.lm_head
@@ -224,13 +231,16 @@ def lr_at(step: int, settings: TrainSettings) -> float:
 
 def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path,
           settings: TrainSettings, made_with: dict[str, Any],
-          on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
-    """Train (or resume training) and write the draft directory; returns the results."""
+          on_progress: Callable[[Progress], None] | None = None,
+          device: str = "cpu") -> dict[str, Any]:
+    """Train (or resume training) on ``device`` and write the draft directory; returns
+    the results. A checkpoint resumes on any device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    target = target.to(torch.device(device)).eval()
     vocab_size = int(target.get_input_embeddings().weight.shape[0])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     examples = [e for path in existing_shards(data_dir) for e in load_shard(path)]
@@ -238,7 +248,8 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path,
     if not examples:
         raise RuntimeError(f"no training data in {data_dir}")
     ckpt_path = work_dir / CHECKPOINT_NAME
-    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    ckpt = (torch.load(ckpt_path, weights_only=False, map_location="cpu")
+            if ckpt_path.exists() else None)
     if ckpt is not None:
         vocab_ids = ckpt["vocab_ids"]
     elif settings.vocab_top_k:
@@ -248,7 +259,7 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path,
         vocab_ids = None
     layers = source_layers(int(target.config.num_hidden_layers), settings.layers,
                            settings.from_layers)
-    draft = draft_format.init_from_target(target, layers, vocab_ids)
+    draft = draft_format.init_from_target(target, layers, vocab_ids).to(device)
     draft.model.embed_tokens.weight.requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=ADAM_BETAS, weight_decay=0.0)
@@ -261,8 +272,9 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path,
         step, seconds, history = ckpt["step"], ckpt["seconds"], ckpt["history"]
         torch.set_rng_state(ckpt["torch_rng"])
         log.info("resuming at step %d of %d", step, settings.steps)
-    index = subset_index(draft.lm_head.ids, vocab_size)
+    index = subset_index(draft.lm_head.ids.cpu(), vocab_size)
     coverage = _coverage(held, index)
+    index = index.to(device)
     draft.train()
     loss_avg: float | None = None
     acceptance = history[-1]["acceptance"] if history else None
