@@ -95,6 +95,24 @@ def test_resume_continues_to_the_same_weights(
         assert torch.equal(tensor, resumed[name]), name
 
 
+def test_a_run_can_start_from_an_earlier_draft(
+        distilled_run: tuple[Path, Path], tiny_target_dir: Path, tmp_path: Path) -> None:
+    first, _ = distilled_run
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1, "--init-from", str(first),
+             "--lr", "1e-12")  # one step that changes nothing: the start is the earlier draft
+    info = distilled.DraftInfo.load(tmp_path / "d")
+    assert info.made_with["init_from"]["draft"] == str(first)
+    assert info.made_with["init_from"]["made_with"].startswith("specserve distill")
+    before = load_file(str(first / distilled.WEIGHTS_NAME))
+    after = load_file(str(tmp_path / "d" / distilled.WEIGHTS_NAME))
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, msg=name)
+    with pytest.raises(ValueError, match="--layers 1 --vocab-top 512"):
+        _distill(tiny_target_dir, tmp_path / "d2", tmp_path / "w2", 1, "--init-from", str(first),
+                 "--layers", "2")
+
+
 def test_the_subject_pools_are_kept_with_the_data(
         distilled_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     _, work = distilled_run

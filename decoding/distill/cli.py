@@ -20,6 +20,7 @@ from typing import Any
 
 from decoding import model_store
 from decoding.distill.data import DataSettings, generate
+from decoding.distill.draft import DraftInfo, resolve_draft_dir
 from decoding.distill.train import CHECKPOINT_NAME, Progress, TrainSettings, train
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--from-layers", default=None,
                    help="comma-separated target layers the draft's layers start from "
                         "(default: the first N)")
+    p.add_argument("--init-from", default=None,
+                   help="start from this draft (a directory, or 'default-draft') instead of the "
+                        "target's layers: its layers and head are trained further on this run's "
+                        "data (--layers and --vocab-top must match it)")
     p.add_argument("--vocab-top", type=int, default=TrainSettings.vocab_top_k,
                    help="output head over the K most frequent target tokens (0: full vocabulary)")
     p.add_argument("--tokens", type=int, default=DataSettings.tokens,
@@ -84,7 +89,7 @@ def run_distill(args: argparse.Namespace) -> int:
         from_layers=tuple(int(i) for i in args.from_layers.split(",")) if args.from_layers
         else None,
         vocab_top_k=args.vocab_top or None, steps=args.steps,
-        batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed)
+        batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, init_from=args.init_from)
     work = (args.work or default_work_dir(out_dir)).expanduser().resolve()
     _check_work(work, data_settings, train_settings, args.resume)
     command = _command_line(args)
@@ -95,6 +100,11 @@ def run_distill(args: argparse.Namespace) -> int:
                                    "standard-library docstrings, everyday subjects, and "
                                    "questions the target wrote about those subjects",
                  "device": device}
+    if args.init_from:  # where the starting draft came from
+        start = resolve_draft_dir(args.init_from)
+        made_with["init_from"] = {
+            "draft": args.init_from,
+            "made_with": DraftInfo.load(start).made_with.get("command") if start else None}
 
     print(f"distill: data in {work / 'data'}, on {device}", file=sys.stderr)
     with tqdm(total=data_settings.tokens, desc="target answers", unit="tok") as bar:

@@ -48,6 +48,7 @@ class TrainSettings:
     seed: int = 0
     max_len: int = 512
     eval_every: int = 50
+    init_from: str | None = None  # a draft directory to continue from, instead of the target
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,23 @@ def source_layers(target_layers: int, layers: int, chosen: Sequence[int] | None 
     if layers < 1 or layers > target_layers:
         raise ValueError(f"--layers must be 1..{target_layers}")
     return list(range(layers))
+
+
+def start_draft(settings: TrainSettings, target: Any) -> tuple[Any, list[int]]:
+    """The draft ``settings.init_from`` names, loaded in float32 over ``target``'s
+    embedding, and the target layers it started from; refused unless it was made for
+    this target with the same number of layers and head size."""
+    directory = draft_format.resolve_draft_dir(str(settings.init_from))
+    if directory is None:
+        raise ValueError(f"--init-from {settings.init_from}: not a draft directory")
+    info = draft_format.DraftInfo.load(directory)
+    if len(info.source_layers) != settings.layers or info.vocab_top_k != settings.vocab_top_k:
+        raise ValueError(
+            f"--init-from {settings.init_from} has {len(info.source_layers)} layers and a head "
+            f"over {info.vocab_top_k or 'all'} tokens; pass --layers "
+            f"{len(info.source_layers)} --vocab-top {info.vocab_top_k or 0}")
+    draft = draft_format.load_model(directory, target)  # checks that it fits the target
+    return draft.train(), list(info.source_layers)
 
 
 def choose_vocab(examples: Sequence[Example], k: int, vocab_size: int,
@@ -250,16 +268,21 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path,
     ckpt_path = work_dir / CHECKPOINT_NAME
     ckpt = (torch.load(ckpt_path, weights_only=False, map_location="cpu")
             if ckpt_path.exists() else None)
-    if ckpt is not None:
-        vocab_ids = ckpt["vocab_ids"]
-    elif settings.vocab_top_k:
-        always = sorted({int(t) for t in [tokenizer.eos_token_id, pad] if t is not None})
-        vocab_ids = choose_vocab(examples, settings.vocab_top_k, vocab_size, always)
+    if settings.init_from:  # an earlier draft: its layers, head and token set
+        draft, layers = start_draft(settings, target)
+        vocab_ids = draft.lm_head.ids.cpu() if settings.vocab_top_k else None
     else:
-        vocab_ids = None
-    layers = source_layers(int(target.config.num_hidden_layers), settings.layers,
-                           settings.from_layers)
-    draft = draft_format.init_from_target(target, layers, vocab_ids).to(device)
+        if ckpt is not None:
+            vocab_ids = ckpt["vocab_ids"]
+        elif settings.vocab_top_k:
+            always = sorted({int(t) for t in [tokenizer.eos_token_id, pad] if t is not None})
+            vocab_ids = choose_vocab(examples, settings.vocab_top_k, vocab_size, always)
+        else:
+            vocab_ids = None
+        layers = source_layers(int(target.config.num_hidden_layers), settings.layers,
+                               settings.from_layers)
+        draft = draft_format.init_from_target(target, layers, vocab_ids)
+    draft = draft.to(device)
     draft.model.embed_tokens.weight.requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=ADAM_BETAS, weight_decay=0.0)
