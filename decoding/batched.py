@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from decoding.target import BatchItem, CausalLM
+from decoding.target import BatchItem, CausalLM, head_subset
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class BatchedLM(CausalLM):
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
         self._head = _Matrix(head.weight.detach(), bias.detach() if bias is not None else None)
-        self._head_ids = getattr(head, "ids", None)  # [K]: a head over part of the vocabulary
+        self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []

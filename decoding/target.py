@@ -41,13 +41,16 @@ class BatchItem:
     keep: int
 
 
+def head_subset(model: Any) -> torch.Tensor | None:  # [K]
+    """The vocabulary ids of the output head's rows when it covers only part of the
+    vocabulary (a distilled draft's head keeps ``ids`` and the full ``vocab_size``)."""
+    return getattr(model.get_output_embeddings(), "ids", None)
+
+
 def output_vocab_size(model: Any) -> int:
-    """How many vocabulary logits the model returns. A head over part of the vocabulary
-    (a distilled draft's) says so: it keeps ``ids`` and the full ``vocab_size``."""
+    """How many vocabulary logits the model returns (all of them, for a subset head)."""
     head = model.get_output_embeddings()
-    if getattr(head, "ids", None) is not None:
-        return int(head.vocab_size)
-    return int(head.weight.shape[0])
+    return int(head.vocab_size if head_subset(model) is not None else head.weight.shape[0])
 
 
 class CausalLM:
