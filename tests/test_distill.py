@@ -159,6 +159,24 @@ def test_asks_take_their_share_of_the_stream_and_only_when_asked_for() -> None:
         prompt_source.prompts(pools, seed=3, questions=0.3), 2000))  # deterministic
 
 
+def test_the_default_model_writes_questions_that_can_be_read_out(
+        default_target: CausalLM) -> None:
+    from decoding.distill.data import ASK_MAX_NEW_TOKENS, ASK_TEMPERATURE
+    from decoding.prompting import encode_chat
+
+    subjects = ["cooking rice on the stove", "a text editor for programmers", "the water cycle",
+                "backing up photos", "learning to play the guitar", "time zones"]
+    asks = [t.format(t=s) for s, t in zip(subjects, itertools.cycle(prompt_source.ASK_TEMPLATES))]
+    ids = [encode_chat(default_target.tokenizer, [{"role": "user", "content": a}]) for a in asks]
+    replies = answer_all(default_target, ids, ASK_MAX_NEW_TOKENS, 1, 8, ASK_TEMPERATURE,
+                         seeds=list(range(len(ids))))
+    texts = [default_target.tokenizer.decode(r.answer_ids.tolist(), skip_special_tokens=True)
+             for r in replies]
+    questions = [q for q in map(prompt_source.extract_question, texts) if q is not None]
+    assert len(questions) >= 2, texts  # about 6 in 10 replies hold one
+    assert all(q.endswith("?") and "\n" not in q for q in questions)
+
+
 def test_sampled_answers_follow_their_seed_alone_and_greedy_ones_are_unchanged(
         tiny_target: CausalLM) -> None:
     prompts = [tiny_target.tokenizer.encode(t) for t in ("Write a question", "Ask me", "Hi")]
