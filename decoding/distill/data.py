@@ -10,9 +10,9 @@ missing shard and produces the same data. The subject pools are read once and
 kept in the data directory, so a run resumed later, or on another machine whose
 apt lists or Python differ, continues the same prompt stream.
 
-Asks (see ``prompts.py``) are answered first, by sampling (seeded per block of
-prompts); the question read out of each reply is then answered greedily like any
-other prompt. Only greedy answers become training data.
+Asks (see ``prompts.py``) are answered first, by sampling (each with a seed made
+from its place in the stream); the question read out of each reply is then
+answered greedily like any other prompt. Only greedy answers become training data.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +171,7 @@ def load_or_make_pools(data_dir: Path, seed: int) -> prompt_source.Pools:
         return prompt_source.Pools(**json.loads(path.read_text(encoding="utf-8")))
     pools = prompt_source.load_pools(seed)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(pools.__dict__, ensure_ascii=False), encoding="utf-8")
+    tmp.write_text(json.dumps(asdict(pools), ensure_ascii=False), encoding="utf-8")
     os.replace(tmp, path)
     return pools
 
