@@ -196,6 +196,16 @@ def test_sampled_answers_follow_their_seed_alone_and_greedy_ones_are_unchanged(
         run([1])
 
 
+def test_a_share_of_questions_outside_0_to_1_is_refused(tmp_path: Path,
+                                                        tiny_target_dir: Path) -> None:
+    for share in ("1", "-0.1"):
+        with pytest.raises(SystemExit, match="--questions is a share"):
+            _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1, "--questions", share)
+    with pytest.raises(ValueError, match="share of questions"):
+        next(prompt_source.prompts(prompt_source.Pools(["a"], ["b"], ["c"], ["d"]), 0,
+                                   questions=1.5))
+
+
 def test_a_missing_gpu_is_a_clear_error(tmp_path: Path, tiny_target_dir: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")

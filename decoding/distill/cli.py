@@ -78,6 +78,8 @@ def run_distill(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
+    if not 0 <= args.questions < 1:
+        raise SystemExit(f"--questions is a share in [0, 1), not {args.questions}")
     target_dir = model_store.resolve(args.target)
     out_dir: Path = args.out.expanduser().resolve()
     data_settings = DataSettings(

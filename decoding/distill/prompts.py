@@ -235,9 +235,9 @@ def prompts(pools: Pools, seed: int, held_out: bool = False, questions: float = 
         (split(pools.python, held_out), PYTHON_TEMPLATES, 0.15),
         (split(pools.passages, held_out), PASSAGE_TEMPLATES, 0.33),
     ]
-    if questions > 0:  # without asks the stream is the one earlier versions made
-        if not 0 < questions < 1:
-            raise ValueError("the share of questions must be in [0, 1)")
+    if not 0 <= questions < 1:
+        raise ValueError(f"the share of questions must be in [0, 1), not {questions}")
+    if questions > 0:  # without asks, the kinds and weights of earlier versions
         share = questions / (1 - questions) / 2  # of the other kinds' total weight (1.0)
         kinds += [(split(pools.everyday, held_out), ASK_TEMPLATES, share),
                   (split(pools.topics, held_out), ASK_TEMPLATES, share)]
