@@ -108,9 +108,14 @@ def test_a_run_can_start_from_an_earlier_draft(
     assert before.keys() == after.keys()
     for name, tensor in before.items():
         torch.testing.assert_close(after[name], tensor, msg=name)
-    with pytest.raises(ValueError, match="--layers 1 --vocab-top 512"):
+    # refused before any data is made
+    with pytest.raises(SystemExit, match="--layers 1 --vocab-top 512"):
         _distill(tiny_target_dir, tmp_path / "d2", tmp_path / "w2", 1, "--init-from", str(first),
                  "--layers", "2")
+    with pytest.raises(SystemExit, match="not a draft directory"):
+        _distill(tiny_target_dir, tmp_path / "d2", tmp_path / "w2", 1, "--init-from",
+                 str(tmp_path))
+    assert not (tmp_path / "w2").exists()
 
 
 def test_the_subject_pools_are_kept_with_the_data(

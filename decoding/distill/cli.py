@@ -20,8 +20,13 @@ from typing import Any
 
 from decoding import model_store
 from decoding.distill.data import DataSettings, generate
-from decoding.distill.draft import DraftInfo, resolve_draft_dir
-from decoding.distill.train import CHECKPOINT_NAME, Progress, TrainSettings, train
+from decoding.distill.train import (
+    CHECKPOINT_NAME,
+    Progress,
+    TrainSettings,
+    starting_draft,
+    train,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,12 @@ def run_distill(args: argparse.Namespace) -> int:
         else None,
         vocab_top_k=args.vocab_top or None, steps=args.steps,
         batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, init_from=args.init_from)
+    start = None
+    if args.init_from:  # checked before any work (the data can take hours)
+        try:
+            _, start = starting_draft(train_settings)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(str(exc)) from None
     work = (args.work or default_work_dir(out_dir)).expanduser().resolve()
     _check_work(work, data_settings, train_settings, args.resume)
     command = _command_line(args)
@@ -102,11 +113,9 @@ def run_distill(args: argparse.Namespace) -> int:
                                    "standard-library docstrings, everyday subjects, and "
                                    "questions the target wrote about those subjects",
                  "device": device}
-    if args.init_from:  # where the starting draft came from
-        start = resolve_draft_dir(args.init_from)
-        made_with["init_from"] = {
-            "draft": args.init_from,
-            "made_with": DraftInfo.load(start).made_with.get("command") if start else None}
+    if start is not None:  # where the starting draft came from
+        made_with["init_from"] = {"draft": args.init_from,
+                                  "made_with": start.made_with.get("command")}
 
     print(f"distill: data in {work / 'data'}, on {device}", file=sys.stderr)
     with tqdm(total=data_settings.tokens, desc="target answers", unit="tok") as bar:

@@ -77,19 +77,26 @@ def source_layers(target_layers: int, layers: int, chosen: Sequence[int] | None 
     return list(range(layers))
 
 
-def start_draft(settings: TrainSettings, target: Any) -> tuple[Any, list[int]]:
-    """The draft ``settings.init_from`` names, loaded in float32 over ``target``'s
-    embedding, and the target layers it started from; refused unless it was made for
-    this target with the same number of layers and head size."""
+def starting_draft(settings: TrainSettings) -> tuple[Path, draft_format.DraftInfo]:
+    """The directory and description of the draft ``settings.init_from`` names; refused
+    unless it has the run's number of layers and head size."""
     directory = draft_format.resolve_draft_dir(str(settings.init_from))
     if directory is None:
-        raise ValueError(f"--init-from {settings.init_from}: not a draft directory")
+        raise ValueError(f"--init-from {settings.init_from}: not a draft directory "
+                         f"(no {draft_format.CONFIG_NAME})")
     info = draft_format.DraftInfo.load(directory)
     if len(info.source_layers) != settings.layers or info.vocab_top_k != settings.vocab_top_k:
         raise ValueError(
             f"--init-from {settings.init_from} has {len(info.source_layers)} layers and a head "
             f"over {info.vocab_top_k or 'all'} tokens; pass --layers "
             f"{len(info.source_layers)} --vocab-top {info.vocab_top_k or 0}")
+    return directory, info
+
+
+def start_draft(settings: TrainSettings, target: Any) -> tuple[Any, list[int]]:
+    """The draft ``settings.init_from`` names, loaded in float32 over ``target``'s
+    embedding, and the target layers it started from."""
+    directory, info = starting_draft(settings)
     draft = draft_format.load_model(directory, target)  # checks that it fits the target
     return draft.train(), list(info.source_layers)
 
