@@ -40,7 +40,7 @@ def load_drafter(
     wins, and a model draft runs when lookup found nothing or has lately been right
     less often than the model (``CombinedDrafter``); or ``auto`` (``auto_draft``)."""
     spec = resolve_auto(spec, target, prefix_cache)
-    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    parts = draft_parts(spec)
     if not parts or parts == [NO_DRAFT]:
         return None
     cheap: list[Drafter] = []
@@ -61,6 +61,11 @@ def load_drafter(
     if len(cheap) + (model is not None) == 1:
         return cheap[0] if cheap else model
     return CombinedDrafter(cheap, model)
+
+
+def draft_parts(spec: str) -> list[str]:
+    """The drafters a spec joins with ``+`` (blank parts ignored)."""
+    return [p.strip() for p in spec.split("+") if p.strip()]
 
 
 def resolve_auto(spec: str, target: CausalLM, prefix_cache: PrefixCache | None) -> str:

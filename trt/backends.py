@@ -27,6 +27,7 @@ from decoding.factory import (
     CACHE,
     NGRAM,
     NO_DRAFT,
+    draft_parts,
     load_drafter,
     load_model_drafter,
     resolve_auto,
@@ -85,7 +86,7 @@ def load_draft(
     except ValueError:
         raise DraftBackendError(
             f"unknown draft backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
-    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    parts = draft_parts(spec)
     models = [p for p in parts if p not in CHEAP_DRAFTS]
     if not models:
         if choice in (DraftBackend.ONNX, DraftBackend.TENSORRT):

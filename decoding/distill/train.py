@@ -93,14 +93,6 @@ def starting_draft(settings: TrainSettings) -> tuple[Path, draft_format.DraftInf
     return directory, info
 
 
-def start_draft(settings: TrainSettings, target: Any) -> tuple[Any, list[int]]:
-    """The draft ``settings.init_from`` names, loaded in float32 over ``target``'s
-    embedding, and the target layers it started from."""
-    directory, info = starting_draft(settings)
-    draft = draft_format.load_model(directory, target)  # checks that it fits the target
-    return draft.train(), list(info.source_layers)
-
-
 def choose_vocab(examples: Sequence[Example], k: int, vocab_size: int,
                  always: Sequence[int]) -> torch.Tensor:  # [k]
     """The ``k`` tokens the target produces most often (ties: lower id), ``always`` included."""
@@ -276,7 +268,9 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path,
     ckpt = (torch.load(ckpt_path, weights_only=False, map_location="cpu")
             if ckpt_path.exists() else None)
     if settings.init_from:  # an earlier draft: its layers, head and token set
-        draft, layers = start_draft(settings, target)
+        directory, info = starting_draft(settings)
+        draft = draft_format.load_model(directory, target)  # checks that it fits the target
+        layers = list(info.source_layers)
         vocab_ids = draft.lm_head.ids.cpu() if settings.vocab_top_k else None
     else:
         if ckpt is not None:
