@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -84,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default=None,
                        help="with --concurrency: comma-separated subset of off, on, adaptive")
     bench.set_defaults(func=_cmd_bench)
+    _acceptance_command(sub)
     add_export_command(sub)
     add_distill_command(sub)
 
@@ -94,6 +96,34 @@ def _parser() -> argparse.ArgumentParser:
     else:
         add_serve_command(sub)
     return parser
+
+
+def _acceptance_command(sub: Any) -> None:
+    from decoding import bench_acceptance as ba
+
+    p = sub.add_parser("acceptance", help="how often drafters agree with the target: greedy "
+                                          "rounds replayed from plain output, no timing")
+    p.add_argument("--target", default="default", help="model directory, hub id or 'default'")
+    p.add_argument("--drafts", default=ba.DEFAULT_DRAFTS,
+                   help="comma-separated drafters to compare, each as --draft takes it "
+                        f"(default {ba.DEFAULT_DRAFTS})")
+    p.add_argument("--draft-backend", default="auto", choices=BACKENDS,
+                   help="where a draft model runs (as for generate and serve)")
+    p.add_argument("--k", default=ba.DEFAULT_KS,
+                   help=f"comma-separated draft lengths to replay (default {ba.DEFAULT_KS})")
+    p.add_argument("--dtypes", default="float32", help="comma-separated dtypes of the target")
+    p.add_argument("--prompt-sets", default="chat,grounded",
+                   help="comma-separated shipped prompt sets")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts per set (default: 4 with --quick, else all)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"new tokens per prompt (default 64 with --quick, "
+                        f"else {ba.FULL_MAX_TOKENS})")
+    p.add_argument("--quick", action="store_true", help="4 prompts per set, 64 tokens each")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=_cmd_acceptance)
 
 
 def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto") -> None:
@@ -174,6 +204,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     try:
         return run_bench(args, draft_on_backend)
     except DraftBackendError as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_acceptance(args: argparse.Namespace) -> int:
+    from decoding.bench_acceptance import run_acceptance
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def drafter_for(spec: str, target: CausalLM, dtype: str) -> Drafter:
+        drafter, backend = load_draft(spec, target, args.draft_backend, dtype)
+        if drafter is None:
+            raise ValueError(f"--drafts {spec!r} drafts nothing; name a drafter")
+        logging.getLogger(__name__).info("%s runs on %s", spec, backend)
+        return drafter
+
+    try:
+        return run_acceptance(args, drafter_for)
+    except (DraftBackendError, ValueError) as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,249 @@
+"""``specserve acceptance``: how often drafters agree with the target, without timing.
+
+Greedy speculative decoding commits exactly the target's plain greedy output, so
+every round it would run is known once that output is: from the tokens committed
+so far the drafter proposes ``k`` tokens, the target keeps the longest prefix that
+matches its own output plus one token of its own, and the next round starts
+after them. This command decodes each prompt plainly once, then replays those
+rounds for each drafter and each fixed draft length, calling only the drafter.
+The figures (acceptance rate, tokens per round, acceptance by draft position)
+are those a fixed-length run of our engine reports, with no timing noise: a
+drafter's quality on a prompt set, measured in minutes on any machine.
+
+What a length is worth in time also depends on the costs of a draft token and of
+a verify pass; ``specserve bench`` measures those, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from decoding.bench import PROMPT_SETS, QUICK_MAX_TOKENS, QUICK_PROMPTS, load_prompts
+from decoding.bench_methods import engine_runner
+from decoding.bench_report import load_average, machine_info
+from decoding.drafters.base import DraftContext, Drafter
+from decoding.factory import load_target
+from decoding.prompting import encode_chat
+from decoding.target import DTYPES, CausalLM
+from decoding.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAFTS = "ngram,default-draft,ngram+default-draft"
+DEFAULT_KS = "1,2,3,4,6,8"
+FULL_MAX_TOKENS = 128
+GREEDY = SamplingParams(temperature=0.0)
+
+DraftLoader = Callable[[str, CausalLM, str], Drafter]
+
+
+@dataclass
+class Replay:
+    """What the rounds of one drafter at one draft length did (the prefill round,
+    which drafts nothing, is not counted)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    offered: list[int] = field(default_factory=list)  # [i]: rounds that reached position i
+    kept: list[int] = field(default_factory=list)  # [i]: of those, accepted at position i
+
+    def add(self, other: Replay) -> None:
+        self.rounds += other.rounds
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.committed += other.committed
+        for mine, theirs in ((self.offered, other.offered), (self.kept, other.kept)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_round(self) -> float | None:
+        return self.committed / self.rounds if self.rounds else None
+
+    def position_rates(self) -> list[float]:
+        """The share of draft tokens accepted at each position of a round, among the
+        rounds whose earlier drafts were all accepted."""
+        return [k / o for k, o in zip(self.kept, self.offered, strict=True) if o]
+
+
+def replay(drafter: Drafter, prompt_ids: Sequence[int], output: Sequence[int], k: int,
+           max_new_tokens: int) -> Replay:
+    """The rounds of a greedy run of ``drafter`` drafting ``k`` tokens a round, whose
+    target output is ``output`` (its plain greedy output for ``prompt_ids`` within
+    ``max_new_tokens``). The drafter's state is begun and released here."""
+    result = Replay(offered=[0] * k, kept=[0] * k)
+    state = drafter.begin(prompt_ids)
+    try:
+        done = 1 if output else 0  # the prefill round commits the first token
+        while done < len(output):
+            context = DraftContext([*prompt_ids, *output[:done]], GREEDY, None)
+            want = max(0, min(k, max_new_tokens - done - 1))  # as the engine caps it
+            draft = drafter.propose(state, context, want).tokens[:want] if want else ()
+            accepted = 0
+            while (accepted < len(draft) and done + accepted < len(output)
+                   and draft[accepted] == output[done + accepted]):
+                accepted += 1
+            for i in range(min(len(draft), accepted + 1)):
+                result.offered[i] += 1
+                result.kept[i] += i < accepted
+            committed = min(accepted + 1, len(output) - done)
+            result.rounds += 1
+            result.drafted += len(draft)
+            result.accepted += accepted
+            result.committed += committed
+            done += committed
+            drafter.rollback(state, len(prompt_ids) + done)
+    finally:
+        drafter.release(state)
+    return result
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    target: str
+    drafts: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    ks: tuple[int, ...]
+    prompt_sets: tuple[str, ...]
+    prompts_per_set: int | None
+    max_new_tokens: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> AcceptanceConfig:
+        dtypes = _split(args.dtypes)
+        unknown = [d for d in dtypes if d not in DTYPES]
+        if unknown or not dtypes:
+            raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
+        try:
+            ks = tuple(int(k) for k in _split(args.k))
+        except ValueError:
+            raise ValueError(f"--k takes comma-separated draft lengths, not {args.k!r}") from None
+        if not ks or min(ks) < 1:
+            raise ValueError("--k takes draft lengths of at least 1")
+        drafts = _split(args.drafts)
+        if not drafts:
+            raise ValueError("--drafts names no drafter")
+        sets = _split(args.prompt_sets)
+        for name in sets:
+            if name not in PROMPT_SETS:
+                raise ValueError(f"unknown prompt set {name!r}; choose from {list(PROMPT_SETS)}")
+        prompts = args.prompts if args.prompts is not None else (
+            QUICK_PROMPTS if args.quick else None)
+        if prompts is not None and prompts < 1:
+            raise ValueError("--prompts must be at least 1")
+        max_tokens = args.max_tokens or (QUICK_MAX_TOKENS if args.quick else FULL_MAX_TOKENS)
+        if max_tokens < 2:
+            raise ValueError("--max-tokens must be at least 2 (the first token drafts nothing)")
+        return cls(target=args.target, drafts=drafts, dtypes=dtypes, ks=ks, prompt_sets=sets,
+                   prompts_per_set=prompts, max_new_tokens=max_tokens)
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def run_acceptance(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
+    """The ``acceptance`` command: replay, print the table, write the JSON."""
+    log.setLevel(logging.INFO)  # progress is part of this command's output
+    try:
+        config = AcceptanceConfig.from_args(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    json_path = Path(args.json) if args.json else None
+    if json_path is not None:  # fail before the run, not after it
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    prompt_sets = {name: load_prompts(name, config.prompts_per_set)
+                   for name in config.prompt_sets}
+    machine = machine_info()
+    rows: list[dict[str, Any]] = []
+    for dtype in config.dtypes:
+        rows.extend(_run_dtype(config, dtype, prompt_sets, draft_loader))
+        gc.collect()
+    machine["load_average_1m_end"] = load_average()
+    write_table(rows, sys.stdout)
+    if json_path is not None:
+        record = asdict(config)
+        record["prompts"] = {name: [p.id for p in ps] for name, ps in prompt_sets.items()}
+        report = {"machine": machine, "config": record, "rows": rows}
+        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        log.info("wrote %s", json_path)
+    return 0
+
+
+def _run_dtype(config: AcceptanceConfig, dtype: str, prompt_sets: dict[str, list[Any]],
+               draft_loader: DraftLoader) -> list[dict[str, Any]]:
+    log.info("loading %s in %s", config.target, dtype)
+    target = load_target(config.target, dtype)
+    plain = engine_runner(target, None)
+    rows = []
+    for name, prompts in prompt_sets.items():
+        cases = []
+        for index, prompt in enumerate(prompts, start=1):
+            ids = encode_chat(target.tokenizer, prompt.messages)
+            cases.append((ids, plain(ids, config.max_new_tokens).token_ids))
+            log.info("%s %s %d/%d: %d target tokens", dtype, name, index, len(prompts),
+                     len(cases[-1][1]))
+        for spec in config.drafts:
+            for k in config.ks:
+                # a fresh drafter per length: what a drafter learns across requests (a
+                # combined drafter's choice of source) must not carry from one length over
+                drafter = draft_loader(spec, target, dtype)
+                total = Replay(offered=[0] * k, kept=[0] * k)
+                for ids, output in cases:
+                    total.add(replay(drafter, ids, output, k, config.max_new_tokens))
+                rows.append(_row(name, dtype, spec, k, len(cases), total))
+                log.info("%s %s %s k=%d: acceptance %s, %.2f tokens/round", dtype, name, spec,
+                         k, _percent(total.acceptance_rate), total.tokens_per_round or 0.0)
+    return rows
+
+
+def _row(prompt_set: str, dtype: str, spec: str, k: int, prompts: int,
+         result: Replay) -> dict[str, Any]:
+    return {
+        "prompt_set": prompt_set, "dtype": dtype, "draft": spec, "k": k, "prompts": prompts,
+        "rounds": result.rounds, "drafted": result.drafted, "accepted": result.accepted,
+        "committed": result.committed, "acceptance_rate": result.acceptance_rate,
+        "tokens_per_round": result.tokens_per_round,
+        "position_rates": result.position_rates(),
+    }
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    header = ["dtype", "set", "draft", "k", "rounds", "drafted", "acceptance", "first",
+              "tokens/round"]
+    lines = [[r["dtype"], r["prompt_set"], r["draft"], str(r["k"]), str(r["rounds"]),
+              str(r["drafted"]),
+              _percent(r["acceptance_rate"]),
+              _percent(r["position_rates"][0] if r["position_rates"] else None),
+              f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"]
+             for r in rows]
+    widths = [max(len(c) for c in column) for column in zip(header, *lines, strict=True)]
+    out = [header, ["-" * w for w in widths], *lines]
+    return "".join("  ".join(f"{c:<{w}}" if i < 3 else f"{c:>{w}}"
+                             for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+                   + "\n" for row in out)
+
+
+def write_table(rows: Sequence[dict[str, Any]], stream: TextIO) -> None:
+    stream.write(format_table(rows))
+    stream.flush()
