@@ -44,7 +44,7 @@ def _replay_totals(target: CausalLM, drafter: Drafter, ids: list[int], output: t
             "committed": r.committed}
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("k", [1, 4])
 def test_replayed_rounds_are_the_engines_with_the_default_draft(
         default_target: CausalLM, k: int) -> None:
     max_new = 40
