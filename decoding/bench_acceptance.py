@@ -11,7 +11,9 @@ are those a fixed-length run of our engine reports, with no timing noise: a
 drafter's quality on a prompt set, measured in minutes on any machine.
 
 What a length is worth in time also depends on the costs of a draft token and of
-a verify pass; ``specserve bench`` measures those, side by side.
+a verify pass; ``specserve bench`` measures those, side by side. In bfloat16 a
+verify pass may round differently from a one-token step, so there the figures
+are those against plain output, close to but not exactly what the engine sees.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ def _run_dtype(config: AcceptanceConfig, dtype: str, prompt_sets: dict[str, list
                draft_loader: DraftLoader) -> list[dict[str, Any]]:
     log.info("loading %s in %s", config.target, dtype)
     target = load_target(config.target, dtype)
+    # every drafter loads before the target decodes anything: a bad spec fails at once
+    loaded = {spec: draft_loader(spec, target, dtype) for spec in config.drafts}
     plain = engine_runner(target, None)
     rows = []
     for name, prompts in prompt_sets.items():
@@ -203,7 +207,7 @@ def _run_dtype(config: AcceptanceConfig, dtype: str, prompt_sets: dict[str, list
             for k in config.ks:
                 # a fresh drafter per length: what a drafter learns across requests (a
                 # combined drafter's choice of source) must not carry from one length over
-                drafter = draft_loader(spec, target, dtype)
+                drafter = loaded.pop(spec, None) or draft_loader(spec, target, dtype)
                 total = Replay(offered=[0] * k, kept=[0] * k)
                 for ids, output in cases:
                     total.add(replay(drafter, ids, output, k, config.max_new_tokens))
