@@ -76,7 +76,7 @@ class BenchConfig:
         prompts = args.prompts if args.prompts is not None else (
             QUICK_PROMPTS if args.quick else None)
         max_tokens = args.max_tokens or (QUICK_MAX_TOKENS if args.quick else FULL_MAX_TOKENS)
-        dtypes = _split(args.dtypes)
+        dtypes = split_list(args.dtypes)
         unknown = [d for d in dtypes if d not in DTYPES]
         if unknown or not dtypes:
             raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
@@ -84,7 +84,7 @@ class BenchConfig:
             target=args.target,
             draft=draft,
             dtypes=dtypes,
-            prompt_sets=_split(args.prompt_sets),
+            prompt_sets=split_list(args.prompt_sets),
             prompts_per_set=prompts,
             max_new_tokens=max_tokens,
             methods=select_methods(args.methods, has_draft=draft is not None, hf=not args.no_hf),
@@ -92,13 +92,24 @@ class BenchConfig:
         )
 
 
-def _split(text: str) -> tuple[str, ...]:
+def split_list(text: str) -> tuple[str, ...]:
+    """The items of a comma-separated flag, blanks dropped."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def json_output(path: str | None) -> Path | None:
+    """Where ``--json`` goes, its folder made now: a bad path fails before the run, not
+    after it."""
+    if path is None:
+        return None
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def select_methods(wanted: str | None, has_draft: bool, hf: bool) -> tuple[str, ...]:
     """The methods to run, in canonical order; ``plain`` always, as the reference."""
-    chosen = set(_split(wanted)) if wanted else set(ALL_METHODS)
+    chosen = set(split_list(wanted)) if wanted else set(ALL_METHODS)
     unknown = chosen - set(ALL_METHODS)
     if unknown:
         raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {list(ALL_METHODS)}")
@@ -135,9 +146,7 @@ def run_bench(args: argparse.Namespace, draft_loader: DraftLoader | None = None)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    json_path = Path(args.json) if args.json else None
-    if json_path is not None:  # fail before the run, not after it
-        json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path = json_output(args.json)
     report = run_all(config, prompt_sets, draft_loader)
     write_table(report["runs"], sys.stdout)
     if json_path is not None:

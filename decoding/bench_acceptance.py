@@ -25,10 +25,16 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, TextIO
 
-from decoding.bench import PROMPT_SETS, QUICK_MAX_TOKENS, QUICK_PROMPTS, load_prompts
+from decoding.bench import (
+    PROMPT_SETS,
+    QUICK_MAX_TOKENS,
+    QUICK_PROMPTS,
+    json_output,
+    load_prompts,
+    split_list,
+)
 from decoding.bench_methods import engine_runner
 from decoding.bench_report import load_average, machine_info
 from decoding.drafters.base import DraftContext, Drafter
@@ -127,20 +133,20 @@ class AcceptanceConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AcceptanceConfig:
-        dtypes = _split(args.dtypes)
+        dtypes = split_list(args.dtypes)
         unknown = [d for d in dtypes if d not in DTYPES]
         if unknown or not dtypes:
             raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
         try:
-            ks = tuple(int(k) for k in _split(args.k))
+            ks = tuple(int(k) for k in split_list(args.k))
         except ValueError:
             raise ValueError(f"--k takes comma-separated draft lengths, not {args.k!r}") from None
         if not ks or min(ks) < 1:
             raise ValueError("--k takes draft lengths of at least 1")
-        drafts = _split(args.drafts)
+        drafts = split_list(args.drafts)
         if not drafts:
             raise ValueError("--drafts names no drafter")
-        sets = _split(args.prompt_sets)
+        sets = split_list(args.prompt_sets)
         for name in sets:
             if name not in PROMPT_SETS:
                 raise ValueError(f"unknown prompt set {name!r}; choose from {list(PROMPT_SETS)}")
@@ -155,10 +161,6 @@ class AcceptanceConfig:
                    prompts_per_set=prompts, max_new_tokens=max_tokens)
 
 
-def _split(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
 def run_acceptance(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
     """The ``acceptance`` command: replay, print the table, write the JSON."""
     log.setLevel(logging.INFO)  # progress is part of this command's output
@@ -167,9 +169,7 @@ def run_acceptance(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    json_path = Path(args.json) if args.json else None
-    if json_path is not None:  # fail before the run, not after it
-        json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path = json_output(args.json)
     prompt_sets = {name: load_prompts(name, config.prompts_per_set)
                    for name in config.prompt_sets}
     machine = machine_info()
