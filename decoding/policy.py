@@ -31,7 +31,8 @@ INHERIT_WEIGHT = 0.5  # pseudo-rounds by which a position leans on the one befor
 # costs of the default model on a 2-core CPU, 0.8 -> 0.95 took the modelled gain of the
 # default draft from 1.11x to 1.20x and of lookup + draft from 1.22x to 1.32x, while lookup
 # alone moved by under 1% (its runs are long and its rates extreme). Measured (`specserve
-# bench`, all chat prompts, float32): that draft 1.08x -> 1.15x, with lookup 1.19x -> 1.24x.
+# bench`, all chat prompts, float32): the draft then shipped 1.08x -> 1.15x, with lookup
+# 1.19x -> 1.24x.
 HISTORY_DECAY = 0.95
 # Extra verify time per draft token, in target steps: measured on a 2-core AVX-512 CPU with
 # the default model as about 0.055 (float32) and 0.025 (bfloat16); slightly pessimistic here.
