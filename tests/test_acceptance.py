@@ -37,8 +37,8 @@ def _engine_totals(target: CausalLM, drafter: Drafter, ids: list[int], k: int,
         "committed": sum(len(e.token_ids) for e in later)}
 
 
-def _replay_totals(target: CausalLM, drafter: Drafter, ids: list[int], output: tuple[int, ...],
-                   k: int, max_new: int) -> dict[str, int]:
+def _replay_totals(drafter: Drafter, ids: list[int], output: tuple[int, ...], k: int,
+                   max_new: int) -> dict[str, int]:
     r = replay(drafter, ids, output, k, max_new)
     return {"rounds": r.rounds, "drafted": r.drafted, "accepted": r.accepted,
             "committed": r.committed}
@@ -57,7 +57,7 @@ def test_replayed_rounds_are_the_engines_with_the_default_draft(
             replay_drafter = load_drafter(spec, default_target)
             assert engine_drafter is not None and replay_drafter is not None
             output, engine = _engine_totals(default_target, engine_drafter, ids, k, max_new)
-            replayed = _replay_totals(default_target, replay_drafter, ids, output, k, max_new)
+            replayed = _replay_totals(replay_drafter, ids, output, k, max_new)
             assert replayed == engine, (spec, text)
             seen_accepted += engine["accepted"]
     assert seen_accepted > 0
