@@ -158,13 +158,22 @@ def run_bench(args: argparse.Namespace, draft_loader: DraftLoader | None = None)
 def run_all(config: BenchConfig, prompt_sets: dict[str, list[Prompt]],
             draft_loader: DraftLoader | None = None) -> dict[str, Any]:
     """Every dtype, prompt set and method; returns the JSON report."""
+    machine, runs = each_dtype(
+        config.dtypes, lambda dtype: _run_dtype(config, dtype, prompt_sets, draft_loader))
+    return {"machine": machine, "config": _config_record(config, prompt_sets), "runs": runs}
+
+
+def each_dtype(dtypes: Sequence[str], run: Callable[[str], list[dict[str, Any]]]
+               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The rows ``run`` makes for each dtype in turn (one model in memory at a time), and
+    the machine they were measured on, with its load before and after."""
     machine = machine_info()
-    runs: list[dict[str, Any]] = []
-    for dtype in config.dtypes:
-        runs.extend(_run_dtype(config, dtype, prompt_sets, draft_loader))
+    rows: list[dict[str, Any]] = []
+    for dtype in dtypes:
+        rows.extend(run(dtype))
         gc.collect()
     machine["load_average_1m_end"] = load_average()
-    return {"machine": machine, "config": _config_record(config, prompt_sets), "runs": runs}
+    return machine, rows
 
 
 def _config_record(config: BenchConfig, prompt_sets: dict[str, list[Prompt]]) -> dict[str, Any]:

@@ -19,11 +19,10 @@ are those against plain output, close to but not exactly what the engine sees.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -31,16 +30,17 @@ from decoding.bench import (
     PROMPT_SETS,
     QUICK_MAX_TOKENS,
     QUICK_PROMPTS,
+    DraftLoader,
+    each_dtype,
     json_output,
     load_prompts,
     split_list,
 )
 from decoding.bench_methods import engine_runner
-from decoding.bench_report import load_average, machine_info
 from decoding.drafters.base import DraftContext, Drafter
 from decoding.factory import load_target
 from decoding.prompting import encode_chat
-from decoding.target import DTYPES, CausalLM
+from decoding.target import DTYPES
 from decoding.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,6 @@ DEFAULT_DRAFTS = "ngram,default-draft,ngram+default-draft"
 DEFAULT_KS = "1,2,3,4,6,8"
 FULL_MAX_TOKENS = 128
 GREEDY = SamplingParams(temperature=0.0)
-
-DraftLoader = Callable[[str, CausalLM, str], Drafter]
 
 
 @dataclass
@@ -172,12 +170,8 @@ def run_acceptance(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
     json_path = json_output(args.json)
     prompt_sets = {name: load_prompts(name, config.prompts_per_set)
                    for name in config.prompt_sets}
-    machine = machine_info()
-    rows: list[dict[str, Any]] = []
-    for dtype in config.dtypes:
-        rows.extend(_run_dtype(config, dtype, prompt_sets, draft_loader))
-        gc.collect()
-    machine["load_average_1m_end"] = load_average()
+    machine, rows = each_dtype(
+        config.dtypes, lambda dtype: _run_dtype(config, dtype, prompt_sets, draft_loader))
     write_table(rows, sys.stdout)
     if json_path is not None:
         record = asdict(config)

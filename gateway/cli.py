@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from decoding import model_store
+from decoding.bench import DraftLoader
 from decoding.bench_methods import ALL_METHODS
 from decoding.distill.cli import add_distill_command
 from decoding.drafters.base import Drafter
@@ -195,14 +196,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         return run_concurrency_bench(args)
 
-    def draft_on_backend(spec: str, target: CausalLM, dtype: str) -> Drafter:
-        drafter, backend = load_draft(spec, target, args.draft_backend, dtype)
-        assert drafter is not None
-        logging.getLogger(__name__).info("spec:draft runs on %s", backend)
-        return drafter
-
     try:
-        return run_bench(args, draft_on_backend)
+        return run_bench(args, _drafter_loader(args.draft_backend))
     except DraftBackendError as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
@@ -214,18 +209,25 @@ def _cmd_acceptance(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    def drafter_for(spec: str, target: CausalLM, dtype: str) -> Drafter:
-        drafter, backend = load_draft(spec, target, args.draft_backend, dtype)
-        if drafter is None:
-            raise ValueError(f"--drafts {spec!r} drafts nothing; name a drafter")
-        logging.getLogger(__name__).info("%s runs on %s", spec, backend)
-        return drafter
-
     try:
-        return run_acceptance(args, drafter_for)
-    except (DraftBackendError, ValueError) as exc:
+        return run_acceptance(args, _drafter_loader(args.draft_backend))
+    except (DraftBackendError, ValueError) as exc:  # ValueError: e.g. 'cache' without a cache
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
+
+
+def _drafter_loader(backend: str) -> DraftLoader:
+    """What the benchmarks call to load a drafter (its model on ``backend``); a spec that
+    drafts nothing is refused."""
+
+    def load(spec: str, target: CausalLM, dtype: str) -> Drafter:
+        drafter, chosen = load_draft(spec, target, backend, dtype)
+        if drafter is None:
+            raise DraftBackendError(f"draft {spec!r} drafts nothing; name a drafter")
+        logging.getLogger(__name__).info("draft %s runs on %s", spec, chosen)
+        return drafter
+
+    return load
 
 
 if __name__ == "__main__":
