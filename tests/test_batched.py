@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from decoding.batched import BatchedLM
+from decoding.batched import BatchedLM, BatchedState, attention_blocks
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
@@ -79,6 +79,56 @@ def test_batched_forward_matches_each_sequence_alone(tiny_target: BatchedLM) -> 
         assert state.length == len(prompt) + len(new)
     for state in states:
         tiny_target.release(state)
+
+
+@pytest.mark.parametrize("news", [
+    (1, 9, 1, 1, 1, 1),  # one stream verifying among one-token streams: a block apart
+    (3, 1, 1, 3, 1, 5),  # a few short drafts spread over the rows: each alone
+    (2, 2, 2, 2, 2, 2),  # every stream drafting alike: one block
+    (1, 1, 4, 4, 4, 4),
+])
+def test_attention_blocks_give_the_model_s_own_logits(tiny_target: BatchedLM,
+                                                      news: tuple[int, ...]) -> None:
+    """However a decoding pass's rows are split into attention blocks, and with the query
+    heads of a multi-token row folded onto their shared key/value heads, each row gets
+    the logits the model's own (transformers) forward pass gives it."""
+    rng = random.Random(len(news) + sum(news))
+    reference = CausalLM(tiny_target.model, tiny_target.tokenizer)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (5, 30, 12, 60, 2, 21)]
+    added = [[rng.randrange(1000, 20000) for _ in range(n)] for n in news]
+    expected = []
+    for prompt, new in zip(prompts, added, strict=True):
+        state = reference.new_state()
+        reference.prefill(state, prompt)
+        expected.append(reference.score(state, new))
+    states = [tiny_target.new_state() for _ in prompts]
+    tiny_target.forward_batch([BatchItem(s, p, 1) for s, p in zip(states, prompts, strict=True)])
+    items = [BatchItem(s, n, len(n)) for s, n in zip(states, added, strict=True)]
+    got = tiny_target.forward_batch(items)
+    for want, logits in zip(expected, got, strict=True):
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    for state in states:
+        tiny_target.release(state)
+
+
+def test_attention_blocks_keep_one_token_rows_apart_from_a_long_draft() -> None:
+    """The layout is chosen by the padded (query, key) pairs it computes."""
+    def items(news: list[int], length: int = 300) -> list[BatchItem]:
+        return [BatchItem(BatchedState(row=i, length=length), [1] * n, n)
+                for i, n in enumerate(news)]
+
+    everyone = list(range(8))
+    # 8 rows x 9 queries in one block would be 4x the work of 8 + 9 in two
+    assert attention_blocks(items([9] + [1] * 7), everyone) == [list(range(1, 8)), [0]]
+    # one block when every row adds the same: splitting would only add calls
+    assert attention_blocks(items([2] * 8), everyone) == [everyone]
+    assert attention_blocks(items([1] * 8), everyone) == [everyone]
+    # short drafts spread over the rows: over a long context each alone rather than one
+    # 8 x 5 block; over a short one the extra calls cost more than the padding
+    spread = [3, 1, 1, 3, 1, 1, 1, 5]
+    assert attention_blocks(items(spread, 800), everyone) == [[1, 2, 4, 5, 6], [0], [3], [7]]
+    assert attention_blocks(items(spread, 300), everyone) == [everyone]
+    assert attention_blocks(items([1, 1]), []) == []
 
 
 def test_release_keeps_the_other_rows_intact(tiny_target: BatchedLM) -> None:
