@@ -257,8 +257,24 @@ class Engine:
                 self._expire_waiting()
                 self._admit()
                 batch = list(self._active)
-            self._iteration(batch)
+            try:
+                self._iteration(batch)
+            except Exception:  # a fault outside any one request's work: end the batch's
+                log.exception("a decoding iteration failed; its requests end with an error")
+                self._fail_batch(batch)
         self._drain_all()
+
+    def _fail_batch(self, batch: list[_Active]) -> None:
+        """End every request of ``batch`` still running, with an error (the engine goes
+        on with the next requests)."""
+        with self._lock:
+            running = [active for active in batch if active in self._active]
+        for active in running:
+            try:
+                self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
+                                                  "the model failed"))
+            except Exception:
+                log.exception("could not end request %s", active.stream.request.request_id)
 
     def _iteration(self, batch: list[_Active]) -> None:
         """One round for every active request: the next chunk of waiting prompts and one
@@ -326,7 +342,9 @@ class Engine:
         policies = [d.policy if d.drafter is not None else None for d in decoders]
         limits = [d.max_new - len(d.output) - 1 for d in decoders]
         draft_s = [d.policy.draft_s_per_token for d in decoders]
-        return list(plan_batch(policies, limits, self.step_cost, draft_s))
+        calibration = [self._prior(a.stream.drafter or "", a.decoder.source).calibration
+                       for a in decoding]
+        return list(plan_batch(policies, limits, self.step_cost, draft_s, calibration))
 
     def _draft_together(self, decoding: list[_Active], lengths: list[int]
                         ) -> list[tuple[DraftProposal, float] | None]:
@@ -400,6 +418,7 @@ class Engine:
             self.step_cost.observe(sum(len(plan.item.token_ids) for _, plan in plans), seconds)
         self.forward_passes += 1
         for (active, plan), out in zip(plans, logits, strict=True):
+            promised = self._promised(plan)
             try:
                 event = active.decoder.complete(plan, out, seconds)
             except Exception:
@@ -409,11 +428,22 @@ class Engine:
                 continue
             if event is None:
                 continue
+            if promised is not None:
+                self._prior(active.stream.drafter or "", active.decoder.source).record(
+                    promised, event.accepted_tokens)
             if len(plans) > 1:
                 event = dataclasses.replace(event, batch_size=len(plans))
             active.stream._put(event)
             if event.finished:
                 self._finish(active, None)
+
+    def _promised(self, plan: RoundPlan) -> float | None:
+        """The accepted drafts a batch-planned round's policy expects (before it learns
+        the outcome), for its drafter's calibration; None for other rounds."""
+        if not self.batch_planning or not plan.draft or plan.policy is None:
+            return None
+        tokens = plan.policy.expected_tokens(len(plan.draft))
+        return tokens[-1] - 1.0 if tokens else None
 
     def _expire_waiting(self) -> None:
         """A request whose deadline passes while it waits ends with ``timeout``."""

@@ -148,10 +148,28 @@ class SpeculationPrior:
         self._weight = 0.0
         self._rates = [0.0] * MAX_DRAFT_TOKENS
         self._draft_s = 0.0
+        self._expected = 0.0  # accepted drafts the policies' rates promised (recent rounds)
+        self._accepted = 0.0  # ... and what verification accepted in those rounds
 
     @property
     def known(self) -> bool:
         return self._weight > 0
+
+    def record(self, expected: float, accepted: int) -> None:
+        """One batch-planned round: the accepted drafts its policy's rates promised for
+        the tokens it drafted, and how many were accepted."""
+        self._expected = CALIBRATION_DECAY * self._expected + expected
+        self._accepted = CALIBRATION_DECAY * self._accepted + accepted
+
+    @property
+    def calibration(self) -> float:
+        """Accepted over promised drafts of recent rounds, in [MIN_CALIBRATION, 1]; 1 until
+        the rounds have promised CALIBRATION_EVIDENCE drafts. The batch planner picks the
+        streams whose rates look best, so the rates it acts on run high (with the shipped
+        draft and lookup on chat, 8 streams: 2.0x and 1.5x what was accepted)."""
+        if self._expected < CALIBRATION_EVIDENCE:
+            return 1.0
+        return min(1.0, max(MIN_CALIBRATION, self._accepted / self._expected))
 
     def observe(self, policy: AdaptiveSpeculation) -> None:
         if policy.drafted_rounds == 0:
@@ -214,6 +232,9 @@ class FixedSpeculation(AdaptiveSpeculation):
 
 COST_HISTORY_DECAY = 0.97  # weight of older forward passes in the step-cost fit
 BATCH_MIN_GAIN = 1.05  # a batch plan must promise this much over plain batched decoding
+CALIBRATION_DECAY = 0.98  # weight of older rounds in a drafter's calibration (~50 rounds)
+CALIBRATION_EVIDENCE = 4.0  # promised drafts before a calibration is used
+MIN_CALIBRATION = 0.25
 
 
 class StepCost:
@@ -291,6 +312,7 @@ def plan_batch(
     limits: list[int],
     cost: StepCost,
     draft_seconds: list[float] | None = None,
+    calibration: list[float] | None = None,
 ) -> list[int]:
     """Draft lengths for the sequences of one forward pass, chosen together.
 
@@ -303,6 +325,10 @@ def plan_batch(
     wins, stops. ``None`` policies (no drafter) and zero limits get no draft. A
     sequence whose drafts have never been verified drafts as its own policy says
     (its first round measures the drafter) unless earlier requests measured it.
+    ``calibration`` (per sequence, default 1) scales the chance that its first draft
+    is accepted, and so every later one: how far its drafter's rates have proven
+    optimistic in earlier batch-planned rounds (``SpeculationPrior.calibration``).
+    One sequence alone is planned from its own rates.
     """
     n = len(policies)
     ks = [0] * n
@@ -315,7 +341,9 @@ def plan_batch(
     draft_s = draft_seconds or [0.0] * n
     if n == 1 and policies[0] is not None and not fresh[0]:
         return [_best_single(policies[0], limits[0], cost, draft_s[0])]
-    rates = [p.position_rates() if p is not None else [] for p in policies]
+    scale = calibration or [1.0] * n
+    rates = [[r * scale[i] if j == 0 else r for j, r in enumerate(p.position_rates())]
+             if p is not None else [] for i, p in enumerate(policies)]
     run = [1.0] * n  # chance that every draft so far in sequence i is kept
     expected = float(n)  # each sequence commits at least one token
     seconds = cost.predict(n)

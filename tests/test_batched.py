@@ -16,7 +16,13 @@ from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
-from decoding.policy import AdaptiveSpeculation, StepCost, plan_batch
+from decoding.policy import (
+    MIN_CALIBRATION,
+    AdaptiveSpeculation,
+    SpeculationPrior,
+    StepCost,
+    plan_batch,
+)
 from decoding.prompting import encode_text
 from decoding.sequence import decode
 from decoding.target import BatchItem, CausalLM
@@ -377,6 +383,37 @@ def _spy_on_draft_passes(model: BatchedLM, monkeypatch: pytest.MonkeyPatch,
     return sizes
 
 
+def test_a_fault_in_the_engine_s_own_planning_ends_the_batch_not_the_engine(
+    tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault outside any request's own work (here the batch planner, injected: it cannot
+    be caused from outside) ends the running requests with an error, frees their slots,
+    and the engine serves the next request."""
+    import decoding.engine as engine_module
+
+    real = engine_module.plan_batch
+    faults = iter([True])
+
+    def plan_batch(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if next(faults, False):
+            raise RuntimeError("injected fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "plan_batch", plan_batch)
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()})
+    try:
+        streams = [engine.submit(r) for r in _greedy(tiny_target, PROMPTS[:2], 12)]
+        ends = [list(stream)[-1] for stream in streams]
+        assert engine.num_running == 0
+        later = list(engine.submit(_greedy(tiny_target, PROMPTS[2:3], 12)[0]))
+    finally:
+        engine.shutdown()
+    assert all(e.finish_reason is FinishReason.ERROR for e in ends)
+    assert all(e.error and "injected" not in e.error for e in ends)  # nothing leaks
+    assert later[-1].finish_reason is FinishReason.LENGTH
+    assert len(_tokens(later)) == 12
+
+
 @pytest.mark.parametrize("fail_batches", [False, True])
 def test_a_draft_model_drafts_for_the_whole_batch_in_one_pass_per_step(
     tiny_target: CausalLM, tiny_target_dir: object, monkeypatch: pytest.MonkeyPatch,
@@ -439,6 +476,60 @@ def test_speculation_shrinks_as_the_batch_grows() -> None:
     assert totals[0] > totals[-1]
     assert totals == sorted(totals, reverse=True)
     assert plan_batch([_policy(0.5) for _ in range(64)], [100] * 64, cost) == [0] * 64
+
+
+def test_a_drafter_that_proved_optimistic_drafts_less_in_a_batch() -> None:
+    """The same rates, scaled by how far they have proven optimistic: fewer drafts, and
+    none once the batch is better off decoding plainly; one stream alone keeps its own
+    rates."""
+    cost = _cost(0.060, 0.004)
+    policies = [_policy(0.6) for _ in range(4)]
+    trusted = sum(plan_batch(policies, [100] * 4, cost))
+    halved = sum(plan_batch(policies, [100] * 4, cost, calibration=[0.5] * 4))
+    assert trusted > halved
+    assert plan_batch(policies, [100] * 4, cost, calibration=[0.25] * 4) == [0] * 4
+    alone = plan_batch(policies[:1], [100], cost)
+    assert plan_batch(policies[:1], [100], cost, calibration=[0.25]) == alone
+
+
+def test_calibration_is_accepted_over_promised_drafts() -> None:
+    prior = SpeculationPrior()
+    assert prior.calibration == 1.0  # nothing promised yet
+    prior.record(1.0, 0)
+    assert prior.calibration == 1.0  # too little to go by
+    for _ in range(20):
+        prior.record(1.5, 1)
+    assert prior.calibration == pytest.approx(1 / 1.5, rel=0.05)
+    for _ in range(300):
+        prior.record(2.0, 0)  # promised much, accepted nothing: floored
+    assert prior.calibration == MIN_CALIBRATION
+    for _ in range(300):
+        prior.record(1.0, 3)  # better than promised: the rates are used as they are
+    assert prior.calibration == 1.0
+
+
+def test_the_engine_calibrates_each_drafter_from_its_rounds(tiny_target: CausalLM,
+                                                           tiny_target_dir: object) -> None:
+    """Every batch-planned round that drafted adds what its policy promised and what was
+    accepted to its drafter's calibration (the target drafting for itself: every draft
+    is accepted, so its calibration is 1)."""
+    itself = ModelDrafter(BatchedLM.load(str(tiny_target_dir), dtype="float32"), tiny_target)
+    engine = Engine(tiny_target, {"self": itself}, default_drafter="self", max_active=16)
+    engine.start()
+    accepted = 0
+    try:
+        streams = [engine.submit(GenerationRequest(
+            prompt_ids=_ids(tiny_target, p), max_new_tokens=24, sampling=GREEDY))
+            for p in PROMPTS[:4]]
+        for stream in streams:
+            accepted += sum(e.accepted_tokens for e in stream)
+    finally:
+        engine.shutdown()
+    prior = engine._prior("self", "")
+    assert prior._expected > 0  # drafted rounds were recorded, with what they accepted
+    assert accepted > 0  # (older rounds weigh less)
+    assert 0 < prior._accepted <= accepted
+    assert prior.calibration == 1.0
 
 
 def test_plan_batch_respects_limits_and_missing_drafters() -> None:
