@@ -48,7 +48,7 @@ _CAPACITY_ALIGN = 64
 _GROUP_WIDTH = 16  # additions up to this many tokens may share one padded attention block
 # What one more attention block per layer costs, in (query, key) pairs. A 2-core CPU with the
 # default model measured ~44 us per call against ~0.03 us per pair (1,500 pairs), but with
-# that figure a batch where every stream drafts split into many blocks and decoded ~2% slower
+# that figure a batch where every stream drafts split into many blocks and decoded 2-3% slower
 # end to end; at 4,000 it stays one block, while one long draft among one-token rows and
 # short drafts over long contexts are still split.
 _BLOCK_OVERHEAD = 4000
@@ -323,8 +323,9 @@ class BatchedLM(CausalLM):
         attention, the query heads that share a key/value head become extra queries of
         that head (``[R, kv, g*W, D]``, ``mask`` folded the same way): the keys and
         values are then read once per key/value head, not once per query head. On a
-        2-core CPU this made a block of 8 rows x 2-5 queries over 300-800 cached positions
-        1.4-1.7x faster; for one query per row PyTorch's grouped-query path is as fast."""
+        2-core CPU the attention call of a block of 8 rows x 2-5 queries over 300-800
+        cached positions took 1.6-1.7x less time (9 queries: 1.1x); for one query per row
+        PyTorch's grouped-query path is as fast."""
         rows, queries, heads, dim = q.shape
         if not self._folds(queries):
             return F.scaled_dot_product_attention(
