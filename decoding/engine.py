@@ -342,8 +342,8 @@ class Engine:
         policies = [d.policy if d.drafter is not None else None for d in decoders]
         limits = [d.max_new - len(d.output) - 1 for d in decoders]
         draft_s = [d.policy.draft_s_per_token for d in decoders]
-        calibration = [self._prior(a.stream.drafter or "", a.decoder.source).calibration
-                       for a in decoding]
+        calibration = [self._source_prior(a).calibration if a.decoder.drafter is not None
+                       else 1.0 for a in decoding]
         return list(plan_batch(policies, limits, self.step_cost, draft_s, calibration))
 
     def _draft_together(self, decoding: list[_Active], lengths: list[int]
@@ -429,8 +429,7 @@ class Engine:
             if event is None:
                 continue
             if promised is not None:
-                self._prior(active.stream.drafter or "", active.decoder.source).record(
-                    promised, event.accepted_tokens)
+                self._source_prior(active).record(promised, event.accepted_tokens)
             if len(plans) > 1:
                 event = dataclasses.replace(event, batch_size=len(plans))
             active.stream._put(event)
@@ -482,6 +481,10 @@ class Engine:
 
     def _prior(self, drafter: str, source: str) -> SpeculationPrior:
         return self._priors.setdefault((drafter, source), SpeculationPrior())
+
+    def _source_prior(self, active: _Active) -> SpeculationPrior:
+        """The prior of the request's drafter and of the source drafting its round."""
+        return self._prior(active.stream.drafter or "", active.decoder.source)
 
     def _new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:
         """A new request's policy for one of its drafter's sources, from what earlier

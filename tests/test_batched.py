@@ -188,7 +188,8 @@ def test_kv_round_trip(tiny_target: BatchedLM) -> None:
 
 
 def _engine(target: CausalLM, drafters: dict[str, Drafter], **kw: object) -> Engine:
-    engine = Engine(target, drafters, default_drafter="ngram", max_active=16, max_queue=64,
+    kw.setdefault("default_drafter", "ngram")
+    engine = Engine(target, drafters, max_active=16, max_queue=64,
                     **kw)  # type: ignore[arg-type]
     engine.start()
     return engine
@@ -514,8 +515,7 @@ def test_the_engine_calibrates_each_drafter_from_its_rounds(tiny_target: CausalL
     accepted to its drafter's calibration (the target drafting for itself: every draft
     is accepted, so its calibration is 1)."""
     itself = ModelDrafter(BatchedLM.load(str(tiny_target_dir), dtype="float32"), tiny_target)
-    engine = Engine(tiny_target, {"self": itself}, default_drafter="self", max_active=16)
-    engine.start()
+    engine = _engine(tiny_target, {"self": itself}, default_drafter="self")
     accepted = 0
     try:
         streams = [engine.submit(GenerationRequest(
