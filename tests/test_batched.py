@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from decoding import batched
 from decoding.batched import BatchedLM, BatchedState, attention_blocks
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
@@ -93,11 +94,15 @@ def test_batched_forward_matches_each_sequence_alone(tiny_target: BatchedLM) -> 
     (2, 2, 2, 2, 2, 2),  # every stream drafting alike: one block
     (1, 1, 4, 4, 4, 4),
 ])
-def test_attention_blocks_give_the_model_s_own_logits(tiny_target: BatchedLM,
-                                                      news: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("fold_single", [False, True])
+def test_attention_blocks_give_the_model_s_own_logits(
+        tiny_target: BatchedLM, news: tuple[int, ...], fold_single: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """However a decoding pass's rows are split into attention blocks, and with the query
-    heads of a multi-token row folded onto their shared key/value heads, each row gets
-    the logits the model's own (transformers) forward pass gives it."""
+    heads of a multi-token row (on a GPU, of every row) folded onto their shared
+    key/value heads, each row gets the logits the model's own (transformers) forward
+    pass gives it."""
+    monkeypatch.setattr(tiny_target, "_fold_single", fold_single)
     rng = random.Random(len(news) + sum(news))
     reference = CausalLM(tiny_target.model, tiny_target.tokenizer)
     prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (5, 30, 12, 60, 2, 21)]
@@ -125,16 +130,62 @@ def test_attention_blocks_keep_one_token_rows_apart_from_a_long_draft() -> None:
 
     everyone = list(range(8))
     # 8 rows x 9 queries in one block would be 4x the work of 8 + 9 in two
-    assert attention_blocks(items([9] + [1] * 7), everyone) == [list(range(1, 8)), [0]]
+    assert attention_blocks(items([9] + [1] * 7)) == [list(range(1, 8)), [0]]
     # one block when every row adds the same: splitting would only add calls
-    assert attention_blocks(items([2] * 8), everyone) == [everyone]
-    assert attention_blocks(items([1] * 8), everyone) == [everyone]
+    assert attention_blocks(items([2] * 8)) == [everyone]
+    assert attention_blocks(items([1] * 8)) == [everyone]
     # short drafts spread over the rows: over a long context each alone rather than one
     # 8 x 5 block; over a short one the extra calls cost more than the padding
     spread = [3, 1, 1, 3, 1, 1, 1, 5]
-    assert attention_blocks(items(spread, 800), everyone) == [[1, 2, 4, 5, 6], [0], [3], [7]]
-    assert attention_blocks(items(spread, 300), everyone) == [everyone]
-    assert attention_blocks(items([1, 1]), []) == []
+    assert attention_blocks(items(spread, 800)) == [[1, 2, 4, 5, 6], [0], [3], [7]]
+    assert attention_blocks(items(spread, 300)) == [everyone]
+    assert attention_blocks([]) == []
+
+
+def test_prompts_joining_together_share_a_block_where_calls_cost_more() -> None:
+    """Prompt chunks are attended each alone on a CPU, where a call is cheap next to the
+    padding; with a GPU's per-call cost several prompts joining in one pass share one
+    block. A prompt chunk never shares a block with decoding rounds."""
+    def item(row: int, length: int, n: int) -> BatchItem:
+        return BatchItem(BatchedState(row=row, length=length), [1] * n, 1)
+
+    joining = [item(0, 200, 1), item(1, 150, 1), item(2, 0, 90), item(3, 0, 40),
+               item(4, 0, 60)]
+    assert attention_blocks(joining) == [[0, 1], [2], [3], [4]]
+    assert attention_blocks(joining, overhead=250_000) == [[0, 1], [2, 3, 4]]
+    # a long prompt chunk and a short one: padding the short one to 500 costs more
+    uneven = [item(0, 0, 500), item(1, 0, 20)]
+    assert attention_blocks(uneven, overhead=10_000) == [[0], [1]]
+
+
+def test_prompts_sharing_a_block_get_the_model_s_own_logits(
+        tiny_target: BatchedLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts of different lengths prefilled in one padded block, beside decoding rows,
+    give each the logits of the model's own (transformers) forward."""
+    monkeypatch.setattr(batched, "_BLOCK_OVERHEAD", 10**9)  # as if calls were dear
+    rng = random.Random(7)
+    reference = CausalLM(tiny_target.model, tiny_target.tokenizer)
+    running = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (14, 33)]
+    joining = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (50, 17, 29)]
+    step = [rng.randrange(1000, 20000) for _ in running]
+    expected = []
+    for prompt, token in zip(running, step, strict=True):
+        state = reference.new_state()
+        reference.prefill(state, prompt)
+        expected.append(reference.score(state, [token]))
+    for prompt in joining:
+        expected.append(reference.score(reference.new_state(), prompt)[-1:])
+    states = [tiny_target.new_state() for _ in running]
+    tiny_target.forward_batch([BatchItem(s, p, 1) for s, p in zip(states, running, strict=True)])
+    items = [BatchItem(s, [t], 1) for s, t in zip(states, step, strict=True)]
+    fresh = [tiny_target.new_state() for _ in joining]
+    items += [BatchItem(s, p, 1) for s, p in zip(fresh, joining, strict=True)]
+    assert attention_blocks(items, overhead=10**9) == [[0, 1], [2, 3, 4]]
+    got = tiny_target.forward_batch(items)
+    for want, logits in zip(expected, got, strict=True):
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    for state in states + fresh:
+        tiny_target.release(state)
 
 
 def test_release_keeps_the_other_rows_intact(tiny_target: BatchedLM) -> None:

@@ -132,17 +132,21 @@ def answer_all(target: CausalLM, prompts: Sequence[Sequence[int]], max_new_token
                           for row, a in enumerate(running)]
             else:
                 tokens = top_ids[:, 0].tolist()  # greedy: the most likely token
+            # as Python lists, once per pass: with hundreds of answers a tensor per
+            # answer and step costs more host time than the pass itself on a GPU
+            kept_ids, kept_values = top_ids[:, :top_k].tolist(), top_values[:, :top_k].tolist()
             still: list[_Answer] = []
             for row, a in enumerate(running):
                 token = tokens[row]
                 a.tokens.append(token)
-                a.top_ids.append(top_ids[row, :top_k])
-                a.top_logprobs.append(top_values[row, :top_k])
+                a.top_ids.append(kept_ids[row])
+                a.top_logprobs.append(kept_values[row])
                 a.feed = [token]
                 if token in stop or len(a.tokens) >= max_new_tokens:
                     results[a.index] = Example(
                         torch.tensor(prompts[a.index]), torch.tensor(a.tokens),
-                        torch.stack(a.top_ids), torch.stack(a.top_logprobs).to(torch.float16))
+                        torch.tensor(a.top_ids),
+                        torch.tensor(a.top_logprobs).to(torch.float16))
                     target.release(a.state)
                 else:
                     still.append(a)
@@ -159,8 +163,8 @@ class _Answer:
     state: Any
     feed: list[int]  # tokens the next pass appends
     tokens: list[int] = field(default_factory=list)
-    top_ids: list[torch.Tensor] = field(default_factory=list)
-    top_logprobs: list[torch.Tensor] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)  # per step: the top-k ids
+    top_logprobs: list[list[float]] = field(default_factory=list)  # and their log-probs
     generator: torch.Generator | None = None  # sampled answers: this answer's random stream
 
 
