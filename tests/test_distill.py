@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from decoding.distill import data as distill_data
 from decoding.distill import draft as distilled
 from decoding.distill import prompts as prompt_source
 from decoding.distill.data import (
@@ -199,6 +200,24 @@ def test_sampled_answers_follow_their_seed_alone_and_greedy_ones_are_unchanged(
                       for p in prompts]
     with pytest.raises(ValueError, match="one seed per prompt"):
         run([1])
+
+
+def test_answers_grow_together_as_the_device_allows(tmp_path: Path, default_model_dir: Path,
+                                                   tiny_target_dir: Path) -> None:
+    """32 answers at once on a CPU; on a GPU as many as its free memory holds (the default
+    model's float32 KV rows for a prompt and 128 answer tokens: ~24 MB each), within
+    at most 2048; a batch size below 1 is refused."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(default_model_dir)
+    assert distill_data.default_streams("cpu", str(default_model_dir), 128) == 32
+    assert distill_data.gpu_streams(139 << 30, config, 128) == 2048  # an H200
+    assert distill_data.gpu_streams(24 << 30, config, 128) == 256
+    assert distill_data.gpu_streams(24 << 30, config, 1024) == 128  # longer answers: fewer
+    assert distill_data.gpu_streams(1 << 30, config, 128) == 16  # a small GPU
+    assert distill_data.gpu_streams(1 << 20, config, 128) == 1
+    with pytest.raises(SystemExit, match="--batch-size must be at least 1"):
+        _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1, "--batch-size", "0")
 
 
 def test_a_share_of_questions_outside_0_to_1_is_refused(tmp_path: Path,

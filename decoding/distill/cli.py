@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from decoding import model_store
-from decoding.distill.data import DataSettings, generate
+from decoding.distill.data import DataSettings, default_streams, generate
 from decoding.distill.train import (
     CHECKPOINT_NAME,
     Progress,
@@ -57,8 +57,9 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=DataSettings.max_new_tokens,
                    help="longest target answer per prompt")
-    p.add_argument("--batch-size", type=int, default=DataSettings.batch_size,
-                   help="answers the target generates together")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="answers the target generates together (default: 32 on a CPU; on a "
+                        "GPU as many as its free memory holds, up to 2048)")
     p.add_argument("--held-out-prompts", type=int, default=DataSettings.held_out_prompts)
     p.add_argument("--questions", type=float, default=DataSettings.questions,
                    help="share of prompts the target first writes itself, as a user would "
@@ -85,11 +86,15 @@ def run_distill(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if not 0 <= args.questions < 1:
         raise SystemExit(f"--questions is a share in [0, 1), not {args.questions}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be at least 1, not {args.batch_size}")
     target_dir = model_store.resolve(args.target)
     out_dir: Path = args.out.expanduser().resolve()
     data_settings = DataSettings(
         seed=args.seed, tokens=args.tokens, held_out_prompts=args.held_out_prompts,
-        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size or default_streams(device, target_dir,
+                                                      args.max_new_tokens),
+        max_new_tokens=args.max_new_tokens,
         questions=args.questions)
     train_settings = TrainSettings(
         layers=args.layers,
