@@ -47,6 +47,21 @@ def head_subset(model: Any) -> torch.Tensor | None:  # [K]
     return getattr(model.get_output_embeddings(), "ids", None)
 
 
+def attention_dims(config: Any) -> tuple[int, int, int]:
+    """Query heads, key/value heads and the size of a head, from a transformers config."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, head_dim
+
+
+def kv_position_bytes(config: Any, dtype: torch.dtype) -> int:
+    """The keys and values of every layer for one position of one sequence, in bytes."""
+    _, kv_heads, head_dim = attention_dims(config)
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
+
+
 def output_vocab_size(model: Any) -> int:
     """How many vocabulary logits the model returns (all of them, for a subset head)."""
     head = model.get_output_embeddings()
@@ -66,13 +81,8 @@ class CausalLM:
         self.vocab_size = output_vocab_size(model)
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = frozenset(eos_ids(model, tokenizer))
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        element = torch.empty((), dtype=self.dtype).element_size()
-        # keys and values of every layer for one position of one sequence
-        self.kv_position_bytes = (2 * int(config.num_hidden_layers) * self.kv_heads
-                                  * self.head_dim * element)
+        self.heads, self.kv_heads, self.head_dim = attention_dims(config)
+        self.kv_position_bytes = kv_position_bytes(config, self.dtype)
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", device: str = "cpu") -> CausalLM:

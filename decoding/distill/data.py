@@ -30,7 +30,7 @@ import torch
 
 from decoding.distill import prompts as prompt_source
 from decoding.prompting import encode_chat
-from decoding.target import BatchItem, CausalLM
+from decoding.target import BatchItem, CausalLM, kv_position_bytes
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +187,7 @@ def gpu_streams(free_bytes: int, config: Any, max_new_tokens: int) -> int:
     """The largest power of two of answers (at most ``MAX_GPU_STREAMS``) whose float32 KV
     rows fit in 60% of ``free_bytes``, with room for a growing buffer and its copy (they
     double as they grow); at least one."""
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    per_answer = (2 * int(config.num_hidden_layers) * kv_heads * head_dim * 4
-                  * (PROMPT_POSITIONS + max_new_tokens))
+    per_answer = kv_position_bytes(config, torch.float32) * (PROMPT_POSITIONS + max_new_tokens)
     fits = int(0.6 * free_bytes / (1.5 * per_answer))
     return min(MAX_GPU_STREAMS, 1 << max(0, fits.bit_length() - 1))
 
