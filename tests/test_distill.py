@@ -165,6 +165,64 @@ def test_asks_take_their_share_of_the_stream_and_only_when_asked_for() -> None:
         prompt_source.prompts(pools, seed=3, questions=0.3), 2000))  # deterministic
 
 
+def test_chat_requests_take_their_share_of_the_stream_on_subjects_of_their_own() -> None:
+    pools = prompt_source.Pools(topics=[f"tool {i}" for i in range(200)],
+                                everyday=[f"hobby {i}" for i in range(200)],
+                                python=[f"mod.f{i}" for i in range(200)],
+                                passages=[f"Passage {i}. " * 20 for i in range(200)],
+                                chat=[f"chore {i}" for i in range(200)])
+
+    def requests(stream: list[prompt_source.Prompt], subjects: list[str]) -> list[str]:
+        made = {t.format(t=s) for t in prompt_source.CHAT_TEMPLATES for s in subjects}
+        return [p.text for p in stream if p.text in made]
+
+    mixed = list(itertools.islice(prompt_source.prompts(pools, 3, questions=0.2, chat=0.5),
+                                  2000))
+    assert 0.45 < len(requests(mixed, pools.chat)) / len(mixed) < 0.55
+    assert 0.15 < sum(p.ask for p in mixed) / len(mixed) < 0.25
+    assert not any("chore" in p.text for p in mixed if p.text not in requests(mixed, pools.chat))
+    held = prompt_source.split(pools.chat, held_out=True)
+    assert not requests(mixed, held)  # held-out subjects are never trained on
+    held_stream = list(itertools.islice(
+        prompt_source.prompts(pools, 3, held_out=True, questions=0.2, chat=0.5), 200))
+    assert requests(held_stream, held)
+    assert mixed == list(itertools.islice(
+        prompt_source.prompts(pools, 3, questions=0.2, chat=0.5), 2000))  # deterministic
+    # without chat requests, the stream of pools that have none (earlier versions)
+    earlier = prompt_source.Pools(pools.topics, pools.everyday, pools.python, pools.passages)
+    assert (list(itertools.islice(prompt_source.prompts(pools, 3, questions=0.3), 500))
+            == list(itertools.islice(prompt_source.prompts(earlier, 3, questions=0.3), 500)))
+
+
+def test_chat_subjects_stay_off_the_benchmark_prompts() -> None:
+    from decoding.bench import PROMPT_SETS, load_prompts
+
+    texts = [m["content"].lower() for name in PROMPT_SETS for p in load_prompts(name)
+             for m in p.messages]
+    assert len(prompt_source.CHAT_SUBJECTS) == len(set(prompt_source.CHAT_SUBJECTS)) > 200
+    for subject in prompt_source.CHAT_SUBJECTS:
+        assert not any(subject.lower() in t for t in texts), subject
+    assert not set(prompt_source.CHAT_SUBJECTS) & set(prompt_source.EVERYDAY)
+
+
+def test_a_run_of_a_version_without_chat_requests_resumes(tmp_path: Path,
+                                                           tiny_target_dir: Path) -> None:
+    import json
+
+    from decoding.distill.cli import SETTINGS_NAME
+
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1)
+    for path, key in ((tmp_path / "w" / SETTINGS_NAME, "data"),
+                      (tmp_path / "w" / "data" / POOLS_NAME, None)):
+        kept = json.loads(path.read_text())
+        (kept[key] if key else kept).pop("chat")  # as those versions wrote them
+        path.write_text(json.dumps(kept))
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 2, "--resume")
+    assert load_or_make_pools(tmp_path / "w" / "data", seed=0).chat == []
+    with pytest.raises(SystemExit, match="different settings"):
+        _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 3, "--resume", "--chat", "0.5")
+
+
 def test_the_default_model_writes_questions_that_can_be_read_out(
         default_target: CausalLM) -> None:
     from decoding.distill.data import ASK_MAX_NEW_TOKENS, ASK_TEMPERATURE
@@ -228,6 +286,12 @@ def test_a_share_of_questions_outside_0_to_1_is_refused(tmp_path: Path,
     with pytest.raises(ValueError, match="share of questions"):
         next(prompt_source.prompts(prompt_source.Pools(["a"], ["b"], ["c"], ["d"]), 0,
                                    questions=1.5))
+    for extra in (("--chat", "1"), ("--chat", "-0.5"), ("--chat", "0.8", "--questions", "0.2")):
+        with pytest.raises(SystemExit, match="--chat is a share"):
+            _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1, *extra)
+    with pytest.raises(ValueError, match="share of chat requests"):
+        next(prompt_source.prompts(prompt_source.Pools(["a"], ["b"], ["c"], ["d"], ["e"]), 0,
+                                   questions=0.5, chat=0.5))
 
 
 def test_a_missing_gpu_is_a_clear_error(tmp_path: Path, tiny_target_dir: Path) -> None:

@@ -64,6 +64,9 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--questions", type=float, default=DataSettings.questions,
                    help="share of prompts the target first writes itself, as a user would "
                         "ask them (0: template prompts only)")
+    p.add_argument("--chat", type=float, default=DataSettings.chat,
+                   help="share of prompts that are everyday requests in the phrasings people "
+                        "type (\"I'm trying to get better at ...\"), on subjects of their own")
     p.add_argument("--device", default="auto",
                    help="where the target answers and the draft trains: cpu, cuda, cuda:N, "
                         "or auto (a CUDA GPU when there is one)")
@@ -86,6 +89,9 @@ def run_distill(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if not 0 <= args.questions < 1:
         raise SystemExit(f"--questions is a share in [0, 1), not {args.questions}")
+    if not 0 <= args.chat < 1 or args.questions + args.chat >= 1:
+        raise SystemExit(f"--chat is a share in [0, 1) that leaves room for the other kinds "
+                         f"with --questions {args.questions}, not {args.chat}")
     if args.batch_size is not None and args.batch_size < 1:
         raise SystemExit(f"--batch-size must be at least 1, not {args.batch_size}")
     target_dir = model_store.resolve(args.target)
@@ -95,7 +101,7 @@ def run_distill(args: argparse.Namespace) -> int:
         batch_size=args.batch_size or default_streams(device, target_dir,
                                                       args.max_new_tokens),
         max_new_tokens=args.max_new_tokens,
-        questions=args.questions)
+        questions=args.questions, chat=args.chat)
     train_settings = TrainSettings(
         layers=args.layers,
         from_layers=tuple(int(i) for i in args.from_layers.split(",")) if args.from_layers
@@ -116,7 +122,8 @@ def run_distill(args: argparse.Namespace) -> int:
     made_with = {"command": command, "target": target_spec, "data": asdict(data_settings),
                  "prompt_sources": "Debian package descriptions (apt-cache dumpavail), Python "
                                    "standard-library docstrings, everyday subjects, and "
-                                   "questions the target wrote about those subjects",
+                                   "questions the target wrote about those subjects"
+                                   + (", and everyday chat requests" if args.chat else ""),
                  "device": device}
     if start is not None:  # where the starting draft came from
         made_with["init_from"] = {"draft": args.init_from,
@@ -186,6 +193,7 @@ def _check_work(work: Path, data: DataSettings, training: TrainSettings, resume:
     fixed = json.loads(json.dumps(fixed))  # tuples as lists, as read back
     if path.exists():
         before = json.loads(path.read_text())
+        before["data"].setdefault("chat", 0.0)  # runs of versions without chat requests
         if not resume:
             raise SystemExit(f"{work} holds an earlier run; pass --resume to continue it, or "
                              "--work DIR for a fresh one")

@@ -56,6 +56,7 @@ class DataSettings:
     max_new_tokens: int = 128
     top_k: int = 8  # teacher log-probabilities kept per position
     questions: float = 0.3  # share of prompts the target writes itself (asks)
+    chat: float = 0.0  # share of everyday chat requests (prompts.CHAT_TEMPLATES)
 
 
 @dataclass(frozen=True)
@@ -248,10 +249,12 @@ def generate(target_dir: str, data_dir: Path, settings: DataSettings,
     held = data_dir / HELD_OUT_NAME
     if not held.exists():
         examples = batches(prompt_source.prompts(pools, settings.seed, held_out=True,
-                                                 questions=settings.questions),
+                                                 questions=settings.questions,
+                                                 chat=settings.chat),
                            settings.held_out_prompts, first=HELD_OUT_FIRST)
         save_atomic([e.as_dict() for e in examples], held)
-    stream = prompt_source.prompts(pools, settings.seed, questions=settings.questions)
+    stream = prompt_source.prompts(pools, settings.seed, questions=settings.questions,
+                                   chat=settings.chat)
     index = len(done)
     for _ in itertools.islice(stream, index * SHARD_PROMPTS):  # skip the prompts already done
         pass

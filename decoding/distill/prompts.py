@@ -14,6 +14,11 @@ stream (``questions``) is therefore an *ask*, an instruction to the target to
 write a question about a subject. The data phase samples the target's answer
 and, where a question can be read out of it (``extract_question``), the target
 then answers that question greedily; otherwise the ask itself is the prompt.
+The default model writes usable questions about a subject, but not messages in
+a persona's voice (tried: it writes letters, or talks about itself), so a
+second share (``chat``) asks about everyday subjects in the loose, personal
+phrasings people type ("I'm trying to get better at ..."), from hand-written
+lists that stay apart from the benchmark's subjects.
 
 A fixed share of every subject pool is held out for evaluation, so held-out
 acceptance is measured on subjects the draft never saw. The prompts of
@@ -31,7 +36,7 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,28 @@ ASK_TEMPLATES = (  # the target writes the user's message
     "Write one specific question someone could ask a friend who knows a lot about {t}. "
     "Reply with only the question.",
     "What might someone ask a helpful assistant about {t}? Write only their question.",
+)
+CHAT_TEMPLATES = (  # everyday requests, phrased the way people type them
+    "I'm trying to get better at {t}. Where should I start?",
+    "Can you explain {t} in simple words, with an example?",
+    "My friend asked me about {t} and I couldn't explain it. Can you help?",
+    "Give me a step-by-step plan for {t}.",
+    "What should a complete beginner know about {t}?",
+    "I have about an hour this weekend. How could I make progress with {t}?",
+    "Explain {t} to a ten-year-old.",
+    "What do people often get wrong about {t}?",
+    "Write a short, funny poem about {t}.",
+    "Tell a very short story about {t}.",
+    "Suggest three ideas to do with {t}, with one line on each.",
+    "I'm a bit stressed about {t}. Any advice?",
+    "How long does it usually take to get comfortable with {t}, and what helps most?",
+    "Could you give me a quick checklist for {t}?",
+    "Is {t} worth the effort? Give me an honest answer.",
+    "Write a friendly note to a neighbour about {t}.",
+    "Sum up the key things about {t} in a few bullet points.",
+    "What is one surprising fact about {t}?",
+    "I've never tried {t} before. What mistakes should I avoid?",
+    "What's the quickest way to get started with {t}?",
 )
 PYTHON_TEMPLATES = (
     "In Python, what does {t} do? Show a short example.",
@@ -130,6 +157,109 @@ EVERYDAY = (
     "naming variables", "reading error messages", "spreadsheet formulas",
     "keyboard shortcuts", "choosing a strong password manager", "renaming many files at once",
 )
+CHAT_SUBJECTS = (  # for CHAT_TEMPLATES; apart from EVERYDAY, so streams without chat
+    # prompts are those of earlier versions
+    # home and cooking
+    "descaling a kettle", "unclogging a bathroom sink", "getting rid of fruit flies",
+    "ironing a shirt without creases", "removing a coffee stain from a carpet",
+    "defrosting a freezer", "choosing a vacuum cleaner", "keeping a small flat tidy",
+    "lowering the heating bill in winter", "fixing a wobbly table", "painting a wooden chair",
+    "putting up a shelf", "sorting laundry", "storing winter clothes", "cleaning windows",
+    "making a simple tomato sauce", "roasting vegetables", "boiling the perfect egg",
+    "making homemade pizza dough", "cooking for one person", "meal prepping lunches",
+    "making a fruit smoothie", "baking simple oat cookies", "making porridge",
+    "seasoning food without much salt", "using up leftover rice", "making a curry from scratch",
+    "sharpening kitchen knives", "choosing a frying pan", "freezing bread",
+    "making lemonade", "hosting a dinner for six friends", "packing a healthy school lunch",
+    "cooking pasta al dente", "making scrambled eggs fluffy", "baking a birthday cake",
+    # garden and nature
+    "growing strawberries in pots", "watering a lawn in summer", "attracting birds to a garden",
+    "pruning a rose bush", "starting seeds indoors", "looking after a cactus",
+    "keeping slugs off lettuce", "planting a small apple tree", "building a raised bed",
+    "making a bird feeder", "identifying common trees", "watching the stars without a telescope",
+    "why some birds fly south", "how rivers shape valleys", "why the ocean is salty",
+    "how snowflakes form", "what makes wind blow", "how mushrooms grow",
+    "why some animals hibernate", "how owls hunt at night", "how ants find food",
+    "what causes fog", "how clouds form", "why stars twinkle", "how lightning forms",
+    # pets
+    "adopting a rescue dog", "walking a dog that pulls on the lead", "keeping a rabbit indoors",
+    "introducing a new cat to the home", "choosing food for an older dog",
+    "stopping a cat from scratching the sofa", "setting up a fish tank",
+    "caring for a hamster", "travelling with a dog", "trimming a dog's nails",
+    # health and fitness
+    "starting to run at age forty", "doing push-ups with good form", "stretching at a desk",
+    "walking ten thousand steps a day", "getting back to exercise after a break",
+    "eating more vegetables", "cutting down on sugar", "drinking less coffee",
+    "a short morning yoga routine", "staying active in cold weather", "preparing for a 5k race",
+    "building a habit of daily walks", "keeping good posture", "swimming for fitness",
+    "taking breaks from a screen", "dealing with a stiff neck", "learning to cycle as an adult",
+    # money and work
+    "opening a savings account", "paying off a credit card", "saving for a new phone",
+    "understanding a payslip", "splitting bills with flatmates", "buying a used car",
+    "asking for feedback from a manager", "writing a short CV", "preparing a presentation",
+    "managing a busy week", "saying no to extra work politely",
+    "working with a difficult colleague",
+    "changing careers at thirty-five", "starting a small online shop", "pricing handmade crafts",
+    "writing a clear email to a client", "taking notes in meetings",
+    "organising a shared calendar",
+    "leading a team for the first time", "returning to work after a long break",
+    "handling a job rejection", "networking at an event", "setting goals for the year",
+    # study and learning
+    "learning to read music", "improving handwriting", "memorising vocabulary",
+    "taking good notes in class", "writing an essay introduction", "revising for a maths test",
+    "learning to draw faces", "reading more books", "learning basic Spanish phrases",
+    "understanding fractions", "learning the times tables", "writing a book report",
+    "doing a science fair project", "learning to code as a teenager", "understanding decimals",
+    "speed reading", "learning to juggle", "solving a Rubik's cube",
+    # family and social
+    "planning a family picnic", "talking to a teenager about phones",
+    "helping a child with homework",
+    "choosing a gift for a grandparent", "writing a birthday card message",
+    "keeping in touch with old friends", "apologising to a friend", "meeting a partner's parents",
+    "hosting a games night", "planning a surprise party", "helping a shy child make friends",
+    "sharing chores fairly at home", "welcoming a new neighbour", "organising a school fundraiser",
+    "reading bedtime stories to a toddler", "teaching a child to ride a scooter",
+    # travel and places
+    "packing light for a week away", "travelling by train across Europe",
+    "visiting a museum with kids",
+    "planning a road trip", "staying safe while hiking", "learning a few words before a trip",
+    "choosing a tent", "travelling cheaply", "getting over a fear of flying",
+    "exploring a new city in one day", "sending postcards", "camping in the rain",
+    # hobbies and creativity
+    "starting a vegetable patch", "taking up pottery", "learning to knit socks",
+    "writing a first short story", "starting a podcast", "learning watercolour painting",
+    "playing the ukulele", "building a model train", "collecting stamps", "bird watching",
+    "doing a jigsaw puzzle", "learning magic tricks", "baking bread by hand", "sewing on a button",
+    "making candles", "starting a blog", "keeping a nature diary", "learning to dance salsa",
+    "taking up chess", "making a family photo album", "writing song lyrics", "fishing in a lake",
+    # technology for everyday life
+    "setting up a new phone", "freeing up space on a laptop", "making a video call",
+    "choosing headphones", "protecting a phone from scams", "sharing photos with family",
+    "using a spreadsheet to track spending", "setting up a home printer",
+    "speeding up a slow computer",
+    "keeping children safe online", "writing a good online review", "using a smart speaker",
+    "learning keyboard shortcuts", "making a simple website", "choosing an e-reader",
+    "turning off notifications", "recording a voice memo", "scanning old photos",
+    # history and curiosities
+    "how the pyramids were built", "the first moon landing", "how ancient people told time",
+    "the history of the Olympic Games", "how castles were defended", "the invention of paper",
+    "how the first cars worked", "why we have leap years", "how money was invented",
+    "the history of ice cream",
+    "why the dinosaurs died out", "how the alphabet developed", "the story of the first computers",
+    "how trains changed travel", "how bridges stay up",
+    "how a microwave heats food", "how a camera takes a picture", "why ice floats",
+    "how a seed knows which way is up", "why we yawn", "how our eyes see colour",
+    "why metal feels cold", "how a plane's wings create lift",
+    "why the moon looks bigger near the horizon",
+    # story and poem subjects
+    "a grandmother's secret recipe", "a robot who wants to be a gardener", "a shy giraffe",
+    "a rainy day at the zoo", "a cat who runs a bookshop", "a boy who finds a map in the attic",
+    "the last leaf on a tree", "a dog's first day at the beach", "a bakery that opens at midnight",
+    "a friendly ghost in a school", "a penguin who wants to fly", "a tiny dragon in a teacup",
+    "a moving day", "a snow day off school", "a lost key", "a picnic interrupted by ants",
+    "a street musician", "a sunflower in a city", "an astronaut's first morning in space",
+    "a fox in the snow", "a summer thunderstorm", "an old piano", "a pair of worn-out boots",
+)
 
 
 @dataclass(frozen=True)
@@ -148,6 +278,8 @@ class Pools:
     everyday: list[str]  # everyday subjects
     python: list[str]  # names of standard-library modules, classes and functions
     passages: list[str]  # docstring paragraphs
+    chat: list[str] = field(default_factory=list)  # everyday subjects of chat requests
+    # (empty in pools kept by earlier versions, which had none)
 
 
 def debian_descriptions() -> list[str]:
@@ -211,12 +343,14 @@ def load_pools(seed: int) -> Pools:
     topics = debian_descriptions()
     everyday = list(EVERYDAY)
     python, passages = stdlib_docs()
+    chat = list(CHAT_SUBJECTS)
     rng = random.Random(seed)
-    for pool in (topics, everyday, python, passages):
+    for pool in (topics, everyday, python, passages, chat):  # earlier pools shuffle as before
         rng.shuffle(pool)
-    log.info("prompt pools: %d topics, %d everyday, %d python names, %d passages",
-             len(topics), len(everyday), len(python), len(passages))
-    return Pools(topics=topics, everyday=everyday, python=python, passages=passages)
+    log.info("prompt pools: %d topics, %d everyday, %d python names, %d passages, "
+             "%d chat subjects", len(topics), len(everyday), len(python), len(passages),
+             len(chat))
+    return Pools(topics=topics, everyday=everyday, python=python, passages=passages, chat=chat)
 
 
 def split(pool: list[str], held_out: bool) -> list[str]:
@@ -224,10 +358,11 @@ def split(pool: list[str], held_out: bool) -> list[str]:
     return pool[:cut] if held_out else pool[cut:]
 
 
-def prompts(pools: Pools, seed: int, held_out: bool = False, questions: float = 0.0
-            ) -> Iterator[Prompt]:
+def prompts(pools: Pools, seed: int, held_out: bool = False, questions: float = 0.0,
+            chat: float = 0.0) -> Iterator[Prompt]:
     """An endless, deterministic stream of user messages (train or held-out subjects);
-    about ``questions`` of them are asks (the target writes the message)."""
+    about ``questions`` of them are asks (the target writes the message) and about
+    ``chat`` of them everyday requests (``CHAT_TEMPLATES`` on the chat subjects)."""
     rng = random.Random(seed * 1_000_003 + (1 if held_out else 0))
     kinds = [
         (split(pools.topics, held_out), TOPIC_TEMPLATES, 0.4),
@@ -237,10 +372,18 @@ def prompts(pools: Pools, seed: int, held_out: bool = False, questions: float = 
     ]
     if not 0 <= questions < 1:
         raise ValueError(f"the share of questions must be in [0, 1), not {questions}")
-    if questions > 0:  # without asks, the kinds and weights of earlier versions
-        share = questions / (1 - questions) / 2  # of the other kinds' total weight (1.0)
+    if not 0 <= chat < 1 or questions + chat >= 1:
+        raise ValueError(f"the share of chat requests must be in [0, 1) and leave room for "
+                         f"the other kinds with {questions} questions, not {chat}")
+    # weights relative to the kinds above (1.0 in all): with neither asks nor chat
+    # requests, the kinds and weights of earlier versions
+    rest = 1 - questions - chat
+    if questions > 0:
+        share = questions / rest / 2
         kinds += [(split(pools.everyday, held_out), ASK_TEMPLATES, share),
                   (split(pools.topics, held_out), ASK_TEMPLATES, share)]
+    if chat > 0:
+        kinds.append((split(pools.chat, held_out), CHAT_TEMPLATES, chat / rest))
     kinds = [k for k in kinds if k[0]]
     if not kinds:
         raise RuntimeError("no prompt sources found (no apt lists and no stdlib sources)")
