@@ -69,6 +69,7 @@ class BenchConfig:
     max_new_tokens: int
     methods: tuple[str, ...]
     quick: bool
+    draft_dtype: str = "auto"  # of a PyTorch draft model; see factory.torch_draft_dtype
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
@@ -89,6 +90,7 @@ class BenchConfig:
             max_new_tokens=max_tokens,
             methods=select_methods(args.methods, has_draft=draft is not None, hf=not args.no_hf),
             quick=args.quick,
+            draft_dtype=getattr(args, "draft_dtype", "auto"),
         )
 
 
@@ -214,7 +216,7 @@ def _run_dtype(
 def _load_draft(config: BenchConfig, target: CausalLM, dtype: str) -> ModelDrafter | None:
     if config.draft is None or not DRAFT_METHODS & set(config.methods):
         return None
-    drafter = load_drafter(config.draft, target, dtype)
+    drafter = load_drafter(config.draft, target, dtype, draft_dtype=config.draft_dtype)
     if not isinstance(drafter, ModelDrafter):
         raise ValueError(f"--draft {config.draft!r} is not a draft model")
     return drafter

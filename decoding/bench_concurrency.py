@@ -98,7 +98,8 @@ def run_concurrency_bench(args: argparse.Namespace) -> int:
     floors: list[dict[str, Any]] = []
     for dtype in dtypes:
         target = load_target(args.target, dtype)
-        drafter = load_drafter(draft, target, dtype)
+        drafter = load_drafter(draft, target, dtype,
+                               draft_dtype=getattr(args, "draft_dtype", "auto"))
         floors.append(step_floor(target, bandwidth, dtype))
         for name, prompts in prompt_sets.items():
             encoded = [encode_chat(target.tokenizer, p.messages) for p in prompts]

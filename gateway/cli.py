@@ -16,7 +16,7 @@ from decoding.bench import DraftLoader
 from decoding.bench_methods import ALL_METHODS
 from decoding.distill.cli import add_distill_command
 from decoding.drafters.base import Drafter
-from decoding.factory import load_target
+from decoding.factory import DRAFT_DTYPES, load_target
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
 from decoding.target import CausalLM
@@ -110,6 +110,7 @@ def _acceptance_command(sub: Any) -> None:
                         f"(default {ba.DEFAULT_DRAFTS})")
     p.add_argument("--draft-backend", default="auto", choices=BACKENDS,
                    help="where a draft model runs (as for generate and serve)")
+    _draft_dtype_flag(p)
     p.add_argument("--k", default=ba.DEFAULT_KS,
                    help=f"comma-separated draft lengths to replay (default {ba.DEFAULT_KS})")
     p.add_argument("--dtypes", default="float32", help="comma-separated dtypes of the target")
@@ -138,8 +139,15 @@ def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto")
                    help="where a draft model runs: auto (TensorRT with a GPU, else ONNX "
                         "Runtime when an export exists, else PyTorch), torch, onnx, tensorrt")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _draft_dtype_flag(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _draft_dtype_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-dtype", default="auto", choices=list(DRAFT_DTYPES),
+                   help="dtype of a draft model on PyTorch: auto (bfloat16 beside a float32 "
+                        "target on a CPU with native bfloat16, else the target's)")
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -153,7 +161,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, args.dtype)
     try:
-        drafter, _ = load_draft(args.draft, target, args.draft_backend, args.dtype)
+        drafter, _ = load_draft(args.draft, target, args.draft_backend, args.dtype,
+                                draft_dtype=args.draft_dtype)
     except DraftBackendError as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
@@ -197,7 +206,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return run_concurrency_bench(args)
 
     try:
-        return run_bench(args, _drafter_loader(args.draft_backend))
+        return run_bench(args, _drafter_loader(args.draft_backend, args.draft_dtype))
     except DraftBackendError as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
@@ -210,18 +219,18 @@ def _cmd_acceptance(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     try:
-        return run_acceptance(args, _drafter_loader(args.draft_backend))
+        return run_acceptance(args, _drafter_loader(args.draft_backend, args.draft_dtype))
     except (DraftBackendError, ValueError) as exc:  # ValueError: e.g. 'cache' without a cache
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
 
 
-def _drafter_loader(backend: str) -> DraftLoader:
-    """What the benchmarks call to load a drafter (its model on ``backend``); a spec that
-    drafts nothing is refused."""
+def _drafter_loader(backend: str, draft_dtype: str = "auto") -> DraftLoader:
+    """What the benchmarks call to load a drafter (its model on ``backend``, in
+    ``draft_dtype`` on PyTorch); a spec that drafts nothing is refused."""
 
     def load(spec: str, target: CausalLM, dtype: str) -> Drafter:
-        drafter, chosen = load_draft(spec, target, backend, dtype)
+        drafter, chosen = load_draft(spec, target, backend, dtype, draft_dtype=draft_dtype)
         if drafter is None:
             raise DraftBackendError(f"draft {spec!r} drafts nothing; name a drafter")
         logging.getLogger(__name__).info("draft %s runs on %s", spec, chosen)

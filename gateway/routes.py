@@ -232,6 +232,7 @@ def _card(state: GatewayState) -> ModelCard:
             "default_drafter": engine.default_drafter or "none",
             "draft_backend": engine.info.get("draft_backend", "torch"),
             "dtype": settings.dtype,
+            "draft_dtype": engine.info.get("draft_dtype"),
             "aliases": sorted(state.aliases),
         },
     )

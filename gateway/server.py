@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from decoding import model_store
 from decoding.drafters.base import Drafter
+from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
 from decoding.factory import CACHE, NGRAM, NO_DRAFT, load_drafter, load_target
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
@@ -82,11 +83,20 @@ def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | No
     if settings.draft == NO_DRAFT:
         return drafters, None, "none"
     default, backend = load_draft(settings.draft, target, settings.draft_backend,
-                                  settings.dtype, cache)
+                                  settings.dtype, cache, draft_dtype=settings.draft_dtype)
     assert default is not None
     drafters.setdefault(default.name, default)
     log.info("default drafter %s (draft backend: %s)", default.name, backend)
     return drafters, default.name, backend
+
+
+def draft_model_dtype(drafter: Drafter | None) -> str | None:
+    """The dtype the drafter's model runs in on PyTorch (None: no model, or another
+    backend, whose export says)."""
+    model = drafter.model if isinstance(drafter, CombinedDrafter) else drafter
+    runner = getattr(model, "model", None)  # a ModelDrafter's draft model
+    dtype = getattr(runner, "dtype", None)
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -96,9 +106,13 @@ def build_engine(settings: Settings) -> Engine:
     target = load_target(settings.target, settings.dtype)
     cache = build_prefix_cache(settings, target)
     drafters, default, backend = build_drafters(settings, target, cache)
+    info = {"draft_backend": backend}
+    draft_dtype = draft_model_dtype(drafters.get(default or ""))
+    if draft_dtype is not None:
+        info["draft_dtype"] = draft_dtype
     engine = Engine(target, drafters, default, max_queue=settings.max_queue,
                     max_active=settings.max_active, prefix_cache=cache,
-                    info={"draft_backend": backend}, prefill_chunk=settings.prefill_chunk,
+                    info=info, prefill_chunk=settings.prefill_chunk,
                     batch_planning=settings.batch_speculation == "adaptive",
                     max_kv_bytes=settings.kv_cache_bytes)
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)

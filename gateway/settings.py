@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     draft: str = "auto"
     draft_backend: Literal["auto", "torch", "onnx", "tensorrt"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     threads: int | None = Field(default=None, ge=1)
     api_keys: CommaList = Field(default_factory=list)
     max_queue: int = Field(default=64, ge=1)
@@ -131,6 +132,10 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                  "Runtime when an export exists, else PyTorch) "
                                  "(SPECSERVE_DRAFT_BACKEND, default auto)"}),
     ("--dtype", {"choices": ["float32", "bfloat16"], "help": "SPECSERVE_DTYPE, default float32"}),
+    ("--draft-dtype", {"choices": ["auto", "float32", "bfloat16"],
+                       "help": "dtype of a draft model on PyTorch: auto (bfloat16 beside a "
+                               "float32 target on a CPU with native bfloat16, else --dtype); "
+                               "output is the same either way (SPECSERVE_DRAFT_DTYPE)"}),
     ("--threads", {"type": int, "help": "CPU threads for PyTorch (SPECSERVE_THREADS)"}),
     ("--api-key", {"dest": "api_keys", "action": "append",
                    "help": "accepted bearer key, repeatable (SPECSERVE_API_KEYS, comma "

@@ -31,6 +31,7 @@ from decoding.factory import (
     load_drafter,
     load_model_drafter,
     resolve_auto,
+    torch_draft_dtype,
 )
 from decoding.prefix_cache import PrefixCache
 from decoding.target import CausalLM
@@ -72,13 +73,15 @@ def load_draft(
     prefix_cache: PrefixCache | None = None,
     *,
     export_root: Path | None = None,
+    draft_dtype: str = "auto",
 ) -> tuple[Drafter | None, str]:
     """The drafter for ``spec`` with its model on ``backend``, and the backend chosen.
 
     ``spec`` is what ``decoding.factory.load_drafter`` takes (``none``, ``ngram``,
     ``cache``, a draft model, or several joined by ``+``), or ``auto`` (see
     ``decoding.factory.resolve_auto``); only the model part runs on the backend. The
-    chosen backend is ``none``/``builtin`` when no model runs.
+    chosen backend is ``none``/``builtin`` when no model runs. On PyTorch the model runs
+    in ``draft_dtype`` (``auto``: ``decoding.factory.torch_draft_dtype``).
     """
     spec = resolve_auto(spec, target, prefix_cache)
     try:
@@ -99,7 +102,8 @@ def load_draft(
         raise DraftBackendError(f"draft spec {spec!r} names more than one draft model")
     if NO_DRAFT in parts:
         raise DraftBackendError("'none' cannot be combined with other drafters")
-    model, chosen = load_model_draft(models[0], target, choice, dtype, export_root=export_root)
+    model, chosen = load_model_draft(models[0], target, choice, dtype, export_root=export_root,
+                                     draft_dtype=draft_dtype)
     cheap_parts = [p for p in parts if p in CHEAP_DRAFTS]
     if not cheap_parts:
         return model, chosen
@@ -115,22 +119,24 @@ def load_model_draft(
     dtype: str = "float32",
     *,
     export_root: Path | None = None,
+    draft_dtype: str = "auto",
 ) -> tuple[Drafter, str]:
     """One draft model (a model directory, ``default-truncated:N``, an export directory or
     a hub id) on ``backend``, and the backend chosen."""
     choice = DraftBackend(backend)
     if store.is_export_dir(spec):
-        return _from_export_dir(Path(spec).expanduser(), target, choice, dtype)
+        return _from_export_dir(Path(spec).expanduser(), target, choice, dtype, draft_dtype)
     try:
         source = DraftSource.parse(spec)
     except DraftSourceError as exc:
         if choice in (DraftBackend.TORCH, DraftBackend.AUTO):  # a hub id: PyTorch can load it
             log.info("%s; running the draft on PyTorch", exc)
-            return load_model_drafter(spec, target, dtype), DraftBackend.TORCH.value
+            return (load_model_drafter(spec, target, dtype, draft_dtype),
+                    DraftBackend.TORCH.value)
         raise DraftBackendError(str(exc)) from exc
     if choice is DraftBackend.AUTO:
         choice = _auto(source, dtype, export_root)
-    drafter = _load(source, target, choice, dtype, export_root)
+    drafter = _load(source, target, choice, dtype, export_root, draft_dtype)
     log.info("draft %s runs on %s", spec, choice.value)
     return drafter, choice.value
 
@@ -165,11 +171,12 @@ def _auto(source: DraftSource, dtype: str, export_root: Path | None) -> DraftBac
 
 
 def _load(source: DraftSource, target: CausalLM, choice: DraftBackend, dtype: str,
-          export_root: Path | None) -> Drafter:
+          export_root: Path | None, draft_dtype: str = "auto") -> Drafter:
     if choice is DraftBackend.TORCH:
         if source.distilled:  # shares the running target's embedding
-            return load_model_drafter(str(source.path), target, dtype)
-        model = source.load_causal_lm(dtype, str(target.device))
+            return load_model_drafter(str(source.path), target, dtype, draft_dtype)
+        run_dtype = torch_draft_dtype(dtype, target.device, draft_dtype)
+        model = source.load_causal_lm(run_dtype, str(target.device))
         return ModelDrafter(model, target)
     if choice is DraftBackend.ONNX:
         import_onnxruntime()  # a clear error before any export work
@@ -183,8 +190,8 @@ def _load(source: DraftSource, target: CausalLM, choice: DraftBackend, dtype: st
                                  reference=source)
 
 
-def _from_export_dir(export_dir: Path, target: CausalLM, choice: DraftBackend, dtype: str
-                     ) -> tuple[Drafter, str]:
+def _from_export_dir(export_dir: Path, target: CausalLM, choice: DraftBackend, dtype: str,
+                     draft_dtype: str = "auto") -> tuple[Drafter, str]:
     manifest = Manifest.load(export_dir)
     if choice is DraftBackend.AUTO:
         if tensorrt_unavailable_reason() is None:
@@ -200,7 +207,7 @@ def _from_export_dir(export_dir: Path, target: CausalLM, choice: DraftBackend, d
             raise BackendUnavailableError(
                 f"{export_dir} is an exported draft; PyTorch needs its source model "
                 f"{manifest.source_spec!r}, which is not available: {exc}") from exc
-        return _load(source, target, choice, dtype, None), choice.value
+        return _load(source, target, choice, dtype, None, draft_dtype), choice.value
     if choice is DraftBackend.ONNX:
         drafter: Drafter = load_onnx_drafter(export_dir, target, manifest)
     else:

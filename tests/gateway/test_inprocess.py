@@ -16,7 +16,7 @@ from decoding.engine import Engine
 from decoding.prompting import encode_chat, encode_text
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest
-from gateway.server import create_app
+from gateway.server import build_engine, create_app
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 
 
@@ -88,6 +88,23 @@ async def test_completion_prompt_forms(client: httpx.AsyncClient, tiny_target: C
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] == sum(len(i) for i in ids)  # once per prompt, not per n
     assert usage["completion_tokens"] == 16
+
+
+async def test_models_report_the_dtype_the_draft_model_runs_in(
+        tiny_target_dir: Path, tiny_draft_dir: Path) -> None:
+    settings = tiny_settings(target=str(tiny_target_dir), draft=str(tiny_draft_dir),
+                             draft_backend="torch", draft_dtype="bfloat16", prefix_cache=False)
+    engine = build_engine(settings)
+    try:
+        async with in_process(create_app(settings, engine=engine)) as c:
+            (card,) = (await c.get("/v1/models")).json()["data"]
+            reply = await c.post("/v1/completions", json={
+                "model": TINY, "prompt": "One, two, three,", "max_tokens": 8, "temperature": 0})
+        assert card["metadata"]["dtype"] == "float32"
+        assert card["metadata"]["draft_dtype"] == "bfloat16"
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+    finally:
+        engine.shutdown()
 
 
 async def test_health_ready_and_models(client: httpx.AsyncClient) -> None:
