@@ -36,7 +36,7 @@ from decoding.bench_methods import (
 from decoding.bench_report import load_average, machine_info, summarise, write_table
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target
+from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target, torch_draft_dtype
 from decoding.prompting import encode_chat
 from decoding.target import DTYPES, CausalLM
 
@@ -185,6 +185,9 @@ def _config_record(config: BenchConfig, prompt_sets: dict[str, list[Prompt]]) ->
         warmup_tokens=WARMUP_TOKENS,
         prompts={name: [p.id for p in prompts] for name, prompts in prompt_sets.items()},
         method_settings={m: s for m, s in method_settings().items() if m in config.methods},
+        # what --draft-dtype meant here for each target dtype, where the draft runs on PyTorch
+        draft_dtype_on_torch={d: torch_draft_dtype(d, "cpu", config.draft_dtype)
+                              for d in config.dtypes},
         order="per prompt, every method in turn, after one warm-up per method",
     )
     return record

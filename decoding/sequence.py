@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,7 +183,14 @@ class SequenceDecoder:
         return max(0, min(k, remaining - 1))
 
     def draft_context(self) -> DraftContext:
-        return DraftContext(self.tokens, self.params, self.generator)
+        return DraftContext(self.tokens, self.params, self.generator, judge=self)
+
+    # How far a round drafts, as the drafting source's policy judges (``DraftJudge``).
+    def worth_proposing(self, confidences: Sequence[float]) -> bool:
+        return self.policy.worth_proposing(confidences)
+
+    def worth_continuing(self, confidences: Sequence[float]) -> bool:
+        return self.policy.worth_continuing(confidences)
 
     def complete(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float
                  ) -> RoundEvent | None:
@@ -209,7 +216,9 @@ class SequenceDecoder:
         self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
         timing = RoundTiming(plan.draft_s, verify_s, 0.0)
         if plan.policy is not None:
-            plan.policy.update(len(draft), verdict.accepted, timing.draft_s, timing.verify_s)
+            confidences = plan.proposal.confidence if plan.proposal is not None else ()
+            plan.policy.update(len(draft), verdict.accepted, timing.draft_s, timing.verify_s,
+                               confidences[: len(draft) + 1])
         return self._commit(verdict.committed(draft), len(draft), verdict.accepted, logits,
                             timing, plan.started)
 

@@ -82,6 +82,8 @@ def test_bench_on_tiny_models_reports_every_method(
     report = _bench(tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir))
     assert {"cpu", "threads", "torch", "transformers"} <= report["machine"].keys()
     assert report["config"]["max_new_tokens"] == 8
+    assert report["config"]["draft_dtype"] == "auto"
+    assert report["config"]["draft_dtype_on_torch"]["float32"] in ("float32", "bfloat16")
     runs = report["runs"]
     assert {(r["prompt_set"], r["method"]) for r in runs} == {
         (s, m) for s in PROMPT_SETS for m in ALL_METHODS}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,68 @@ def test_model_drafter_sampling_returns_its_distribution(tiny_target: CausalLM) 
     for i, token in enumerate(proposal.tokens):
         assert proposal.probs[i, token] > 0
         assert int((proposal.probs[i] > 0).sum()) <= 20
+
+
+class _Judge:
+    """Lets the first ``keep`` draft tokens through; ``go_on`` says whether to draft on."""
+
+    def __init__(self, keep: int, go_on: bool = True) -> None:
+        self.keep, self.go_on = keep, go_on
+
+    def worth_proposing(self, confidences: Sequence[float]) -> bool:
+        return len(confidences) <= self.keep
+
+    def worth_continuing(self, confidences: Sequence[float]) -> bool:
+        return self.go_on
+
+
+def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_says(
+        tiny_target: BatchedLM) -> None:
+    import torch
+
+    drafter = ModelDrafter(tiny_target, tiny_target)
+    tokens = [10, 11, 12, 13]
+    state = drafter.begin(tokens)
+    free = drafter.propose(state, DraftContext(tokens, GREEDY, None), 5)
+    drafter.release(state)
+    assert len(free.tokens) == 5 and len(free.confidence) == 5
+    with torch.inference_mode():
+        logits = tiny_target.model(torch.tensor([tokens])).logits[0, -1].float()
+    assert free.confidence[0] == pytest.approx(float(torch.softmax(logits, -1).max()), rel=1e-3)
+    assert all(0 < c <= 1 for c in free.confidence)
+
+    state = drafter.begin(tokens)
+    judged = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(keep=2)), 5)
+    assert judged.tokens == free.tokens[:2]  # the third was drafted, then withheld
+    assert judged.confidence == pytest.approx(free.confidence[:3], rel=1e-3)
+    assert state.cache.length == len(tokens) + 2
+    drafter.release(state)
+
+    state = drafter.begin(tokens)  # told not to go on: no step beyond the first token
+    short = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(5, False)), 5)
+    assert short.tokens == free.tokens[:1] and len(short.confidence) == 1
+    assert state.cache.length == len(tokens)
+    drafter.release(state)
+    assert tiny_target.rows_in_use == 0
+
+
+def test_sampled_drafts_are_judged_by_their_distribution_never_by_the_draw(
+        tiny_target: CausalLM) -> None:
+    """Withholding a sampled token for being unlikely would change which tokens reach
+    verification, and the output would no longer follow the target's distribution; a
+    confidence that depends on the distribution alone keeps the decision blind to it."""
+    import torch
+
+    drafter = ModelDrafter(tiny_target, tiny_target)
+    params = SamplingParams(temperature=1.5, top_k=50)
+    for seed in range(3):
+        state = drafter.begin([1, 2])
+        context = DraftContext([1, 2], params, torch.Generator().manual_seed(seed), _Judge(9))
+        proposal = drafter.propose(state, context, 4)
+        drafter.release(state)
+        assert proposal.probs is not None
+        for row, confidence in zip(proposal.probs, proposal.confidence, strict=True):
+            assert confidence == pytest.approx(float(row.max()))
 
 
 def test_mismatched_tokenizer_is_refused(
@@ -184,3 +247,19 @@ def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> N
     assert all(e.accepted_tokens == e.draft_tokens for s, e in rounds if s == "lookup")
     # the source was chosen before the round's length, and lookup proposed once per round
     assert lookup.calls == len(rounds) - 1
+
+
+def test_a_draft_runs_in_bfloat16_beside_a_float32_target_where_the_cpu_has_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from decoding import factory
+
+    monkeypatch.setattr(factory, "cpu_has_bf16", lambda: True)
+    assert factory.torch_draft_dtype("float32", "cpu") == "bfloat16"
+    assert factory.torch_draft_dtype("float32", "cpu", "float32") == "float32"
+    assert factory.torch_draft_dtype("bfloat16", "cpu") == "bfloat16"
+    assert factory.torch_draft_dtype("float32", "cuda") == "float32"  # a GPU: as the target
+    monkeypatch.setattr(factory, "cpu_has_bf16", lambda: False)  # emulated: slower, so not
+    assert factory.torch_draft_dtype("float32", "cpu") == "float32"
+    assert factory.torch_draft_dtype("float32", "cpu", "bfloat16") == "bfloat16"  # as asked
+    with pytest.raises(ValueError, match="draft dtype"):
+        factory.torch_draft_dtype("float32", "cpu", "int8")

@@ -116,6 +116,28 @@ def test_real_model_fp32_lossless(
 
 
 @pytest.mark.real_model
+def test_real_model_draft_lengths_set_by_confidence_stay_lossless(
+        default_target: CausalLM) -> None:
+    """The shipped draft in bfloat16 beside the float32 target, each round as long as
+    its confidence says (the adaptive policy): the output is plain decoding's."""
+    import torch
+
+    from decoding.factory import load_model_drafter
+
+    drafter = load_model_drafter("default-draft", default_target, "float32", "bfloat16")
+    assert next(drafter.model.model.parameters()).dtype == torch.bfloat16  # type: ignore[attr-defined]
+    lengths: set[int] = set()
+    for question in CHAT[:2]:
+        ids = tuple(encode_chat(default_target.tokenizer, [{"role": "user", "content": question}]))
+        request = GenerationRequest(prompt_ids=ids, max_new_tokens=48, sampling=GREEDY)
+        events = list(decode(default_target, drafter, request))
+        plain = _run(default_target, None, request)
+        assert [t for e in events for t in e.token_ids] == plain[0]
+        lengths.update(e.draft_tokens for e in events[1:])
+    assert len(lengths - {0}) >= 2, f"every round drafted alike: {lengths}"
+
+
+@pytest.mark.real_model
 def test_real_model_eos_ends_the_answer(default_target: CausalLM) -> None:
     ids = tuple(encode_chat(default_target.tokenizer, [{"role": "user", "content": CHAT[1]}]))
     request = GenerationRequest(prompt_ids=ids, max_new_tokens=64, sampling=GREEDY)

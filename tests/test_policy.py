@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import pytest
+
 from decoding.policy import (
     MAX_DRAFT_TOKENS,
     PROBE_INTERVAL,
     AdaptiveSpeculation,
+    FixedSpeculation,
     SpeculationPrior,
 )
 
@@ -97,3 +100,99 @@ def test_new_requests_start_from_what_earlier_ones_learned() -> None:
     good.update(4, 0)  # its own rounds soon count more than the head start
     good.update(4, 0)
     assert good.alpha < 0.6
+
+
+# -- a drafter that says how sure it is ---------------------------------------------------
+
+
+def _overconfident(policy: AdaptiveSpeculation, rounds: int = 40) -> AdaptiveSpeculation:
+    """Rounds of one draft token at confidence 0.95, accepted one time in three."""
+    for i in range(rounds):
+        policy.update(1, 1 if i % 3 == 0 else 0, confidences=(0.95,))
+    return policy
+
+
+def test_confidence_is_calibrated_against_verification() -> None:
+    policy = AdaptiveSpeculation()
+    assert policy.accept_chance(0.95) == pytest.approx(0.95)  # no evidence: its own word
+    _overconfident(policy)
+    assert 0.25 < policy.accept_chance(0.95) < 0.45
+    assert policy.accept_chance(0.35) == pytest.approx(0.35)  # other confidences: unmeasured
+    assert not policy.worth_proposing([0.95, 0.95, 0.95, 0.95])
+
+
+def _calibrated(policy: AdaptiveSpeculation) -> AdaptiveSpeculation:
+    """Rounds of one draft token in every tenth of confidence, accepted about as often as
+    its confidence says (a bin's midpoint)."""
+    for j in range(10):
+        for b in range(10):
+            mid = (b + 0.5) / 10
+            kept = int((j + 1) * mid) > int(j * mid)  # spread evenly over the rounds
+            policy.update(1, 1 if kept else 0, confidences=(mid,))
+    return policy
+
+
+def test_a_round_drafts_as_far_as_its_tokens_are_worth_verifying() -> None:
+    policy = _calibrated(AdaptiveSpeculation())
+    assert policy.accept_chance(0.35) == pytest.approx(0.35, abs=0.1)
+    assert policy.worth_proposing([0.95]) and not policy.worth_proposing([0.02])
+    assert policy.worth_proposing([0.95, 0.95, 0.95, 0.95, 0.95])
+    assert policy.worth_proposing([0.35, 0.35]) and not policy.worth_proposing([0.35] * 3)
+    # before paying for another token: not when the round's chance is already small
+    assert policy.worth_continuing([0.95, 0.95]) and not policy.worth_continuing([0.35, 0.35])
+    dear = _calibrated(AdaptiveSpeculation(draft_cost_per_token=0.5))  # half a step a token
+    assert policy.worth_continuing([0.55]) and not dear.worth_continuing([0.55])
+    fixed = FixedSpeculation(4)  # measuring a drafter: every token, whatever its confidence
+    assert fixed.worth_proposing([0.01]) and fixed.worth_continuing([0.01])
+
+
+def test_confidences_verification_has_not_measured_are_proposed_to_measure_them() -> None:
+    """A drafter that undersells itself is verified, so corrected, not silenced."""
+    shy = AdaptiveSpeculation()
+    assert shy.worth_proposing([0.05])  # nothing measured at 0.05 yet
+    for _ in range(5):
+        shy.update(1, 1, confidences=(0.05,))  # ... and such tokens are always accepted
+    assert shy.accept_chance(0.05) > 0.6
+    assert shy.worth_proposing([0.05, 0.05, 0.05]) and shy.worth_continuing([0.05, 0.05])
+    poor = AdaptiveSpeculation()
+    for _ in range(5):
+        poor.update(1, 0, confidences=(0.05,))  # ... always rejected
+    assert not poor.worth_proposing([0.05])
+
+
+def test_a_confident_drafter_sets_its_own_length_and_backs_off_when_it_does_not_pay() -> None:
+    policy = AdaptiveSpeculation()
+    policy.update(2, 2, confidences=(0.9, 0.9, 0.4))  # two proposed, the third withheld
+    assert policy.confident and policy.next_k(100) == MAX_DRAFT_TOKENS
+    assert policy.next_k(3) == 3
+    dear = AdaptiveSpeculation(draft_cost_per_token=0.5)
+    for _ in range(5):  # unsure, rejected, and dear to run
+        dear.update(1, 0, confidences=(0.2, 0.1))
+    assert dear.next_k(100) == 0
+    ks = []
+    for _ in range(PROBE_INTERVAL + 1):
+        k = dear.next_k(100)
+        ks.append(k)
+        if k == 0:
+            dear.update(0, 0)
+    assert ks[-1] == MAX_DRAFT_TOKENS and not any(ks[:-1])  # a probe, as far as it is sure
+
+
+def test_a_rounds_withheld_token_and_the_first_rounds_prompt_feed_are_priced_right() -> None:
+    policy = AdaptiveSpeculation()
+    policy.update(0, 0, verify_s=0.05)  # a plain round: one step takes 50 ms
+    # the draft's first round also fed it the prompt: not what a draft step costs
+    policy.update(1, 1, draft_s=0.5, verify_s=0.05, confidences=(0.9, 0.2))
+    assert policy.draft_cost_per_token == 0.0
+    policy.update(0, 0, draft_s=0.005, verify_s=0.05, confidences=(0.1,))  # withheld: one step
+    assert policy.draft_cost_per_token == pytest.approx(0.1, rel=0.05)
+    assert policy.drafted_rounds == 1 and policy.confident_rounds == 2
+
+
+def test_new_requests_inherit_the_calibration() -> None:
+    prior = SpeculationPrior()
+    for _ in range(3):
+        prior.observe(_overconfident(AdaptiveSpeculation()))
+    fresh = prior.new_policy()
+    assert fresh.confident and fresh.next_k(100) == MAX_DRAFT_TOKENS
+    assert fresh.accept_chance(0.95) < 0.5

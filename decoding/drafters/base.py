@@ -16,6 +16,9 @@ class DraftProposal:
     tokens: tuple[int, ...]  # [k'] with k' <= k; may be empty
     probs: torch.Tensor | None = None  # [k', vocab] the distribution each token was drawn from;
     # None when the drafter is deterministic (verification treats it as one-hot)
+    confidence: tuple[float, ...] = ()  # the drafter's probability of each token it drafted,
+    # one more than ``tokens`` when it withheld its last (``DraftContext.worth``); empty
+    # from a drafter without a distribution (lookup)
 
     @staticmethod
     def empty() -> DraftProposal:
@@ -29,6 +32,22 @@ class DraftContext:
     token_ids: Sequence[int]  # every committed token: prompt then output
     sampling: SamplingParams
     generator: torch.Generator | None  # None when decoding greedily
+    judge: DraftJudge | None = None  # None: draft all k
+
+
+class DraftJudge(Protocol):
+    """Decides, from a drafter's confidence in this round's draft tokens so far, how far
+    the round drafts (a drafter with no such confidence drafts all k)."""
+
+    def worth_proposing(self, confidences: Sequence[float]) -> bool:
+        """Whether the last token (just drafted) is worth verifying; if not, the drafter
+        withholds it and stops."""
+        ...
+
+    def worth_continuing(self, confidences: Sequence[float]) -> bool:
+        """Whether drafting one more token is worth its cost, before it is drafted (every
+        token in ``confidences`` is proposed)."""
+        ...
 
 
 class Drafter(Protocol):

@@ -77,22 +77,29 @@ class ModelDrafter:
             feeds.append(list(tokens[common:]))
         proposed: list[list[int]] = [[] for _ in states]
         rows: list[list[torch.Tensor]] = [[] for _ in states]
+        sure: list[list[float]] = [[] for _ in states]
         active = [i for i, feed in enumerate(feeds) if feed]
         while active:
             logits = self._forward([states[i].cache for i in active], [feeds[i] for i in active])
             still = []
             for i, out in zip(active, logits, strict=True):
                 states[i].fed.extend(feeds[i])
-                token, probs = self._pick(out, contexts[i])
+                token, probs, confidence = self._pick(out, contexts[i])
+                sure[i].append(confidence)
+                judge = contexts[i].judge
+                if judge is not None and not judge.worth_proposing(sure[i]):
+                    continue  # withheld: not worth verifying, and neither is what follows
                 proposed[i].append(token)
                 if probs is not None:
                     rows[i].append(probs)
-                if len(proposed[i]) < ks[i]:
+                if len(proposed[i]) < ks[i] and (
+                        judge is None or judge.worth_continuing(sure[i])):
                     feeds[i] = [token]
                     still.append(i)
             active = still
-        return [DraftProposal(tokens=tuple(p), probs=torch.stack(r) if r else None)
-                for p, r in zip(proposed, rows, strict=True)]
+        return [DraftProposal(tokens=tuple(p), probs=torch.stack(r) if r else None,
+                              confidence=tuple(c))
+                for p, r, c in zip(proposed, rows, sure, strict=True)]
 
     def _forward(self, caches: list[Any], feeds: list[list[int]]) -> list[torch.Tensor]:
         """Each cache's logits after its feed, ``[vocab]`` each."""
@@ -117,14 +124,21 @@ class ModelDrafter:
 
     def _pick(
         self, logits: torch.Tensor, context: DraftContext  # [vocab]
-    ) -> tuple[int, torch.Tensor | None]:
+    ) -> tuple[int, torch.Tensor | None, float]:
+        """The draft token, the distribution it was drawn from (None: greedy), and the
+        draft's confidence: its largest probability. Greedy, that is the token's own;
+        sampling, it must not be (a judge that withheld a sampled token for being
+        unlikely would skew what verification accepts away from the target's
+        distribution), so it depends on the distribution alone, never on the draw."""
         logits = fit_vocab(logits, self.target_vocab)
         if context.generator is None:
-            return int(logits.argmax().item()), None
+            top = logits.float().max()
+            confidence = torch.exp(top - torch.logsumexp(logits.float(), -1))
+            return int(logits.argmax().item()), None, float(confidence.item())
         logits = logits.to(context.generator.device)  # the draft may run elsewhere
         probs = logits_to_probs(logits.unsqueeze(0), context.sampling)[0]  # [vocab]
         token = int(torch.multinomial(probs, 1, generator=context.generator).item())
-        return token, probs
+        return token, probs, float(probs.max().item())
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
