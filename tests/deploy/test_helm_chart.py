@@ -64,6 +64,7 @@ def test_helm_lint_strict_is_clean(helm: Callable[..., subprocess.CompletedProce
 
 @pytest.mark.parametrize("bad", [
     {"config.dtype": "float16"},
+    {"config.draftDtype": "int8"},
     {"config.draftBackend": "cuda"},
     {"replicaCount": "-1"},
     {"unknownTopLevelKey": "1"},
@@ -331,6 +332,7 @@ def test_configmap_carries_the_settings(full_render: Rendered) -> None:
     assert all(isinstance(v, str) for v in data.values())
     assert data["SPECSERVE_TARGET"] == "default"
     assert data["SPECSERVE_DTYPE"] == "bfloat16"
+    assert data["SPECSERVE_DRAFT_DTYPE"] == "bfloat16"
     assert data["SPECSERVE_DRAFT_BACKEND"] == "tensorrt"
     assert data["SPECSERVE_MAX_QUEUE"] == "128"
     assert data["SPECSERVE_MAX_ACTIVE"] == "8"
