@@ -79,6 +79,10 @@ def _bins() -> list[float]:
     return [0.0] * CONFIDENCE_BINS
 
 
+def _bin_midpoints() -> list[float]:
+    return [(b + 0.5) / CONFIDENCE_BINS for b in range(CONFIDENCE_BINS)]
+
+
 def confidence_bin(confidence: float) -> int:
     return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
 
@@ -199,20 +203,14 @@ class AdaptiveSpeculation:
         """Record one round's outcome and choose k for the next round. ``confidences``:
         the drafter's confidence in each token it drafted this round, one more than
         ``drafted`` when it withheld its last (empty: it reports none)."""
+        if verify_s > 0:  # a verify of k drafts costs about (1 + VERIFY_COST_PER_TOKEN * k) steps
+            self._step_s = _ema(self._step_s, verify_s / (1 + VERIFY_COST_PER_TOKEN * drafted))
         steps = max(drafted, len(confidences))  # draft steps run
         if steps == 0:
             self._plain_rounds += 1
-            if verify_s > 0:
-                self._step_s = _ema(self._step_s, verify_s)
             return
-        if drafted == 0:  # a confident drafter ran, then withheld its token
-            if verify_s > 0:
-                self._step_s = _ema(self._step_s, verify_s)
-        else:
+        if drafted > 0:  # (else a confident drafter ran, then withheld its token)
             self.drafted_rounds += 1
-            if verify_s > 0:  # a verify of k drafts costs ~(1 + VERIFY_COST_PER_TOKEN * k) steps
-                self._step_s = _ema(self._step_s,
-                                    verify_s / (1 + VERIFY_COST_PER_TOKEN * drafted))
             for i in range(min(accepted + 1, drafted, MAX_DRAFT_TOKENS)):
                 self._tries[i] = HISTORY_DECAY * self._tries[i] + 1
                 self._hits[i] = HISTORY_DECAY * self._hits[i] + (1 if i < accepted else 0)
@@ -237,10 +235,7 @@ class AdaptiveSpeculation:
         not those it made: as unbiased, and far steadier over a few rounds."""
         self.confident = True
         self.confident_rounds += 1
-        tokens = run = 1.0
-        for confidence in confidences[:drafted]:
-            run *= self.accept_chance(confidence)
-            tokens += run
+        _, tokens, _ = self._round_so_far(confidences[:drafted])
         cost = 1 + VERIFY_COST_PER_TOKEN * drafted + self.draft_cost_per_token * steps
         self._gain_tokens = HISTORY_DECAY * self._gain_tokens + tokens
         self._gain_cost = HISTORY_DECAY * self._gain_cost + cost
@@ -253,7 +248,7 @@ class AdaptiveSpeculation:
 
     def calibration(self) -> list[float]:
         """The acceptance measured in each confidence bin (its midpoint where unmeasured)."""
-        return [self.accept_chance((b + 0.5) / CONFIDENCE_BINS) for b in range(CONFIDENCE_BINS)]
+        return [self.accept_chance(mid) for mid in _bin_midpoints()]
 
     def expected_tokens(self, limit: int) -> list[float]:
         """Expected committed tokens of a round drafting k = 1 .. ``limit`` tokens."""
@@ -290,7 +285,7 @@ class SpeculationPrior:
         self._draft_s = 0.0
         self._expected = 0.0  # accepted drafts the policies' rates promised (recent rounds)
         self._confident = False  # the drafter reports confidences (see AdaptiveSpeculation)
-        self._calibration = [(b + 0.5) / CONFIDENCE_BINS for b in range(CONFIDENCE_BINS)]
+        self._calibration = _bin_midpoints()
         self._gain = MIN_GAIN
         self._accepted = 0.0  # ... and what verification accepted in those rounds
 

@@ -17,7 +17,7 @@ class DraftProposal:
     probs: torch.Tensor | None = None  # [k', vocab] the distribution each token was drawn from;
     # None when the drafter is deterministic (verification treats it as one-hot)
     confidence: tuple[float, ...] = ()  # the drafter's probability of each token it drafted,
-    # one more than ``tokens`` when it withheld its last (``DraftContext.worth``); empty
+    # one more than ``tokens`` when it withheld its last (``DraftContext.judge``); empty
     # from a drafter without a distribution (lookup)
 
     @staticmethod

@@ -132,8 +132,8 @@ class ModelDrafter:
         distribution), so it depends on the distribution alone, never on the draw."""
         logits = fit_vocab(logits, self.target_vocab)
         if context.generator is None:
-            top = logits.float().max()
-            confidence = torch.exp(top - torch.logsumexp(logits.float(), -1))
+            scores = logits.float()
+            confidence = torch.exp(scores.max() - torch.logsumexp(scores, -1))
             return int(logits.argmax().item()), None, float(confidence.item())
         logits = logits.to(context.generator.device)  # the draft may run elsewhere
         probs = logits_to_probs(logits.unsqueeze(0), context.sampling)[0]  # [vocab]
