@@ -128,6 +128,16 @@ class BatchedLM(CausalLM):
         return True
 
     @property
+    def branches(self) -> bool:
+        return True
+
+    @torch.inference_mode()
+    def adopt_alternative(self, state: Any, start: int, n: int) -> None:
+        for buffer in (*self._keys, *self._values):
+            buffer[state.row, :, start + 1].copy_(buffer[state.row, :, start + n - 1])
+        state.length = start + 2
+
+    @property
     def capacity(self) -> int:
         return self._capacity
 
@@ -241,6 +251,8 @@ class BatchedLM(CausalLM):
             raise ValueError("a released sequence cannot run")
         if any(not item.token_ids for item in items):
             raise ValueError("every sequence in a batch needs at least one new token")
+        if any(item.alternative and len(item.token_ids) < 3 for item in items):
+            raise ValueError("an alternative needs the pending token and a draft before it")
         for item in items:
             if item.state.length + len(item.token_ids) > self.max_context:
                 raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
@@ -277,7 +289,7 @@ class BatchedLM(CausalLM):
         hidden = self._inner.embed_tokens(batch.ids)  # [T, H]
         cos, sin = self._inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]
-        rows, at = batch.cache_rows, batch.positions
+        rows, at = batch.cache_rows, batch.cache_slots
         width = self.heads * self.head_dim
         single = len(batch.groups) == 1
         masks = [self._fold_mask(group.mask) if self._folds(group.width) else group.mask
@@ -493,7 +505,13 @@ class _Group:
             starts[row] = start
             span = max(span, start + n)
         query_pos = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # [R, W]
-        mask = torch.arange(span)[None, None, :] <= query_pos[:, :, None]  # causal, per row
+        keys = torch.arange(span)
+        mask = keys[None, None, :] <= query_pos[:, :, None]  # causal, per row
+        for i in members:  # an alternative sees the cache and the pending token, and itself
+            item = items[i]
+            if item.alternative:
+                start, n = item.state.length, len(item.token_ids)
+                mask[item.state.row - lo, n - 1] = (keys <= start) | (keys == start + n - 1)
         return cls(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                    slots=torch.tensor(slots, dtype=torch.long, device=device),
                    mask=mask[:, None].to(device), lo=lo, n_rows=n_rows, width=width, span=span)
@@ -508,6 +526,8 @@ class _Layout:
 
     ids: torch.Tensor  # [T] token ids, packed
     positions: torch.Tensor  # [T] position of each token in its sequence
+    cache_slots: torch.Tensor  # [T] where its keys and values go in its row (its position,
+    # but for an alternative: after the tokens before it, at the position of the second)
     cache_rows: torch.Tensor  # [T] the cache row of each token
     offsets: list[int]  # where each item's tokens start in the packed order
     groups: list[_Group]
@@ -516,13 +536,18 @@ class _Layout:
     def build(cls, items: Sequence[BatchItem], device: torch.device) -> _Layout:
         ids: list[int] = []
         positions: list[int] = []
+        cache_slots: list[int] = []
         cache_rows: list[int] = []
         offsets: list[int] = []
         for item in items:
             start, n = item.state.length, len(item.token_ids)
             offsets.append(len(ids))
             ids.extend(item.token_ids)
-            positions.extend(range(start, start + n))
+            cache_slots.extend(range(start, start + n))
+            positions.extend(range(start, start + n - 1) if item.alternative
+                             else range(start, start + n))
+            if item.alternative:
+                positions.append(start + 1)
             cache_rows.extend([item.state.row] * n)
         overhead = _BLOCK_OVERHEAD if device.type == "cpu" else _GPU_BLOCK_OVERHEAD
         groups = [_Group.build(items, members, offsets, device)
@@ -532,6 +557,7 @@ class _Layout:
             return torch.tensor(values, dtype=torch.long, device=device)
 
         return cls(ids=as_tensor(ids), positions=as_tensor(positions),
+                   cache_slots=as_tensor(cache_slots),
                    cache_rows=as_tensor(cache_rows), offsets=offsets, groups=groups)
 
 

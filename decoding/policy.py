@@ -63,6 +63,11 @@ CONFIDENCE_PRIOR = 2.0  # pseudo-tries per bin at the drafter's own word, before
 # otherwise never be verified, so never corrected. One verified token in a bin keeps it
 # measured for about 14 rounds (HISTORY_DECAY).
 EXPLORE_EVIDENCE = 0.5
+# An alternative (the drafter's second choice for the first token, verified beside the draft)
+# is taken at about the drafter's probability for it, corrected by how often alternatives
+# were taken lately; the correction starts as this much promised probability, taken at the
+# rate earlier requests measured (at first, in full).
+ALTERNATIVE_PRIOR = 1.0
 PROBE_INTERVAL = 16  # plain rounds between probes once speculation backed off
 COST_DECAY = 0.9
 
@@ -109,6 +114,11 @@ class AdaptiveSpeculation:
     # ran in, decayed: whether its rounds pay; starts as INITIAL_WEIGHT rounds that did
     _gain_tokens: float = INITIAL_WEIGHT * MIN_GAIN
     _gain_cost: float = INITIAL_WEIGHT
+    _alt_promised: float = 0.0  # the drafter's probability of each alternative verified ...
+    _alt_taken: float = 0.0  # ... and how many were taken (both decayed)
+    _alt_base: float = 1.0  # taken over promised, as earlier requests measured
+    alternatives: int = 0  # alternatives verified
+    alternatives_taken: int = 0
 
     @property
     def alpha(self) -> float:
@@ -165,6 +175,24 @@ class AdaptiveSpeculation:
         chance = run * self.mean_acceptance()
         return chance * cost >= (VERIFY_COST_PER_TOKEN + self.draft_cost_per_token) * tokens
 
+    @property
+    def alternative_calibration(self) -> float:
+        """Alternatives taken over the drafter's probabilities for them, lately."""
+        prior = ALTERNATIVE_PRIOR
+        return (self._alt_taken + prior * self._alt_base) / (self._alt_promised + prior)
+
+    def alternative_chance(self, confidence: float) -> float:
+        """The chance that the target takes an alternative the drafter gave ``confidence``."""
+        return min(1.0, confidence * self.alternative_calibration)
+
+    def worth_alternative(self, confidences: Sequence[float], confidence: float) -> bool:
+        """Whether to verify the drafter's second choice for the first token beside a draft
+        whose tokens had ``confidences``: it adds a token when the target takes it, and one
+        token to the verify pass, so it must beat that token's cost at the rate the round
+        promises (as ``worth_proposing``; its drafting cost is already paid)."""
+        _, tokens, cost = self._round_so_far(confidences)
+        return self.alternative_chance(confidence) * cost >= VERIFY_COST_PER_TOKEN * tokens
+
     def _round_so_far(self, confidences: Sequence[float]) -> tuple[float, float, float]:
         """(chance that every draft so far is accepted, expected committed tokens, cost
         in target steps) of a round whose proposed drafts had ``confidences``."""
@@ -198,13 +226,22 @@ class AdaptiveSpeculation:
 
     def update(
         self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0,
-        confidences: Sequence[float] = (),
+        confidences: Sequence[float] = (), alternative: float | None = None,
+        alternative_taken: bool = False,
     ) -> None:
         """Record one round's outcome and choose k for the next round. ``confidences``:
         the drafter's confidence in each token it drafted this round, one more than
-        ``drafted`` when it withheld its last (empty: it reports none)."""
+        ``drafted`` when it withheld its last (empty: it reports none). ``alternative``:
+        the drafter's probability of the alternative verified beside the draft (None:
+        there was none); ``accepted`` counts the draft's tokens, not the alternative."""
+        verified = drafted + (alternative is not None)
         if verify_s > 0:  # a verify of k drafts costs about (1 + VERIFY_COST_PER_TOKEN * k) steps
-            self._step_s = _ema(self._step_s, verify_s / (1 + VERIFY_COST_PER_TOKEN * drafted))
+            self._step_s = _ema(self._step_s, verify_s / (1 + VERIFY_COST_PER_TOKEN * verified))
+        if alternative is not None:
+            self._alt_promised = HISTORY_DECAY * self._alt_promised + alternative
+            self._alt_taken = HISTORY_DECAY * self._alt_taken + alternative_taken
+            self.alternatives += 1
+            self.alternatives_taken += alternative_taken
         steps = max(drafted, len(confidences))  # draft steps run
         if steps == 0:
             self._plain_rounds += 1
@@ -288,6 +325,7 @@ class SpeculationPrior:
         self._calibration = _bin_midpoints()
         self._gain = MIN_GAIN
         self._accepted = 0.0  # ... and what verification accepted in those rounds
+        self._alternatives = 1.0  # alternatives' calibration (see AdaptiveSpeculation)
 
     @property
     def known(self) -> bool:
@@ -324,6 +362,9 @@ class SpeculationPrior:
             self._calibration = [(1 - share) * old + share * new for old, new in
                                  zip(self._calibration, policy.calibration(), strict=True)]
             self._gain = (1 - share) * self._gain + share * policy.realised_gain
+        if policy.alternatives:
+            self._alternatives = ((1 - share) * self._alternatives
+                                  + share * policy.alternative_calibration)
         if policy.draft_s_per_token > 0:
             self._draft_s = _ema(self._draft_s, policy.draft_s_per_token)
 
@@ -340,6 +381,7 @@ class SpeculationPrior:
             policy._bin_base = list(self._calibration)
             policy._gain_tokens = INITIAL_WEIGHT * max(self._gain, MIN_GAIN)
             policy.k = policy.max_tokens
+            policy._alt_base = self._alternatives
         return policy
 
 
@@ -381,8 +423,12 @@ class FixedSpeculation(AdaptiveSpeculation):
     def worth_continuing(self, confidences: Sequence[float]) -> bool:
         return True
 
+    def worth_alternative(self, confidences: Sequence[float], confidence: float) -> bool:
+        return False  # exactly k tokens a round, a chain
+
     def update(self, drafted: int, accepted: int, draft_s: float = 0.0,
-               verify_s: float = 0.0, confidences: Sequence[float] = ()) -> None:
+               verify_s: float = 0.0, confidences: Sequence[float] = (),
+               alternative: float | None = None, alternative_taken: bool = False) -> None:
         return
 
 

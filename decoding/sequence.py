@@ -4,7 +4,10 @@ Round 0 prefills the prompt and takes the first token from the target. Every
 later round: the drafter proposes k tokens, the target scores the last
 committed token plus the k drafts in one forward pass, ``verify()`` keeps the
 acceptable prefix plus one target token, and both KV caches are rolled back to
-the committed length.
+the committed length. Greedy, a model drafter's second choice for the first
+draft token may ride along at the end of the pass (a two-branch token tree);
+when the target rejects the first draft token for it, it and the target's token
+after it are kept.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class RoundPlan:
     prefill: bool = False
     final: bool = True  # the prompt's last chunk (prefill only)
     draft: list[int] = field(default_factory=list)
+    alternative: int | None = None  # verified beside draft[0], last in the pass
     proposal: DraftProposal | None = None
     started: float = 0.0
     draft_s: float = 0.0
@@ -166,10 +170,16 @@ class SequenceDecoder:
             proposal, draft_s = drafted
         remaining = self.max_new - len(self.output)
         draft = list(proposal.tokens[: max(0, remaining - 1)])
+        alternative = (proposal.alternative  # a draft token too: within the round's cap
+                       if draft and len(draft) < self.policy.max_tokens
+                       and self.takes_alternatives else None)
         tokens = [self.tokens[-1], *draft]  # the pending token, then the drafts
-        return RoundPlan(BatchItem(self.state, tokens, len(tokens)), draft=draft,
-                         proposal=proposal, started=start, draft_s=draft_s,
-                         policy=self.policy)
+        if alternative is not None:  # then the second choice for draft[0]'s place
+            tokens.append(alternative)
+        return RoundPlan(BatchItem(self.state, tokens, len(tokens),
+                                   alternative=alternative is not None),
+                         draft=draft, alternative=alternative, proposal=proposal,
+                         started=start, draft_s=draft_s, policy=self.policy)
 
     def draft_length(self, k: int | None = None) -> int:
         """How many tokens to draft next round: ``k`` (``None``: the policy's choice),
@@ -192,6 +202,18 @@ class SequenceDecoder:
     def worth_continuing(self, confidences: Sequence[float]) -> bool:
         return self.policy.worth_continuing(confidences)
 
+    def worth_alternative(self, confidences: Sequence[float], confidence: float) -> bool:
+        return self.takes_alternatives and self.policy.worth_alternative(confidences, confidence)
+
+    @property
+    def takes_alternatives(self) -> bool:
+        """Whether a round may verify an alternative for its first draft token: greedy
+        decoding without penalties (a penalised or sampled row after the alternative
+        would need counts and a distribution of their own), on a target that runs
+        token trees."""
+        return (self.generator is None and not self.params.has_penalties
+                and self.target.branches)
+
     def complete(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float
                  ) -> RoundEvent | None:
         """Verify and commit a planned round from the target's logits for it (None
@@ -206,20 +228,36 @@ class SequenceDecoder:
             timing = RoundTiming(0.0, self._prefill_s, 0.0)
             return self._commit([token], 0, 0, logits, timing, self._round_start)
         draft = plan.draft
-        scores = self._process(logits, draft)
+        scores = self._process(logits[: len(draft) + 1], draft)
         probs = plan.proposal.probs if plan.proposal is not None else None
         draft_probs = probs[: len(draft)] if probs is not None else None
         verify_start = time.perf_counter()
         verdict = verify(draft, draft_probs, scores, self.generator)
+        taken = (plan.alternative is not None and verdict.accepted == 0
+                 and verdict.next_token == plan.alternative)
+        if taken:  # greedy, unpenalised: the target's choice after the alternative is its argmax
+            committed = [verdict.next_token, int(logits[-1].argmax().item())]
+            behind = torch.stack([logits[0], logits[-1]])  # the logits each token came from
+            # The cache holds pending, drafts, alternative; keep pending + alternative.
+            self.target.adopt_alternative(self.state, len(self.tokens) - 1,
+                                          len(plan.item.token_ids))
+        else:
+            committed, behind = verdict.committed(draft), logits
+            # The cache holds pending + drafts (+ alternative); keep pending + the accepted.
+            self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
         verify_s = forward_s + time.perf_counter() - verify_start
-        # The cache holds pending + drafts; keep pending + the accepted drafts.
-        self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
         timing = RoundTiming(plan.draft_s, verify_s, 0.0)
         if plan.policy is not None:
-            confidences = plan.proposal.confidence if plan.proposal is not None else ()
-            plan.policy.update(len(draft), verdict.accepted, timing.draft_s, timing.verify_s,
-                               confidences[: len(draft) + 1])
-        return self._commit(verdict.committed(draft), len(draft), verdict.accepted, logits,
+            proposal = plan.proposal
+            confidences = proposal.confidence if proposal is not None else ()
+            plan.policy.update(
+                len(draft), verdict.accepted, timing.draft_s, timing.verify_s,
+                confidences[: len(draft) + 1],
+                alternative=(proposal.alternative_confidence
+                             if plan.alternative is not None and proposal is not None else None),
+                alternative_taken=taken)
+        drafted = len(draft) + (plan.alternative is not None)
+        return self._commit(committed, drafted, 1 if taken else verdict.accepted, behind,
                             timing, plan.started)
 
     def undo(self, plan: RoundPlan) -> None:

@@ -34,11 +34,18 @@ class CacheState:
 @dataclass(frozen=True)
 class BatchItem:
     """Tokens to append to one sequence; the logits after the last ``keep`` of them
-    come back (0: none, e.g. a prefill chunk that is not the prompt's last)."""
+    come back (0: none, e.g. a prefill chunk that is not the prompt's last).
+
+    ``alternative``: the last token is not the next in line but a second candidate for
+    ``token_ids[1]``'s position (a branch of a token tree): it sees the cache and
+    ``token_ids[0]`` only, and only the tokens before it see nothing of it. Only a
+    runner with ``branches`` takes one; its KV sits after the others' until
+    ``adopt_alternative`` moves it into place."""
 
     state: Any
     token_ids: Sequence[int]
     keep: int
+    alternative: bool = False
 
 
 def head_subset(model: Any) -> torch.Tensor | None:  # [K]
@@ -116,9 +123,22 @@ class CausalLM:
         """Whether ``forward_batch`` runs its sequences in one forward pass."""
         return False
 
+    @property
+    def branches(self) -> bool:
+        """Whether ``forward_batch`` takes ``BatchItem.alternative``."""
+        return False
+
+    def adopt_alternative(self, state: Any, start: int, n: int) -> None:
+        """After a pass of ``n`` tokens from position ``start`` whose last was an
+        alternative that verification took: the cache ends with ``token_ids[0]`` then
+        the alternative (everything else of the pass is forgotten)."""
+        raise NotImplementedError(f"{self.name} does not run token trees")
+
     @torch.inference_mode()
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
         """Each item's new tokens, one forward pass per sequence; the kept logits of each."""
+        if any(item.alternative for item in items):
+            raise ValueError(f"{self.name} does not run token trees")
         return [self._forward(item.state, item.token_ids, keep=max(1, item.keep))[-item.keep:]
                 if item.keep else self._forward(item.state, item.token_ids, keep=1)[:0]
                 for item in items]

@@ -76,16 +76,22 @@ def test_model_drafter_sampling_returns_its_distribution(tiny_target: CausalLM) 
 
 
 class _Judge:
-    """Lets the first ``keep`` draft tokens through; ``go_on`` says whether to draft on."""
+    """Lets the first ``keep`` draft tokens through; ``go_on`` says whether to draft on,
+    ``alternative`` whether to verify the second choice for the first token too."""
 
-    def __init__(self, keep: int, go_on: bool = True) -> None:
-        self.keep, self.go_on = keep, go_on
+    def __init__(self, keep: int, go_on: bool = True, alternative: bool = False) -> None:
+        self.keep, self.go_on, self.alternative = keep, go_on, alternative
+        self.asked: list[tuple[tuple[float, ...], float]] = []
 
     def worth_proposing(self, confidences: Sequence[float]) -> bool:
         return len(confidences) <= self.keep
 
     def worth_continuing(self, confidences: Sequence[float]) -> bool:
         return self.go_on
+
+    def worth_alternative(self, confidences: Sequence[float], confidence: float) -> bool:
+        self.asked.append((tuple(confidences), confidence))
+        return self.alternative
 
 
 def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_says(
@@ -116,6 +122,36 @@ def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_say
     assert state.cache.length == len(tokens)
     drafter.release(state)
     assert tiny_target.rows_in_use == 0
+    assert free.alternative is None and short.alternative is None  # no judge / judge says no
+
+
+def test_model_drafter_offers_its_second_choice_for_the_first_token(
+        tiny_target: BatchedLM) -> None:
+    import torch
+
+    drafter = ModelDrafter(tiny_target, tiny_target)
+    tokens = [10, 11, 12, 13]
+    with torch.inference_mode():
+        probs = torch.softmax(tiny_target.model(torch.tensor([tokens])).logits[0, -1].float(), -1)
+    top = torch.topk(probs, 2)
+    judge = _Judge(keep=2, alternative=True)
+    state = drafter.begin(tokens)
+    proposal = drafter.propose(state, DraftContext(tokens, GREEDY, None, judge), 5)
+    drafter.release(state)
+    assert proposal.tokens[0] == int(top.indices[0])
+    assert proposal.alternative == int(top.indices[1]) != proposal.tokens[0]
+    assert proposal.alternative_confidence == pytest.approx(float(top.values[1]), rel=1e-3)
+    # judged once, after drafting, on the proposed tokens' confidences (not the withheld one)
+    assert len(judge.asked) == 1 and len(judge.asked[0][0]) == len(proposal.tokens) == 2
+    assert judge.asked[0][0] == pytest.approx(proposal.confidence[:2])
+
+    sampled = SamplingParams(temperature=1.0)  # sampling: never an alternative
+    state = drafter.begin(tokens)
+    proposal = drafter.propose(
+        state, DraftContext(tokens, sampled, torch.Generator().manual_seed(0),
+                            _Judge(keep=5, alternative=True)), 3)
+    drafter.release(state)
+    assert proposal.alternative is None
 
 
 def test_sampled_drafts_are_judged_by_their_distribution_never_by_the_draw(

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
-from decoding.policy import FixedSpeculation
+from decoding.policy import AdaptiveSpeculation, FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
 from decoding.target import CausalLM
@@ -47,6 +48,77 @@ def _drafters(target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
         "ngram+model-poor": CombinedDrafter([NgramDrafter()], ModelDrafter(tiny_draft, target)),
         "ngram+model-self": CombinedDrafter([NgramDrafter()], ModelDrafter(target, target)),
     }
+
+
+class _SecondBest:
+    """The target as its own draft with its two likeliest tokens swapped: the first draft
+    token of every round is the target's second choice, and its alternative the first."""
+
+    def __init__(self, target: CausalLM) -> None:
+        self.target, self.vocab_size = target, target.vocab_size
+        self.tokenizer, self.name = target.tokenizer, "second-best"
+
+    def new_state(self) -> object:
+        return self.target.new_state()
+
+    def prefill(self, state: object, token_ids: list[int]) -> torch.Tensor:
+        logits = self.target.prefill(state, token_ids).clone()
+        first, second = torch.topk(logits, 2).indices.tolist()
+        logits[first], logits[second] = logits[second].clone(), logits[first].clone()
+        return logits
+
+    def rollback(self, state: object, length: int) -> None:
+        self.target.rollback(state, length)
+
+    def release(self, state: object) -> None:
+        self.target.release(state)
+
+
+class _EveryAlternative(FixedSpeculation):
+    """k drafts a round, and an alternative whenever the cap leaves room for one."""
+
+    def __init__(self, k: int, cap: int) -> None:
+        super().__init__(k)
+        self.max_tokens = cap
+
+    def worth_alternative(self, confidences: object, confidence: float) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("prompt", TINY_PROMPTS)
+def test_tiny_alternatives_taken_every_round_stay_lossless(
+        tiny_target: CausalLM, prompt: str) -> None:
+    """A draft whose first token is always the target's second choice: each round's
+    alternative (its second choice, the target's first) is taken, the cache is
+    rearranged to hold it, and the output is still plain decoding's."""
+    assert tiny_target.branches
+    ids = tuple(encode_text(tiny_target.tokenizer, prompt))
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=40, sampling=GREEDY)
+    plain = _run(tiny_target, None, request)[0]
+    events = list(decode(tiny_target, ModelDrafter(_SecondBest(tiny_target), tiny_target),
+                         request, _EveryAlternative(3, cap=4)))
+    assert [t for e in events for t in e.token_ids] == plain
+    made = 1  # the prompt's round made one token
+    for event in events[1:-1]:  # up to 3 drafts (no more than the budget leaves room for)
+        drafts = min(3, request.max_new_tokens - made - 1)  # + the alternative verified;
+        assert (event.draft_tokens, event.accepted_tokens) == (drafts + 1, 1)  # it and the
+        assert len(event.token_ids) == 2  # target's token after it kept
+        made += 2
+    assert len(events) > 3
+
+
+def test_tiny_no_alternatives_when_sampling_penalised_or_capped(tiny_target: CausalLM) -> None:
+    """Sampled and penalised rows after an alternative would need distributions of their
+    own, so those rounds verify a chain; and an alternative counts against the round's
+    cap on draft tokens."""
+    ids = tuple(encode_text(tiny_target.tokenizer, TINY_PROMPTS[0]))
+    drafter = ModelDrafter(_SecondBest(tiny_target), tiny_target)
+    for sampling, cap in ((SamplingParams(temperature=0.0, presence_penalty=0.5), 4),
+                          (SamplingParams(temperature=0.9, seed=3), 4), (GREEDY, 3)):
+        request = GenerationRequest(prompt_ids=ids, max_new_tokens=16, sampling=sampling)
+        events = list(decode(tiny_target, drafter, request, _EveryAlternative(3, cap)))
+        assert all(e.draft_tokens <= 3 for e in events), sampling
+        assert any(e.draft_tokens == 3 for e in events), sampling
 
 
 @pytest.mark.parametrize("prompt", TINY_PROMPTS)
@@ -127,14 +199,16 @@ def test_real_model_draft_lengths_set_by_confidence_stay_lossless(
     drafter = load_model_drafter("default-draft", default_target, "float32", "bfloat16")
     assert next(drafter.model.model.parameters()).dtype == torch.bfloat16  # type: ignore[attr-defined]
     lengths: set[int] = set()
+    policy = AdaptiveSpeculation()
     for question in CHAT[:2]:
         ids = tuple(encode_chat(default_target.tokenizer, [{"role": "user", "content": question}]))
         request = GenerationRequest(prompt_ids=ids, max_new_tokens=48, sampling=GREEDY)
-        events = list(decode(default_target, drafter, request))
+        events = list(decode(default_target, drafter, request, policy))
         plain = _run(default_target, None, request)
         assert [t for e in events for t in e.token_ids] == plain[0]
         lengths.update(e.draft_tokens for e in events[1:])
     assert len(lengths - {0}) >= 2, f"every round drafted alike: {lengths}"
+    assert policy.alternatives > 0  # the draft's second choices were verified too
 
 
 @pytest.mark.real_model

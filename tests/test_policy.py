@@ -196,3 +196,44 @@ def test_new_requests_inherit_the_calibration() -> None:
     fresh = prior.new_policy()
     assert fresh.confident and fresh.next_k(100) == MAX_DRAFT_TOKENS
     assert fresh.accept_chance(0.95) < 0.5
+
+
+def test_an_alternative_is_verified_while_it_is_taken_often_enough_to_pay() -> None:
+    """The drafter's second choice for the first token costs one verified token and adds
+    one when taken: worth it at about the drafter's probability for it, corrected by how
+    often alternatives were taken lately."""
+    p = AdaptiveSpeculation()
+    assert p.worth_alternative([0.5], 0.2)
+    assert not p.worth_alternative([0.5], 0.01)  # below a verified token's cost
+    assert p.alternative_chance(0.3) == pytest.approx(0.3)  # the drafter's word, at first
+    for _ in range(30):  # never taken
+        p.update(1, 0, 0.01, 0.05, [0.5], alternative=0.3, alternative_taken=False)
+    assert p.alternatives == 30 and p.alternatives_taken == 0
+    assert p.alternative_chance(0.3) < 0.1
+    assert not p.worth_alternative([0.5], 0.2)
+    for _ in range(60):  # taken every time: trusted again, and beyond its word
+        p.update(1, 0, 0.01, 0.05, [0.5], alternative=0.3, alternative_taken=True)
+    assert p.alternatives_taken == 60
+    assert p.alternative_chance(0.3) > 0.3 and p.worth_alternative([0.5], 0.3)
+    assert not FixedSpeculation(4).worth_alternative([0.5], 0.9)  # a fixed chain: never
+
+
+def test_new_requests_inherit_how_often_alternatives_were_taken() -> None:
+    prior = SpeculationPrior()
+    assert prior.new_policy().alternative_calibration == pytest.approx(1.0)
+    old = AdaptiveSpeculation()
+    for _ in range(40):  # a confident drafter whose alternatives are taken a third as often
+        old.update(1, 1, 0.01, 0.05, [0.9], alternative=0.3, alternative_taken=False)
+        old.update(1, 1, 0.01, 0.05, [0.9], alternative=0.3, alternative_taken=False)
+        old.update(1, 0, 0.01, 0.05, [0.9], alternative=0.3, alternative_taken=True)
+    assert 0.8 < old.alternative_calibration < 1.4
+    for _ in range(3):
+        slow = AdaptiveSpeculation()
+        for _ in range(40):
+            slow.update(1, 1, 0.01, 0.05, [0.9], alternative=0.6, alternative_taken=False)
+            slow.update(1, 1, 0.01, 0.05, [0.9], alternative=0.6, alternative_taken=True)
+            slow.update(1, 1, 0.01, 0.05, [0.9], alternative=0.6, alternative_taken=False)
+        prior.observe(slow)
+    new = prior.new_policy()
+    assert new.alternative_calibration == pytest.approx(slow.alternative_calibration, rel=0.05)
+    assert new.alternative_calibration < 0.7 and new.alternatives == 0

@@ -19,6 +19,10 @@ class DraftProposal:
     confidence: tuple[float, ...] = ()  # the drafter's probability of each token it drafted,
     # one more than ``tokens`` when it withheld its last (``DraftContext.judge``); empty
     # from a drafter without a distribution (lookup)
+    alternative: int | None = None  # greedy only: the drafter's second choice for the first
+    # token, verified beside the draft in the same pass (taken when the target rejects
+    # ``tokens[0]`` for it)
+    alternative_confidence: float = 0.0  # the drafter's probability of ``alternative``
 
     @staticmethod
     def empty() -> DraftProposal:
@@ -47,6 +51,12 @@ class DraftJudge(Protocol):
     def worth_continuing(self, confidences: Sequence[float]) -> bool:
         """Whether drafting one more token is worth its cost, before it is drafted (every
         token in ``confidences`` is proposed)."""
+        ...
+
+    def worth_alternative(self, confidences: Sequence[float], confidence: float) -> bool:
+        """Whether the drafter's second choice for the first token, at ``confidence``, is
+        worth verifying beside a draft whose tokens had ``confidences`` (greedy only;
+        False where the target cannot verify one)."""
         ...
 
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from decoding.drafters.base import DraftContext, DraftProposal, warm_up
+from decoding.drafters.base import DraftContext, DraftJudge, DraftProposal, warm_up
 from decoding.sampling import logits_to_probs
 from decoding.target import BatchItem, CausalLM, check_same_vocabulary
 
@@ -78,13 +78,16 @@ class ModelDrafter:
         proposed: list[list[int]] = [[] for _ in states]
         rows: list[list[torch.Tensor]] = [[] for _ in states]
         sure: list[list[float]] = [[] for _ in states]
+        second: list[tuple[int, float] | None] = [None for _ in states]
         active = [i for i, feed in enumerate(feeds) if feed]
         while active:
             logits = self._forward([states[i].cache for i in active], [feeds[i] for i in active])
             still = []
             for i, out in zip(active, logits, strict=True):
                 states[i].fed.extend(feeds[i])
-                token, probs, confidence = self._pick(out, contexts[i])
+                token, probs, confidence, runner_up = self._pick(out, contexts[i])
+                if not sure[i]:
+                    second[i] = runner_up
                 sure[i].append(confidence)
                 judge = contexts[i].judge
                 if judge is not None and not judge.worth_proposing(sure[i]):
@@ -97,9 +100,25 @@ class ModelDrafter:
                     feeds[i] = [token]
                     still.append(i)
             active = still
-        return [DraftProposal(tokens=tuple(p), probs=torch.stack(r) if r else None,
-                              confidence=tuple(c))
-                for p, r, c in zip(proposed, rows, sure, strict=True)]
+        return [self._proposal(p, r, c, s, context.judge)
+                for p, r, c, s, context in zip(proposed, rows, sure, second, contexts,
+                                               strict=True)]
+
+    @staticmethod
+    def _proposal(tokens: list[int], rows: list[torch.Tensor], confidences: list[float],
+                  runner_up: tuple[int, float] | None, judge: DraftJudge | None
+                  ) -> DraftProposal:
+        """The round's draft, with the second choice for its first token where the judge
+        finds that worth verifying too."""
+        alternative = None
+        if runner_up is not None and tokens and judge is not None:
+            proposed = confidences[: len(tokens)]
+            if judge.worth_alternative(proposed, runner_up[1]):
+                alternative = runner_up
+        return DraftProposal(tokens=tuple(tokens), probs=torch.stack(rows) if rows else None,
+                             confidence=tuple(confidences),
+                             alternative=alternative[0] if alternative else None,
+                             alternative_confidence=alternative[1] if alternative else 0.0)
 
     def _forward(self, caches: list[Any], feeds: list[list[int]]) -> list[torch.Tensor]:
         """Each cache's logits after its feed, ``[vocab]`` each."""
@@ -124,21 +143,26 @@ class ModelDrafter:
 
     def _pick(
         self, logits: torch.Tensor, context: DraftContext  # [vocab]
-    ) -> tuple[int, torch.Tensor | None, float]:
-        """The draft token, the distribution it was drawn from (None: greedy), and the
-        draft's confidence: its largest probability. Greedy, that is the token's own;
-        sampling, it must not be (a judge that withheld a sampled token for being
-        unlikely would skew what verification accepts away from the target's
-        distribution), so it depends on the distribution alone, never on the draw."""
+    ) -> tuple[int, torch.Tensor | None, float, tuple[int, float] | None]:
+        """The draft token, the distribution it was drawn from (None: greedy), the
+        draft's confidence (its largest probability), and greedy, its second choice with
+        that token's probability. Greedy, the confidence is the token's own; sampling,
+        it must not be (a judge that withheld a sampled token for being unlikely would
+        skew what verification accepts away from the target's distribution), so it
+        depends on the distribution alone, never on the draw."""
         logits = fit_vocab(logits, self.target_vocab)
         if context.generator is None:
             scores = logits.float()
-            confidence = torch.exp(scores.max() - torch.logsumexp(scores, -1))
-            return int(logits.argmax().item()), None, float(confidence.item())
+            first = int(scores.argmax().item())  # the first of tied maxima, as the target's
+            others = scores.clone()
+            others[first] = float("-inf")
+            second = int(others.argmax().item())
+            shares = torch.exp(scores[[first, second]] - torch.logsumexp(scores, -1)).tolist()
+            return first, None, float(shares[0]), (second, float(shares[1]))
         logits = logits.to(context.generator.device)  # the draft may run elsewhere
         probs = logits_to_probs(logits.unsqueeze(0), context.sampling)[0]  # [vocab]
         token = int(torch.multinomial(probs, 1, generator=context.generator).item())
-        return token, probs, float(probs.max().item())
+        return token, probs, float(probs.max().item()), None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
