@@ -717,3 +717,34 @@ def test_the_cache_is_sized_for_the_running_requests(tiny_target: BatchedLM) -> 
         list(stream)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.real_model
+def test_streams_verifying_alternatives_together_match_each_alone(
+        default_target: BatchedLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped draft's alternatives in a batch of streams (greedy, float32): each
+    stream's output is its own plain decoding, and alternatives were taken on the way."""
+    from decoding.factory import load_model_drafter
+    from decoding.prompting import encode_chat
+
+    drafter = load_model_drafter("default-draft", default_target, "float32", "float32")
+    adopt = default_target.adopt_alternative
+    taken: list[int] = []
+
+    def counted(state: BatchedState, start: int, n: int) -> None:
+        taken.append(n)
+        adopt(state, start, n)
+
+    monkeypatch.setattr(default_target, "adopt_alternative", counted)
+    questions = ["Why is the sky blue?", "Give me three tips for a job interview.",
+                 "Write a haiku about autumn rain.", "How do I boil an egg?"]
+    requests = [GenerationRequest(
+        prompt_ids=tuple(encode_chat(default_target.tokenizer, [{"role": "user", "content": q}])),
+        max_new_tokens=48, sampling=GREEDY, request_id=q) for q in questions]
+    results = _serve(default_target, {"model": drafter}, requests, default_drafter="model",
+                     batch_planning=False)  # every stream drafts as if alone
+    for request, events in zip(requests, results, strict=True):
+        plain = _tokens(list(decode(default_target, None, request)))
+        assert _tokens(events) == plain, request.request_id
+    assert taken, "no alternative was taken"
+    assert default_target.rows_in_use == 0
