@@ -85,8 +85,9 @@ class ModelDrafter:
             still = []
             for i, out in zip(active, logits, strict=True):
                 states[i].fed.extend(feeds[i])
-                token, probs, confidence, runner_up = self._pick(out, contexts[i])
-                if not sure[i]:
+                first = not sure[i]  # the round's first token: its runner-up too
+                token, probs, confidence, runner_up = self._pick(out, contexts[i], first)
+                if first:
                     second[i] = runner_up
                 sure[i].append(confidence)
                 judge = contexts[i].judge
@@ -142,18 +143,22 @@ class ModelDrafter:
         state.fed.clear()
 
     def _pick(
-        self, logits: torch.Tensor, context: DraftContext  # [vocab]
+        self, logits: torch.Tensor, context: DraftContext,  # logits: [vocab]
+        runner_up: bool = False,
     ) -> tuple[int, torch.Tensor | None, float, tuple[int, float] | None]:
         """The draft token, the distribution it was drawn from (None: greedy), the
-        draft's confidence (its largest probability), and greedy, its second choice with
-        that token's probability. Greedy, the confidence is the token's own; sampling,
-        it must not be (a judge that withheld a sampled token for being unlikely would
-        skew what verification accepts away from the target's distribution), so it
-        depends on the distribution alone, never on the draw."""
+        draft's confidence (its largest probability), and greedy with ``runner_up``, its
+        second choice with that token's probability. Greedy, the confidence is the
+        token's own; sampling, it must not be (a judge that withheld a sampled token for
+        being unlikely would skew what verification accepts away from the target's
+        distribution), so it depends on the distribution alone, never on the draw."""
         logits = fit_vocab(logits, self.target_vocab)
         if context.generator is None:
             scores = logits.float()
             first = int(scores.argmax().item())  # the first of tied maxima, as the target's
+            if not runner_up:
+                top = torch.exp(scores[first] - torch.logsumexp(scores, -1))
+                return first, None, float(top.item()), None
             others = scores.clone()
             others[first] = float("-inf")
             second = int(others.argmax().item())
