@@ -43,6 +43,7 @@ from decoding.target import DTYPES, CausalLM
 log = logging.getLogger(__name__)
 
 PROMPT_SETS = ("chat", "grounded")
+CHAT_ROLES = ("system", "user", "assistant")
 QUICK_PROMPTS = 4  # per prompt set
 QUICK_MAX_TOKENS = 64
 FULL_MAX_TOKENS = 192
@@ -124,13 +125,72 @@ def select_methods(wanted: str | None, has_draft: bool, hf: bool) -> tuple[str, 
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
-    """A shipped prompt set (``decoding/prompts/<name>.json``), the first ``limit`` prompts."""
-    if name not in PROMPT_SETS:
-        raise ValueError(f"unknown prompt set {name!r}; choose from {list(PROMPT_SETS)}")
-    text = resources.files("decoding").joinpath("prompts", f"{name}.json").read_text("utf-8")
-    data = json.loads(text)
-    prompts = [Prompt(id=p["id"], messages=tuple(p["messages"])) for p in data["prompts"]]
+    """The first ``limit`` prompts of a shipped prompt set (``decoding/prompts/<name>.json``)
+    or of a prompt file of one's own (a path; see ``read_prompt_file``)."""
+    if name in PROMPT_SETS:
+        text = resources.files("decoding").joinpath("prompts", f"{name}.json").read_text("utf-8")
+        data = json.loads(text)
+        prompts = [Prompt(id=p["id"], messages=tuple(p["messages"])) for p in data["prompts"]]
+    elif Path(name).expanduser().is_file():
+        prompts = read_prompt_file(Path(name).expanduser())
+    else:
+        raise ValueError(f"unknown prompt set {name!r}: neither a shipped set "
+                         f"({', '.join(PROMPT_SETS)}) nor a prompt file")
     return prompts[:limit] if limit is not None else prompts
+
+
+def read_prompt_file(path: Path) -> list[Prompt]:
+    """Prompts from a file: JSON, either ``{"prompts": [...]}`` (the shipped sets' format)
+    or a bare list, or JSON Lines, one prompt a line. A prompt is a string (one user
+    message), a list of chat messages, or an object with ``messages`` (and an optional
+    ``id``); a message is ``{"role": "system"|"user"|"assistant", "content": str}``."""
+    try:
+        text = path.read_text("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read prompt file {path}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        items: list[Any] = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
+    else:
+        listed = data.get("prompts") if isinstance(data, dict) else data
+        if not isinstance(listed, list):
+            raise ValueError(f"{path}: expected a list of prompts or an object with "
+                             f"\"prompts\"")
+        items = listed
+    prompts = [_file_prompt(path, index, item) for index, item in enumerate(items, start=1)]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def _file_prompt(path: Path, index: int, item: Any) -> Prompt:
+    where = f"{path}, prompt {index}"
+    name = f"{path.stem}-{index}"
+    if isinstance(item, dict):
+        name = str(item.get("id", name))
+        item = item.get("messages")
+    if isinstance(item, str):
+        item = [{"role": "user", "content": item}]
+    if not isinstance(item, list) or not item:
+        raise ValueError(f"{where}: expected a string, a list of messages or an object with "
+                         f"\"messages\"")
+    for message in item:
+        if (not isinstance(message, dict) or message.get("role") not in CHAT_ROLES
+                or not isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: each message needs a role ({', '.join(CHAT_ROLES)}) "
+                             f"and a string content, not {message!r}")
+    if item[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the last message is the assistant's; nothing to answer")
+    return Prompt(id=name, messages=tuple({"role": m["role"], "content": m["content"]}
+                                          for m in item))
 
 
 DraftLoader = Callable[[str, CausalLM, str], Drafter]

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
+import torch
+
 from decoding.bench import (
-    PROMPT_SETS,
     QUICK_MAX_TOKENS,
     QUICK_PROMPTS,
     DraftLoader,
@@ -37,8 +38,10 @@ from decoding.bench import (
     split_list,
 )
 from decoding.bench_methods import engine_runner
+from decoding.distill import draft as distilled
+from decoding.distill.draft import resolve_draft_dir
 from decoding.drafters.base import DraftContext, Drafter
-from decoding.factory import load_target
+from decoding.factory import draft_parts, load_target
 from decoding.prompting import encode_chat
 from decoding.target import DTYPES
 from decoding.types import SamplingParams
@@ -144,10 +147,9 @@ class AcceptanceConfig:
         drafts = split_list(args.drafts)
         if not drafts:
             raise ValueError("--drafts names no drafter")
-        sets = split_list(args.prompt_sets)
-        for name in sets:
-            if name not in PROMPT_SETS:
-                raise ValueError(f"unknown prompt set {name!r}; choose from {list(PROMPT_SETS)}")
+        sets = split_list(args.prompt_sets)  # each read (and checked) before the run
+        if not sets:
+            raise ValueError("--prompt-sets names no prompt set")
         prompts = args.prompts if args.prompts is not None else (
             QUICK_PROMPTS if args.quick else None)
         if prompts is not None and prompts < 1:
@@ -164,12 +166,12 @@ def run_acceptance(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
     log.setLevel(logging.INFO)  # progress is part of this command's output
     try:
         config = AcceptanceConfig.from_args(args)
+        prompt_sets = {name: load_prompts(name, config.prompts_per_set)
+                       for name in config.prompt_sets}
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     json_path = json_output(args.json)
-    prompt_sets = {name: load_prompts(name, config.prompts_per_set)
-                   for name in config.prompt_sets}
     machine, rows = each_dtype(
         config.dtypes, lambda dtype: _run_dtype(config, dtype, prompt_sets, draft_loader))
     write_table(rows, sys.stdout)
@@ -197,7 +199,9 @@ def _run_dtype(config: AcceptanceConfig, dtype: str, prompt_sets: dict[str, list
             cases.append((ids, plain(ids, config.max_new_tokens).token_ids))
             log.info("%s %s %d/%d: %d target tokens", dtype, name, index, len(prompts),
                      len(cases[-1][1]))
+        drafted = [t for _, output in cases for t in output[1:]]  # the prefill drafts none
         for spec in config.drafts:
+            coverage = head_coverage(spec, drafted)
             for k in config.ks:
                 # a fresh drafter per length: what a drafter learns across requests (a
                 # combined drafter's choice of source) must not carry from one length over
@@ -205,20 +209,39 @@ def _run_dtype(config: AcceptanceConfig, dtype: str, prompt_sets: dict[str, list
                 total = Replay(offered=[0] * k, kept=[0] * k)
                 for ids, output in cases:
                     total.add(replay(drafter, ids, output, k, config.max_new_tokens))
-                rows.append(_row(name, dtype, spec, k, len(cases), total))
+                rows.append(_row(name, dtype, spec, k, len(cases), total, coverage))
                 log.info("%s %s %s k=%d: acceptance %s, %.2f tokens/round", dtype, name, spec,
                          k, _percent(total.acceptance_rate), total.tokens_per_round or 0.0)
     return rows
 
 
+def head_coverage(spec: str, tokens: Sequence[int]) -> float | None:
+    """The share of ``tokens`` (the target's) that the draft model in ``spec`` can propose
+    at all, when its output head covers only part of the vocabulary (a distilled draft's
+    ``--vocab-top``); None when it covers all of it, or ``spec`` has no draft directory.
+    No draft reaches a higher acceptance than this on those tokens: a low figure calls for
+    a larger head, or a token set chosen from text more like these prompts' answers."""
+    ids = None
+    for part in draft_parts(spec):
+        directory = resolve_draft_dir(part)
+        if directory is not None:
+            ids = distilled.head_ids(directory)
+            break
+    if ids is None or not tokens:
+        return None
+    inside = torch.zeros(max(int(ids.max()), max(tokens)) + 1, dtype=torch.bool)
+    inside[ids] = True
+    return float(inside[torch.tensor(tokens)].float().mean())
+
+
 def _row(prompt_set: str, dtype: str, spec: str, k: int, prompts: int,
-         result: Replay) -> dict[str, Any]:
+         result: Replay, coverage: float | None = None) -> dict[str, Any]:
     return {
         "prompt_set": prompt_set, "dtype": dtype, "draft": spec, "k": k, "prompts": prompts,
         "rounds": result.rounds, "drafted": result.drafted, "accepted": result.accepted,
         "committed": result.committed, "acceptance_rate": result.acceptance_rate,
         "tokens_per_round": result.tokens_per_round,
-        "position_rates": result.position_rates(),
+        "position_rates": result.position_rates(), "head_coverage": coverage,
     }
 
 
@@ -228,12 +251,13 @@ def _percent(value: float | None) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     header = ["dtype", "set", "draft", "k", "rounds", "drafted", "acceptance", "first",
-              "tokens/round"]
+              "tokens/round", "head"]
     lines = [[r["dtype"], r["prompt_set"], r["draft"], str(r["k"]), str(r["rounds"]),
               str(r["drafted"]),
               _percent(r["acceptance_rate"]),
               _percent(r["position_rates"][0] if r["position_rates"] else None),
-              f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"]
+              f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-",
+              _percent(r.get("head_coverage"))]
              for r in rows]
     widths = [max(len(c) for c in column) for column in zip(header, *lines, strict=True)]
     out = [header, ["-" * w for w in widths], *lines]

@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"comma-separated subset of {', '.join(ALL_METHODS)} "
                             "(plain always runs)")
     bench.add_argument("--prompt-sets", default="chat,grounded",
-                       help="comma-separated shipped prompt sets")
+                       help="comma-separated prompt sets: shipped ones (chat, grounded) or "
+                            "prompt files (JSON or JSON Lines; see the README)")
     bench.add_argument("--prompts", type=int, default=None,
                        help="prompts per set (default: 4 with --quick, else all)")
     bench.add_argument("--concurrency", default=None, metavar="N,N,...",
@@ -115,7 +116,8 @@ def _acceptance_command(sub: Any) -> None:
                    help=f"comma-separated draft lengths to replay (default {ba.DEFAULT_KS})")
     p.add_argument("--dtypes", default="float32", help="comma-separated dtypes of the target")
     p.add_argument("--prompt-sets", default="chat,grounded",
-                   help="comma-separated shipped prompt sets")
+                   help="comma-separated prompt sets: shipped ones (chat, grounded) or "
+                            "prompt files (JSON or JSON Lines; see the README)")
     p.add_argument("--prompts", type=int, default=None,
                    help="prompts per set (default: 4 with --quick, else all)")
     p.add_argument("--max-tokens", type=int, default=None,

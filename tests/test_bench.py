@@ -33,6 +33,43 @@ def test_prompt_sets_are_shipped_and_varied(name: str) -> None:
     assert len(load_prompts(name, 3)) == 3
 
 
+def test_a_prompt_file_of_ones_own_reads_in_every_form(tmp_path: Path) -> None:
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    items = ["How do I fix a flat tyre?", chat, {"id": "soup", "messages": chat}]
+    forms = {"object.json": json.dumps({"prompts": items}), "list.json": json.dumps(items),
+             "lines.jsonl": "\n".join(json.dumps(i) for i in items) + "\n\n"}
+    for name, text in forms.items():
+        path = tmp_path / name
+        path.write_text(text)
+        prompts = load_prompts(str(path))
+        stem = name.split(".")[0]
+        assert [p.id for p in prompts] == [f"{stem}-1", f"{stem}-2", "soup"], name
+        assert prompts[0].messages == ({"role": "user", "content": "How do I fix a flat tyre?"},)
+        assert prompts[1].messages == prompts[2].messages == tuple(chat)
+        assert len(load_prompts(str(path), 1)) == 1
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("[1, 2", "line 1: not JSON"),
+    ('{"questions": []}', "a list of prompts"),
+    ("[]", "holds no prompts"),
+    ("[3]", "prompt 1: expected a string"),
+    ('[{"messages": []}]', "prompt 1: expected a string"),
+    ('["ok", [{"role": "bot", "content": "hi"}]]', "prompt 2: each message needs a role"),
+    ('[[{"role": "user", "content": 7}]]', "string content"),
+    ('[[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]]',
+     "nothing to answer"),
+])
+def test_a_bad_prompt_file_is_refused_with_where_and_why(tmp_path: Path, text: str,
+                                                          error: str) -> None:
+    path = tmp_path / "prompts.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        load_prompts(str(path))
+    with pytest.raises(ValueError, match="neither a shipped set"):
+        load_prompts(str(tmp_path / "missing.json"))
+
+
 def test_grounded_prompts_carry_a_passage_of_60_to_200_words() -> None:
     for prompt in load_prompts("grounded"):
         instruction, passage = prompt.messages[0]["content"].split("\n\n", 1)
@@ -108,6 +145,7 @@ def test_bench_methods_filter(tiny_target_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flags", [["--methods", "spec:magic"], ["--dtypes", "float8"],
-                                   ["--prompt-sets", "poetry"]])
+                                   ["--prompt-sets", "poetry"],
+                                   ["--prompt-sets", "/nonexistent/prompts.json"]])
 def test_bench_refuses_bad_flags_before_loading_anything(flags: list[str]) -> None:
     assert main(["bench", "--target", "/nonexistent", *flags]) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from decoding.distill.train import CHECKPOINT_NAME, collate, loss_and_hits, subs
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import auto_draft, load_drafter
+from decoding.prompting import encode_chat
 from decoding.sequence import decode
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
@@ -345,6 +347,34 @@ def test_truncated_vocabulary_draft_is_lossless_and_stays_in_its_set(
         outside[sorted(allowed)] = False
         assert float(sampled.probs[:, outside].sum()) == 0.0
         torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(6))
+
+
+def test_acceptance_reports_how_much_of_the_targets_output_the_head_can_propose(
+        distilled_run: tuple[Path, Path], tiny_target: CausalLM, tiny_target_dir: Path,
+        tmp_path: Path) -> None:
+    out, _ = distilled_run
+    texts = ["Name three colours.", "Write a line about the sea.", "What is a verb?"]
+    prompt_file = tmp_path / "mine.jsonl"
+    prompt_file.write_text("\n".join(json.dumps(t) for t in texts))
+    report_path = tmp_path / "acceptance.json"
+    assert main(["acceptance", "--target", str(tiny_target_dir), "--drafts", f"ngram,{out}",
+                 "--k", "2", "--prompt-sets", str(prompt_file), "--max-tokens", "12",
+                 "--draft-backend", "torch", "--json", str(report_path)]) == 0
+    rows = {r["draft"]: r for r in json.loads(report_path.read_text())["rows"]}
+    assert rows["ngram"]["head_coverage"] is None  # lookup can propose any token
+    ids = distilled.head_ids(out)
+    assert ids is not None and len(ids) == VOCAB_TOP
+    inside = set(ids.tolist())
+    drafted = []  # every output token after the first (the prefill's, never drafted)
+    for text in texts:
+        prompt = encode_chat(tiny_target.tokenizer, [{"role": "user", "content": text}])
+        output = [t for e in decode(tiny_target, None, _request(prompt, 12)) for t in e.token_ids]
+        drafted += output[1:]
+    expected = sum(t in inside for t in drafted) / len(drafted)
+    assert rows[str(out)]["head_coverage"] == pytest.approx(expected)
+    assert rows[str(out)]["prompt_set"] == str(prompt_file)
+    # no draft is accepted more often than its head covers the target's tokens
+    assert rows[str(out)]["accepted"] <= sum(t in inside for t in drafted)
 
 
 def test_a_draft_refuses_another_target(distilled_run: tuple[Path, Path],

@@ -98,6 +98,16 @@ class SubsetHead(nn.Module):
         return full.scatter(-1, index, sub)
 
 
+def head_ids(directory: Path) -> torch.Tensor | None:  # [K]
+    """The vocabulary ids a draft directory's output head covers, read without loading
+    the draft; None when it covers the whole vocabulary."""
+    from safetensors import safe_open
+
+    with safe_open(str(directory / WEIGHTS_NAME), framework="pt") as weights:
+        names = weights.keys()  # safe_open has no membership test of its own
+        return weights.get_tensor(VOCAB_IDS).long() if VOCAB_IDS in names else None
+
+
 def is_draft_dir(spec: str | Path) -> bool:
     return Path(spec).expanduser().joinpath(CONFIG_NAME).is_file()
 
