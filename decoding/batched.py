@@ -104,7 +104,8 @@ class BatchedLM(CausalLM):
         bias = getattr(head, "bias", None)
         self._head = _Matrix(head.weight.detach(), bias.detach() if bias is not None else None)
         self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
-        self._fold_single = self.device.type != "cpu"  # see _folds
+        # see _folds
+        self._fold_single = self.device.type != "cpu" or self.dtype != torch.float32
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
@@ -329,8 +330,11 @@ class BatchedLM(CausalLM):
     def _folds(self, width: int) -> bool:
         """Whether a block this wide attends with its query heads folded onto their
         shared key/value heads (grouped-query attention, more than one query per row;
-        on a GPU also one: PyTorch's masked grouped-query attention there takes the
-        reference path, which copies every key and value once per query head)."""
+        for one query too on a GPU, where PyTorch's masked grouped-query attention takes
+        the reference path, which copies every key and value once per query head, and on
+        a CPU in bfloat16, where a one-token pass of the default model at a 300-token
+        context spent 253 us per layer in it against 78 folded: 27.6 -> 24.7 ms a pass.
+        In float32 a CPU's grouped-query path is the faster for one query)."""
         return self.heads != self.kv_heads and (width > 1 or self._fold_single)
 
     def _fold_mask(self, mask: torch.Tensor) -> torch.Tensor:  # [R, 1, W, S] -> [R, 1, g*W, S]
