@@ -52,9 +52,11 @@ INHERIT_WEIGHT = 0.5  # pseudo-rounds by which a position leans on the one befor
 # bench`, all chat prompts, float32): the draft then shipped 1.08x -> 1.15x, with lookup
 # 1.19x -> 1.24x.
 HISTORY_DECAY = 0.95
-# Extra verify time per draft token, in target steps: measured on a 2-core AVX-512 CPU with
-# the default model as about 0.055 (float32) and 0.025 (bfloat16); slightly pessimistic here.
-VERIFY_COST_PER_TOKEN = 0.06
+# Extra verify time per draft token, in target steps. On a 2-core AVX-512 CPU with the default
+# model: about 0.055 (float32) and 0.025 (bfloat16) while the runner's products read plain
+# weights; with its weights packed for oneDNN, passes of 1 to 8 tokens cost within noise of
+# one another (about 0.02 a token, float32 and bfloat16 alike). A GPU at small batch: less.
+VERIFY_COST_PER_TOKEN = 0.02
 MIN_GAIN = 1.02  # speculate only when expected to be at least 2% faster than plain
 CONFIDENCE_BINS = 10  # calibration of a drafter's confidence: bins of width 0.1
 CONFIDENCE_PRIOR = 2.0  # pseudo-tries per bin at the drafter's own word, before evidence
@@ -450,9 +452,9 @@ class StepCost:
     a large batch. Until passes of different sizes have been seen, ``per_token``
     is assumed to be ``VERIFY_COST_PER_TOKEN`` of a one-token pass.
 
-    A one-token pass is timed on its own: a CPU runs it through a different, faster
-    product (a matrix-vector one), so the line is fitted to passes of two or more
-    tokens and ``predict(1)`` is the measured one-token time.
+    A one-token pass is timed on its own: it may run through a different product (a
+    CPU without oneDNN takes a faster matrix-vector one), so the line is fitted to
+    passes of two or more tokens and ``predict(1)`` is the measured one-token time.
     """
 
     def __init__(self) -> None:

@@ -24,7 +24,7 @@ def test_grows_on_full_acceptance_up_to_the_bound() -> None:
 def test_shrinks_on_early_rejection_and_backs_off_to_plain() -> None:
     policy = AdaptiveSpeculation()
     ks = []
-    for _ in range(12):
+    for _ in range(24):  # a free drafter's rejected tokens cost only their verification
         k = policy.next_k(100)
         ks.append(k)
         if k:
@@ -137,9 +137,9 @@ def test_a_round_drafts_as_far_as_its_tokens_are_worth_verifying() -> None:
     assert policy.accept_chance(0.35) == pytest.approx(0.35, abs=0.1)
     assert policy.worth_proposing([0.95]) and not policy.worth_proposing([0.02])
     assert policy.worth_proposing([0.95, 0.95, 0.95, 0.95, 0.95])
-    assert policy.worth_proposing([0.35, 0.35]) and not policy.worth_proposing([0.35] * 3)
+    assert policy.worth_proposing([0.35] * 3) and not policy.worth_proposing([0.35] * 4)
     # before paying for another token: not when the round's chance is already small
-    assert policy.worth_continuing([0.95, 0.95]) and not policy.worth_continuing([0.35, 0.35])
+    assert policy.worth_continuing([0.35, 0.35]) and not policy.worth_continuing([0.35] * 3)
     dear = _calibrated(AdaptiveSpeculation(draft_cost_per_token=0.5))  # half a step a token
     assert policy.worth_continuing([0.55]) and not dear.worth_continuing([0.55])
     fixed = FixedSpeculation(4)  # measuring a drafter: every token, whatever its confidence
@@ -203,14 +203,14 @@ def test_an_alternative_is_verified_while_it_is_taken_often_enough_to_pay() -> N
     one when taken: worth it at about the drafter's probability for it, corrected by how
     often alternatives were taken lately."""
     p = AdaptiveSpeculation()
-    assert p.worth_alternative([0.5], 0.2)
+    assert p.worth_alternative([0.5], 0.05)
     assert not p.worth_alternative([0.5], 0.01)  # below a verified token's cost
     assert p.alternative_chance(0.3) == pytest.approx(0.3)  # the drafter's word, at first
     for _ in range(30):  # never taken
         p.update(1, 0, 0.01, 0.05, [0.5], alternative=0.3, alternative_taken=False)
     assert p.alternatives == 30 and p.alternatives_taken == 0
     assert p.alternative_chance(0.3) < 0.1
-    assert not p.worth_alternative([0.5], 0.2)
+    assert not p.worth_alternative([0.5], 0.05)
     for _ in range(60):  # taken every time: trusted again, and beyond its word
         p.update(1, 0, 0.01, 0.05, [0.5], alternative=0.3, alternative_taken=True)
     assert p.alternatives_taken == 60
