@@ -392,12 +392,11 @@ class _Matrix:
     ``_ONEDNN_MAX_TOKENS`` tokens (a decode step, a verify pass, a batch of streams). A
     plain ``[out, in]`` matrix is reordered on every call, and MKL's small products read
     the weights far below the memory's speed; packed, a product of 2-8 tokens costs
-    about what one token's does (a verify pass of several drafts about a single step),
-    each row's result does not depend on the rows beside it, and one token runs faster
-    than MKL's matrix-vector product too. Larger products (prefill chunks) take the
-    default product of the ``[out, in]`` matrix, as on a GPU. Without oneDNN, in
-    float32: ``[in, out]`` for a single token (one pass streams it, well faster than
-    the usual product)."""
+    little more than one token's (a verify pass of several drafts about a single step),
+    and one token runs faster than MKL's matrix-vector product too. Larger products
+    (prefill chunks) take the default product of the ``[out, in]`` matrix, as on a GPU.
+    Without oneDNN, in float32: ``[in, out]`` for a single token (one pass streams it,
+    well faster than the usual product)."""
 
     def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.rows = rows  # [out, in], contiguous
@@ -418,29 +417,30 @@ class _Matrix:
         return F.linear(x, self.rows, self.bias)
 
 
-def _onednn_linear() -> Any:
-    """oneDNN's linear over a packed weight, where this PyTorch build has it (CPU builds
-    with mkldnn) and it computes what the plain product does."""
+def _onednn_linear() -> tuple[Any, frozenset[torch.dtype]]:
+    """oneDNN's linear over a packed weight where this PyTorch build has it (CPU builds
+    with mkldnn), and the dtypes in which it computes what the plain product does."""
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if op is None or reorder is None or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        x = torch.arange(6.0).view(2, 3)
-        w = torch.arange(12.0).view(4, 3)
-        for dtype in (torch.float32, torch.bfloat16):
+        return None, frozenset()
+    x = torch.arange(6.0).view(2, 3)
+    w = torch.arange(12.0).view(4, 3)
+    dtypes = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
             got = op(x.to(dtype), reorder(w.to(dtype), _PACK_TOKENS), None, "none", [], "")
-            if not torch.equal(got.float(), x @ w.t()):
-                return None
-    except (RuntimeError, NotImplementedError):
-        return None
-    return op
+        except (RuntimeError, NotImplementedError):
+            continue
+        if torch.equal(got.float(), x @ w.t()):
+            dtypes.add(dtype)
+    return (op, frozenset(dtypes)) if dtypes else (None, frozenset())
 
 
 def _pack(rows: torch.Tensor) -> torch.Tensor | None:
     """``rows`` in oneDNN's blocked layout for products of a few tokens; None where oneDNN
     is missing or does not take this dtype."""
-    if _ONEDNN_LINEAR is None or rows.dtype not in (torch.float32, torch.bfloat16):
+    if _ONEDNN_LINEAR is None or rows.dtype not in _ONEDNN_DTYPES:
         return None
     try:
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(rows, _PACK_TOKENS)
@@ -450,9 +450,9 @@ def _pack(rows: torch.Tensor) -> torch.Tensor | None:
 
 
 # the product size oneDNN's layout is chosen for: on the 2-core CPU here, packed for 4 to 32
-# tokens, products of 1 to 8 cost about the same (packed for 1, 8 tokens cost 1.5-2x 1)
+# tokens, products of 1 to 8 cost about the same (packed for 1, 8 tokens cost 1.5-1.6x 1)
 _PACK_TOKENS = 8
-_ONEDNN_LINEAR = _onednn_linear()
+_ONEDNN_LINEAR, _ONEDNN_DTYPES = _onednn_linear()
 # oneDNN keeps a primitive per shape it has run: used for a bounded range of token counts,
 # its memory stays bounded too; larger products go to the default product
 _ONEDNN_MAX_TOKENS = 32

@@ -750,3 +750,28 @@ def test_streams_verifying_alternatives_together_match_each_alone(
         assert _tokens(events) == plain, request.request_id
     assert taken, "no alternative was taken"
     assert default_target.rows_in_use == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [True, False])
+def test_weight_products_match_the_plain_product_on_every_path(
+        dtype: torch.dtype, packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed for oneDNN (a CPU that has it) or not, for a step, a verify pass, a batch and a
+    prefill chunk, with and without a bias: the plain ``x @ w.T + b``, to rounding."""
+    if packed and dtype not in batched._ONEDNN_DTYPES:
+        pytest.skip(f"this PyTorch build's oneDNN does not pack {dtype}")
+    if not packed:
+        monkeypatch.setattr(batched, "_ONEDNN_LINEAR", None)
+    torch.manual_seed(0)
+    rows = torch.randn(96, 64).to(dtype)
+    bias = torch.randn(96).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for b in (None, bias):
+        matrix = batched._Matrix(rows, b)
+        assert (matrix.packed is not None) == packed
+        for tokens in (1, 2, 5, batched._ONEDNN_MAX_TOKENS, batched._ONEDNN_MAX_TOKENS + 8):
+            x = torch.randn(tokens, 64).to(dtype)
+            want = x.float() @ rows.float().t() + (0 if b is None else b.float())
+            got = matrix(x)
+            assert got.dtype == dtype and got.shape == (tokens, 96)
+            torch.testing.assert_close(got.float(), want, atol=tolerance * 8, rtol=tolerance)
