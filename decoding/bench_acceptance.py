@@ -39,7 +39,6 @@ from decoding.bench import (
 )
 from decoding.bench_methods import engine_runner
 from decoding.distill import draft as distilled
-from decoding.distill.draft import resolve_draft_dir
 from decoding.drafters.base import DraftContext, Drafter
 from decoding.factory import draft_parts, load_target
 from decoding.prompting import encode_chat
@@ -223,7 +222,7 @@ def head_coverage(spec: str, tokens: Sequence[int]) -> float | None:
     a larger head, or a token set chosen from text more like these prompts' answers."""
     ids = None
     for part in draft_parts(spec):
-        directory = resolve_draft_dir(part)
+        directory = distilled.resolve_draft_dir(part)
         if directory is not None:
             ids = distilled.head_ids(directory)
             break
