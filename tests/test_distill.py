@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,64 @@ def test_the_subject_pools_are_kept_with_the_data(
     monkeypatch.setattr(prompt_source, "load_pools", elsewhere)
     assert load_or_make_pools(data, seed=0) == kept
     assert kept.everyday and kept.passages
+    assert kept.held_out_by == prompt_source.BY_SUBJECT
+
+
+def _shuffled(subjects: list[str], seed: int) -> list[str]:
+    import random
+
+    pool = list(subjects)
+    random.Random(seed).shuffle(pool)
+    return pool
+
+
+def test_every_seed_holds_out_the_same_subjects() -> None:
+    """A later stage with another seed (``--init-from``) must not be measured on subjects an
+    earlier stage trained on."""
+    subjects = [f"tool {i}" for i in range(3000)]
+    chores = [f"chore {i}" for i in range(40)]
+    pools = {seed: prompt_source.Pools(topics=_shuffled(subjects, seed), everyday=["hobby"],
+                                       python=["mod.f"], passages=["text"],
+                                       chat=_shuffled(chores, seed))
+             for seed in (0, 1)}
+    held = {seed: prompt_source.split(p.topics, held_out=True) for seed, p in pools.items()}
+    assert set(held[0]) == set(held[1])
+    assert 0.02 < len(held[0]) / len(subjects) < 0.04
+    assert not set(held[0]) & set(prompt_source.split(pools[1].topics, held_out=False))
+    # a pool too small for the share still holds one out, the same one whatever the order
+    small = {seed: prompt_source.split(p.chat, held_out=True) for seed, p in pools.items()}
+    assert len(small[0]) >= 1 and set(small[0]) == set(small[1])
+    assert prompt_source.split(["only"], held_out=True) == []
+    assert prompt_source.split(["only"], held_out=False) == ["only"]
+    # the streams: held-out prompts only on held-out subjects, training prompts never
+    def named(seed: int, held_out: bool, n: int) -> set[str]:
+        stream = prompt_source.prompts(pools[seed], seed, held_out=held_out, chat=0.3)
+        return {m for p in itertools.islice(stream, n)
+                for m in re.findall(r"\b(?:tool|chore) \d+\b", p.text)}
+
+    out = set(held[0]) | set(small[0])
+    assert named(0, True, 300) <= out and named(1, True, 300) <= out
+    trained = named(1, False, 3000)
+    assert len(trained) > 500 and not trained & out
+
+
+def test_pools_kept_by_earlier_versions_keep_their_held_out_subjects(tmp_path: Path) -> None:
+    """A work directory made before subjects were held out by their text resumes with the
+    split its held-out answers were made with: the first share of each pool."""
+    topics = [f"tool {i}" for i in range(200)]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / POOLS_NAME).write_text(json.dumps(
+        {"topics": topics, "everyday": ["hobby 1", "hobby 2"], "python": ["mod.f"],
+         "passages": ["text"]}), encoding="utf-8")
+    pools = load_or_make_pools(data, seed=0)
+    assert pools.held_out_by == prompt_source.BY_ORDER
+    assert prompt_source.split(pools.topics, True, pools.held_out_by) == topics[:6]
+    named = {m for p in itertools.islice(prompt_source.prompts(pools, 0, held_out=True), 200)
+             for m in re.findall(r"\btool \d+\b", p.text)}
+    assert named and named <= set(topics[:6])
+    with pytest.raises(ValueError, match="held-out split"):
+        prompt_source.Pools(topics, [], [], [], held_out_by="seed")
 
 
 @pytest.mark.parametrize(("reply", "question"), [

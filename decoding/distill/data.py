@@ -194,10 +194,14 @@ def gpu_streams(free_bytes: int, config: Any, max_new_tokens: int) -> int:
 
 
 def load_or_make_pools(data_dir: Path, seed: int) -> prompt_source.Pools:
-    """The run's subject pools: read from the data directory, else built and kept there."""
+    """The run's subject pools: read from the data directory, else built and kept there.
+    Pools kept by earlier versions chose their held-out subjects by the seed's order, and a
+    run resumed on them goes on doing so (its held-out answers were made that way)."""
     path = data_dir / POOLS_NAME
     if path.exists():
-        return prompt_source.Pools(**json.loads(path.read_text(encoding="utf-8")))
+        kept = json.loads(path.read_text(encoding="utf-8"))
+        kept.setdefault("held_out_by", prompt_source.BY_ORDER)
+        return prompt_source.Pools(**kept)
     pools = prompt_source.load_pools(seed)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(pools), ensure_ascii=False), encoding="utf-8")

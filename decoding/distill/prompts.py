@@ -21,13 +21,18 @@ phrasings people type ("I'm trying to get better at ..."), from hand-written
 lists that stay apart from the benchmark's subjects.
 
 A fixed share of every subject pool is held out for evaluation, so held-out
-acceptance is measured on subjects the draft never saw. The prompts of
-``decoding/prompts/*.json`` (the benchmark sets) are never used.
+acceptance is measured on subjects the draft never saw. Which subjects are held
+out follows from each subject's text alone (a stable hash), not from the seed:
+every seed and every stage of a draft trained in several (``--init-from``) holds
+out the same ones, so a later stage's held-out subjects were never an earlier
+stage's training subjects. The prompts of ``decoding/prompts/*.json`` (the
+benchmark sets) are never used.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import logging
 import random
 import re
@@ -42,6 +47,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HELD_OUT_SHARE = 0.03  # of every subject pool, never trained on
+# how the held-out subjects are chosen (``Pools.held_out_by``): by each subject's text, the
+# same whatever the seed; or, in pools kept by earlier versions, the first HELD_OUT_SHARE of
+# each pool as the seed shuffled it (another seed then trains on most of them)
+BY_SUBJECT = "subject"
+BY_ORDER = "order"
 MAX_PASSAGE_CHARS = 700
 MIN_PASSAGE_CHARS = 160
 
@@ -280,6 +290,11 @@ class Pools:
     passages: list[str]  # docstring paragraphs
     chat: list[str] = field(default_factory=list)  # everyday subjects of chat requests
     # (empty in pools kept by earlier versions, which had none)
+    held_out_by: str = BY_SUBJECT  # see BY_SUBJECT, BY_ORDER
+
+    def __post_init__(self) -> None:
+        if self.held_out_by not in (BY_SUBJECT, BY_ORDER):
+            raise ValueError(f"unknown held-out split {self.held_out_by!r}")
 
 
 def debian_descriptions() -> list[str]:
@@ -353,9 +368,25 @@ def load_pools(seed: int) -> Pools:
     return Pools(topics=topics, everyday=everyday, python=python, passages=passages, chat=chat)
 
 
-def split(pool: list[str], held_out: bool) -> list[str]:
-    cut = max(1, int(len(pool) * HELD_OUT_SHARE)) if len(pool) > 1 else 0
-    return pool[:cut] if held_out else pool[cut:]
+def split(pool: list[str], held_out: bool, by: str = BY_SUBJECT) -> list[str]:
+    """The held-out subjects of ``pool`` (``held_out``) or the others, in pool order. By
+    subject: those whose mark is below ``HELD_OUT_SHARE``, and in a pool where none is, the
+    one with the lowest mark, so every kind of prompt has held-out subjects (a pool of one
+    has none)."""
+    if by == BY_ORDER:
+        cut = max(1, int(len(pool) * HELD_OUT_SHARE)) if len(pool) > 1 else 0
+        return pool[:cut] if held_out else pool[cut:]
+    if len(pool) <= 1:
+        return [] if held_out else list(pool)
+    marks = [held_out_mark(subject) for subject in pool]
+    line = HELD_OUT_SHARE if min(marks) < HELD_OUT_SHARE else min(marks)
+    return [s for s, mark in zip(pool, marks, strict=True) if (mark <= line) == held_out]
+
+
+def held_out_mark(subject: str) -> float:
+    """A number in [0, 1) fixed by the subject's text (the same on every machine)."""
+    digest = hashlib.sha256(subject.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
 def prompts(pools: Pools, seed: int, held_out: bool = False, questions: float = 0.0,
@@ -364,11 +395,13 @@ def prompts(pools: Pools, seed: int, held_out: bool = False, questions: float = 
     about ``questions`` of them are asks (the target writes the message) and about
     ``chat`` of them everyday requests (``CHAT_TEMPLATES`` on the chat subjects)."""
     rng = random.Random(seed * 1_000_003 + (1 if held_out else 0))
+    parts = {name: split(getattr(pools, name), held_out, pools.held_out_by)
+             for name in ("topics", "everyday", "python", "passages", "chat")}
     kinds = [
-        (split(pools.topics, held_out), TOPIC_TEMPLATES, 0.4),
-        (split(pools.everyday, held_out), TOPIC_TEMPLATES, 0.12),
-        (split(pools.python, held_out), PYTHON_TEMPLATES, 0.15),
-        (split(pools.passages, held_out), PASSAGE_TEMPLATES, 0.33),
+        (parts["topics"], TOPIC_TEMPLATES, 0.4),
+        (parts["everyday"], TOPIC_TEMPLATES, 0.12),
+        (parts["python"], PYTHON_TEMPLATES, 0.15),
+        (parts["passages"], PASSAGE_TEMPLATES, 0.33),
     ]
     if not 0 <= questions < 1:
         raise ValueError(f"the share of questions must be in [0, 1), not {questions}")
@@ -380,10 +413,10 @@ def prompts(pools: Pools, seed: int, held_out: bool = False, questions: float = 
     rest = 1 - questions - chat
     if questions > 0:
         share = questions / rest / 2
-        kinds += [(split(pools.everyday, held_out), ASK_TEMPLATES, share),
-                  (split(pools.topics, held_out), ASK_TEMPLATES, share)]
+        kinds += [(parts["everyday"], ASK_TEMPLATES, share),
+                  (parts["topics"], ASK_TEMPLATES, share)]
     if chat > 0:
-        kinds.append((split(pools.chat, held_out), CHAT_TEMPLATES, chat / rest))
+        kinds.append((parts["chat"], CHAT_TEMPLATES, chat / rest))
     kinds = [k for k in kinds if k[0]]
     if not kinds:
         raise RuntimeError("no prompt sources found (no apt lists and no stdlib sources)")
