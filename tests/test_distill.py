@@ -70,6 +70,7 @@ def test_distill_writes_a_small_self_describing_draft_and_lowers_the_loss(
     assert info.vocab_top_k == VOCAB_TOP and info.source_layers == [0]
     assert info.made_with["command"].startswith("specserve distill")
     assert info.made_with["results"]["steps"] == 40
+    assert info.made_with["held_out_by"] == prompt_source.BY_SUBJECT
     stored = load_file(str(out / distilled.WEIGHTS_NAME))
     assert distilled.EMBEDDING not in stored  # shared with the target, never stored
     assert stored["lm_head.weight"].dtype == torch.float16
@@ -100,13 +101,16 @@ def test_resume_continues_to_the_same_weights(
 
 
 def test_a_run_can_start_from_an_earlier_draft(
-        distilled_run: tuple[Path, Path], tiny_target_dir: Path, tmp_path: Path) -> None:
+        distilled_run: tuple[Path, Path], tiny_target_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     first, _ = distilled_run
     _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1, "--init-from", str(first),
              "--lr", "1e-12")  # one step that changes nothing: the start is the earlier draft
     info = distilled.DraftInfo.load(tmp_path / "d")
     assert info.made_with["init_from"]["draft"] == str(first)
     assert info.made_with["init_from"]["made_with"].startswith("specserve distill")
+    assert info.made_with["held_out_by"] == prompt_source.BY_SUBJECT
+    assert "may have trained on this run's held-out subjects" not in capsys.readouterr().err
     before = load_file(str(first / distilled.WEIGHTS_NAME))
     after = load_file(str(tmp_path / "d" / distilled.WEIGHTS_NAME))
     assert before.keys() == after.keys()
@@ -120,6 +124,31 @@ def test_a_run_can_start_from_an_earlier_draft(
         _distill(tiny_target_dir, tmp_path / "d2", tmp_path / "w2", 1, "--init-from",
                  str(tmp_path))
     assert not (tmp_path / "w2").exists()
+
+
+def test_a_stage_after_a_draft_of_the_seed_split_says_its_held_out_figure_may_overstate(
+        distilled_run: tuple[Path, Path], tiny_target_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A draft made before every seed held out the same subjects (as the shipped one) may
+    have trained on any run's held-out subjects: a run starting from it says so, and its own
+    draft records the weaker split, so the stage after it says so too."""
+    import shutil
+
+    first, _ = distilled_run
+    older = tmp_path / "older"
+    shutil.copytree(first, older)
+    described = json.loads((older / "draft.json").read_text())
+    del described["made_with"]["held_out_by"]
+    (older / "draft.json").write_text(json.dumps(described))
+    capsys.readouterr()
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1, "--init-from", str(older),
+             "--lr", "1e-12")
+    assert "may have trained on this run's held-out subjects" in capsys.readouterr().err
+    made = distilled.DraftInfo.load(tmp_path / "d").made_with
+    assert made["held_out_by"] == prompt_source.BY_ORDER
+    _distill(tiny_target_dir, tmp_path / "d2", tmp_path / "w2", 1, "--init-from",
+             str(tmp_path / "d"), "--lr", "1e-12")
+    assert "may have trained on this run's held-out subjects" in capsys.readouterr().err
 
 
 def test_the_subject_pools_are_kept_with_the_data(

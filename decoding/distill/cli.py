@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from decoding import model_store
-from decoding.distill.data import DataSettings, default_streams, generate
+from decoding.distill import prompts as prompt_source
+from decoding.distill.data import DataSettings, default_streams, generate, load_or_make_pools
 from decoding.distill.train import (
     CHECKPOINT_NAME,
     Progress,
@@ -128,6 +129,10 @@ def run_distill(args: argparse.Namespace) -> int:
     if start is not None:  # where the starting draft came from
         made_with["init_from"] = {"draft": args.init_from,
                                   "made_with": start.made_with.get("command")}
+        if start.made_with.get("held_out_by") != prompt_source.BY_SUBJECT:
+            print(f"distill: {args.init_from} was made before every seed held out the same "
+                  "subjects, so it may have trained on this run's held-out subjects: the "
+                  "held-out acceptance can overstate what new subjects get", file=sys.stderr)
 
     print(f"distill: data in {work / 'data'}, on {device}", file=sys.stderr)
     with tqdm(total=data_settings.tokens, desc="target answers", unit="tok") as bar:
@@ -136,6 +141,7 @@ def run_distill(args: argparse.Namespace) -> int:
 
         have = generate(target_dir, work / "data", data_settings, data_progress, device)
         bar.update(min(have, data_settings.tokens) - bar.n)
+    made_with["held_out_by"] = _held_out_by(work, data_settings.seed, start)
     with tqdm(total=train_settings.steps, desc="distilling", unit="step") as bar:
         postfix: dict[str, str] = {}
 
@@ -154,6 +160,15 @@ def run_distill(args: argparse.Namespace) -> int:
           f"{last.get('acceptance', float('nan')):.3f}, head coverage "
           f"{results['held_out_head_coverage']:.3f}", file=sys.stderr)
     return 0
+
+
+def _held_out_by(work: Path, seed: int, start: Any) -> str:
+    """How the held-out subjects of this draft's whole lineage were chosen: ``subject``
+    only when this run's and every earlier stage's were (``BY_SUBJECT``)."""
+    mine = load_or_make_pools(work / "data", seed).held_out_by
+    if start is not None and start.made_with.get("held_out_by") != prompt_source.BY_SUBJECT:
+        return prompt_source.BY_ORDER
+    return mine
 
 
 def _device(name: str) -> str:
