@@ -370,8 +370,8 @@ def load_pools(seed: int) -> Pools:
 
 def split(pool: list[str], held_out: bool, by: str = BY_SUBJECT) -> list[str]:
     """The held-out subjects of ``pool`` (``held_out``) or the others, in pool order. By
-    subject: those whose mark is below ``HELD_OUT_SHARE``, and in a pool where none is, the
-    one with the lowest mark, so every kind of prompt has held-out subjects (a pool of one
+    subject: those whose mark is at most ``HELD_OUT_SHARE``, and in a pool where none is,
+    the one with the lowest mark, so every kind of prompt has held-out subjects (a pool of one
     has none)."""
     if by == BY_ORDER:
         cut = max(1, int(len(pool) * HELD_OUT_SHARE)) if len(pool) > 1 else 0
