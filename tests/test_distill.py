@@ -224,6 +224,17 @@ def test_pools_kept_by_earlier_versions_keep_their_held_out_subjects(tmp_path: P
         prompt_source.Pools(topics, [], [], [], held_out_by="seed")
 
 
+def test_data_made_before_pools_were_kept_counts_as_split_by_order(
+        tiny_target_dir: Path, tmp_path: Path) -> None:
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1)
+    (tmp_path / "w" / "data" / POOLS_NAME).unlink()  # as an early version left its data
+    _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 2, "--resume")
+    made = distilled.DraftInfo.load(tmp_path / "d").made_with
+    assert made["results"]["steps"] == 2
+    assert made["held_out_by"] == prompt_source.BY_ORDER
+    assert not (tmp_path / "w" / "data" / POOLS_NAME).exists()
+
+
 @pytest.mark.parametrize(("reply", "question"), [
     ('A person might ask, "What\'s the best text editor for Python?"',
      "What's the best text editor for Python?"),

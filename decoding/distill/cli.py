@@ -20,7 +20,13 @@ from typing import Any
 
 from decoding import model_store
 from decoding.distill import prompts as prompt_source
-from decoding.distill.data import DataSettings, default_streams, generate, load_or_make_pools
+from decoding.distill.data import (
+    POOLS_NAME,
+    DataSettings,
+    default_streams,
+    generate,
+    load_or_make_pools,
+)
 from decoding.distill.train import (
     CHECKPOINT_NAME,
     Progress,
@@ -164,7 +170,10 @@ def run_distill(args: argparse.Namespace) -> int:
 
 def _held_out_by(work: Path, seed: int, start: Any) -> str:
     """How the held-out subjects of this draft's whole lineage were chosen: ``subject``
-    only when this run's and every earlier stage's were (``BY_SUBJECT``)."""
+    only when this run's and every earlier stage's were (``BY_SUBJECT``). Data made by a
+    version that kept no subject pools split by order."""
+    if not (work / "data" / POOLS_NAME).exists():
+        return prompt_source.BY_ORDER
     mine = load_or_make_pools(work / "data", seed).held_out_by
     if start is not None and start.made_with.get("held_out_by") != prompt_source.BY_SUBJECT:
         return prompt_source.BY_ORDER
