@@ -136,9 +136,10 @@ def run_distill(args: argparse.Namespace) -> int:
         made_with["init_from"] = {"draft": args.init_from,
                                   "made_with": start.made_with.get("command")}
         if start.made_with.get("held_out_by") != prompt_source.BY_SUBJECT:
-            print(f"distill: {args.init_from} was made before every seed held out the same "
-                  "subjects, so it may have trained on this run's held-out subjects: the "
-                  "held-out acceptance can overstate what new subjects get", file=sys.stderr)
+            print(f"distill: {args.init_from} comes from runs that chose their held-out "
+                  "subjects by the seed, so it may have trained on this run's held-out "
+                  "subjects: the held-out acceptance can overstate what new subjects get",
+                  file=sys.stderr)
 
     print(f"distill: data in {work / 'data'}, on {device}", file=sys.stderr)
     with tqdm(total=data_settings.tokens, desc="target answers", unit="tok") as bar:
