@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import re
 from pathlib import Path
 
@@ -168,8 +169,6 @@ def test_the_subject_pools_are_kept_with_the_data(
 
 
 def _shuffled(subjects: list[str], seed: int) -> list[str]:
-    import random
-
     pool = list(subjects)
     random.Random(seed).shuffle(pool)
     return pool

@@ -132,10 +132,12 @@ def run_distill(args: argparse.Namespace) -> int:
                                    "questions the target wrote about those subjects"
                                    + (", and everyday chat requests" if args.chat else ""),
                  "device": device}
+    # whether every earlier stage held out by subject (see _held_out_by)
+    by_subject = start is None or start.made_with.get("held_out_by") == prompt_source.BY_SUBJECT
     if start is not None:  # where the starting draft came from
         made_with["init_from"] = {"draft": args.init_from,
                                   "made_with": start.made_with.get("command")}
-        if start.made_with.get("held_out_by") != prompt_source.BY_SUBJECT:
+        if not by_subject:
             print(f"distill: {args.init_from} comes from runs that chose their held-out "
                   "subjects by the seed, so it may have trained on this run's held-out "
                   "subjects: the held-out acceptance can overstate what new subjects get",
@@ -148,7 +150,8 @@ def run_distill(args: argparse.Namespace) -> int:
 
         have = generate(target_dir, work / "data", data_settings, data_progress, device)
         bar.update(min(have, data_settings.tokens) - bar.n)
-    made_with["held_out_by"] = _held_out_by(work, data_settings.seed, start)
+    made_with["held_out_by"] = (_held_out_by(work / "data", data_settings.seed) if by_subject
+                                else prompt_source.BY_ORDER)
     with tqdm(total=train_settings.steps, desc="distilling", unit="step") as bar:
         postfix: dict[str, str] = {}
 
@@ -169,16 +172,13 @@ def run_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _held_out_by(work: Path, seed: int, start: Any) -> str:
-    """How the held-out subjects of this draft's whole lineage were chosen: ``subject``
-    only when this run's and every earlier stage's were (``BY_SUBJECT``). Data made by a
-    version that kept no subject pools split by order."""
-    if not (work / "data" / POOLS_NAME).exists():
+def _held_out_by(data_dir: Path, seed: int) -> str:
+    """How this run's data chose its held-out subjects (``draft.json`` records ``subject``
+    only when every earlier stage's did too). Data made by a version that kept no subject
+    pools split by order."""
+    if not (data_dir / POOLS_NAME).exists():
         return prompt_source.BY_ORDER
-    mine = load_or_make_pools(work / "data", seed).held_out_by
-    if start is not None and start.made_with.get("held_out_by") != prompt_source.BY_SUBJECT:
-        return prompt_source.BY_ORDER
-    return mine
+    return load_or_make_pools(data_dir, seed).held_out_by
 
 
 def _device(name: str) -> str:

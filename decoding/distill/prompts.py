@@ -379,7 +379,7 @@ def split(pool: list[str], held_out: bool, by: str = BY_SUBJECT) -> list[str]:
     if len(pool) <= 1:
         return [] if held_out else list(pool)
     marks = [held_out_mark(subject) for subject in pool]
-    line = HELD_OUT_SHARE if min(marks) < HELD_OUT_SHARE else min(marks)
+    line = max(HELD_OUT_SHARE, min(marks))
     return [s for s, mark in zip(pool, marks, strict=True) if (mark <= line) == held_out]
 
 
