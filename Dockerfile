@@ -24,6 +24,9 @@ COPY gateway ./gateway
 COPY decoding ./decoding
 COPY trt ./trt
 COPY observability ./observability
+COPY specserve ./specserve
+COPY specbench ./specbench
+COPY specdistill ./specdistill
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------

@@ -58,7 +58,7 @@ reliability: model deploy-tools
 	$(BIN)/pytest tests/reliability --runslow $(PYTEST_ARGS)
 
 bench-http: model
-	$(BIN)/python -m gateway.bench_http --threads 1 --json bench-results/http.json
+	$(BIN)/python -m specbench.http --threads 1 --json bench-results/http.json
 
 image:
 	docker build -t specserve:0.1.0 .

@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from decoding.layout import Layout
 from decoding.target import BatchItem, CausalLM, head_subset
+from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Matrix
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +47,6 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 _INITIAL_CAPACITY = 256
 _INITIAL_ROWS = 4
 _CAPACITY_ALIGN = 64
-_GROUP_WIDTH = 16  # additions up to this many tokens may share one padded attention block
-# What one more attention block per layer costs, in (query, key) pairs. A 2-core CPU with the
-# default model measured ~44 us per call against ~0.03 us per pair (1,500 pairs), but with
-# that figure a batch where every stream drafts split into many blocks and decoded 2-3% slower
-# end to end; at 4,000 it stays one block, while one long draft among one-token rows and
-# short drafts over long contexts are still split.
-_BLOCK_OVERHEAD = 4000
-# On a GPU a call costs its kernel launches (about ten per block and layer) while the
-# pairs themselves are nearly free, so blocks merge far more readily there: with many
-# sequences, several prompts joining in one pass share one block instead of a call each.
-# On an H200 (default model, float32), 1,024 rows decoding while ten ~100-token prompts
-# joined took 54 ms a pass this way, with one-token rows folded (see ``_folds``); 81 ms
-# with a block per prompt, 96 ms without the fold; 512 rows 36 ms, and 49 ms with neither.
-_GPU_BLOCK_OVERHEAD = 250_000
 
 
 @dataclass(eq=False)
@@ -99,10 +87,10 @@ class BatchedLM(CausalLM):
         self.scaling = float(self._layers[0].self_attn.scaling)
         self._qkv_sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim,
                            self.kv_heads * self.head_dim]
-        self._weights = [_LayerWeights.of(layer) for layer in self._layers]
+        self._weights = [LayerWeights.of(layer) for layer in self._layers]
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
-        self._head = _Matrix(head.weight.detach(), bias.detach() if bias is not None else None)
+        self._head = Matrix(head.weight.detach(), bias.detach() if bias is not None else None)
         self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
         # see _folds
         self._fold_single = self.device.type != "cpu" or self.dtype != torch.float32
@@ -157,12 +145,12 @@ class BatchedLM(CausalLM):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run a pass of every token count up to ``_ONEDNN_MAX_TOKENS``: oneDNN builds a
+        """Run a pass of every token count up to ``ONEDNN_MAX_TOKENS``: oneDNN builds a
         primitive per shape on first use, which would otherwise cost time and memory
         while serving."""
         state = self.new_state()
         try:
-            for tokens in range(1, _ONEDNN_MAX_TOKENS + 1):
+            for tokens in range(1, ONEDNN_MAX_TOKENS + 1):
                 self.forward_batch([BatchItem(state, [0] * tokens, tokens)])
                 self.rollback(state, 0)
         finally:
@@ -259,7 +247,7 @@ class BatchedLM(CausalLM):
                 raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
                                  f"exceed the context of {self.max_context}")
         self._ensure_capacity(max(item.state.length + len(item.token_ids) for item in items))
-        batch = _Layout.build(items, self.device)
+        batch = Layout.build(items, self.device)
         hidden = self._forward_layers(batch)  # [T, H]: every real token, packed
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
@@ -285,7 +273,7 @@ class BatchedLM(CausalLM):
         full[:, self._head_ids] = rows
         return full
 
-    def _forward_layers(self, batch: _Layout) -> torch.Tensor:
+    def _forward_layers(self, batch: Layout) -> torch.Tensor:
         """The decoder layers over packed tokens; attention per group over padded rows."""
         hidden = self._inner.embed_tokens(batch.ids)  # [T, H]
         cos, sin = self._inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
@@ -384,252 +372,6 @@ class BatchedLM(CausalLM):
         self._rows = (self._rows + [None] * rows)[:rows]
         self._capacity = capacity
         log.debug("KV buffers: %d rows x %d positions", rows, capacity)
-
-
-class _Matrix:
-    """A weight matrix kept in the layout a CPU multiplies fastest. On a CPU with oneDNN:
-    packed once into oneDNN's blocked layout, for products of up to
-    ``_ONEDNN_MAX_TOKENS`` tokens (a decode step, a verify pass, a batch of streams). A
-    plain ``[out, in]`` matrix is reordered on every call, and MKL's small products read
-    the weights far below the memory's speed; packed, a product of 2-8 tokens costs
-    little more than one token's (a verify pass of several drafts about a single step),
-    and one token runs faster than MKL's matrix-vector product too. Larger products
-    (prefill chunks) take the default product of the ``[out, in]`` matrix, as on a GPU.
-    Without oneDNN, in float32: ``[in, out]`` for a single token (one pass streams it,
-    well faster than the usual product)."""
-
-    def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.rows = rows  # [out, in], contiguous
-        self.bias = bias
-        cpu = rows.device.type == "cpu"
-        self.packed = _pack(rows) if cpu else None  # oneDNN's opaque blocked copy
-        self.cols = (rows.t().contiguous()
-                     if cpu and self.packed is None and rows.dtype == torch.float32 else None)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= _ONEDNN_MAX_TOKENS:
-            assert _ONEDNN_LINEAR is not None
-            return _ONEDNN_LINEAR(x, self.packed, self.bias, "none", [], "")
-        if self.cols is not None and x.shape[0] == 1:
-            if self.bias is not None:
-                return torch.addmm(self.bias, x, self.cols)
-            return x @ self.cols
-        return F.linear(x, self.rows, self.bias)
-
-
-def _onednn_linear() -> tuple[Any, frozenset[torch.dtype]]:
-    """oneDNN's linear over a packed weight where this PyTorch build has it (CPU builds
-    with mkldnn), and the dtypes in which it computes what the plain product does."""
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if op is None or reorder is None or not torch.backends.mkldnn.is_available():
-        return None, frozenset()
-    x = torch.arange(6.0).view(2, 3)
-    w = torch.arange(12.0).view(4, 3)
-    dtypes = set()
-    for dtype in (torch.float32, torch.bfloat16):
-        try:
-            got = op(x.to(dtype), reorder(w.to(dtype), _PACK_TOKENS), None, "none", [], "")
-        except (RuntimeError, NotImplementedError):
-            continue
-        if torch.equal(got.float(), x @ w.t()):
-            dtypes.add(dtype)
-    return (op, frozenset(dtypes)) if dtypes else (None, frozenset())
-
-
-def _pack(rows: torch.Tensor) -> torch.Tensor | None:
-    """``rows`` in oneDNN's blocked layout for products of a few tokens; None where oneDNN
-    is missing or does not take this dtype."""
-    if _ONEDNN_LINEAR is None or rows.dtype not in _ONEDNN_DTYPES:
-        return None
-    try:
-        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(rows, _PACK_TOKENS)
-    except (RuntimeError, NotImplementedError):
-        return None
-    return packed
-
-
-# the product size oneDNN's layout is chosen for: on the 2-core CPU here, packed for 4 to 32
-# tokens, products of 1 to 8 cost about the same (packed for 1, 8 tokens cost 1.5-1.6x 1)
-_PACK_TOKENS = 8
-_ONEDNN_LINEAR, _ONEDNN_DTYPES = _onednn_linear()
-# oneDNN keeps a primitive per shape it has run: used for a bounded range of token counts,
-# its memory stays bounded too; larger products go to the default product
-_ONEDNN_MAX_TOKENS = 32
-
-
-@dataclass(frozen=True)
-class _LayerWeights:
-    """One decoder layer's matrices, fused (q, k and v as one; gate and up as one).
-    The fused ``[out, in]`` tensors become the modules' own weights (each module
-    sees its rows), so only the ``[in, out]`` copies take extra memory. The norms
-    and the activation are the layer's own."""
-
-    input_norm: Any
-    post_norm: Any
-    act: Any
-    qkv: _Matrix
-    o: _Matrix
-    gate_up: _Matrix
-    down: _Matrix
-
-    @classmethod
-    def of(cls, layer: Any) -> _LayerWeights:
-        attention, mlp = layer.self_attn, layer.mlp
-        return cls(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-                   act=mlp.act_fn,
-                   qkv=_fuse((attention.q_proj, attention.k_proj, attention.v_proj)),
-                   o=_fuse((attention.o_proj,)), gate_up=_fuse((mlp.gate_proj, mlp.up_proj)),
-                   down=_fuse((mlp.down_proj,)))
-
-
-def _fuse(linears: Sequence[Any]) -> _Matrix:
-    """One ``[sum(out), in]`` matrix for ``linears``; each module's weight (and bias)
-    becomes a view of its rows."""
-    weights = [m.weight.detach() for m in linears]
-    fused = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0].contiguous()
-    biases = [getattr(m, "bias", None) for m in linears]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
-                          for b, w in zip(biases, weights, strict=True)])
-    start = 0
-    for module, weight, own_bias in zip(linears, weights, biases, strict=True):
-        rows = weight.shape[0]
-        if len(linears) > 1:
-            module.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
-            if bias is not None and own_bias is not None:
-                module.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
-        start += rows
-    return _Matrix(fused, bias)
-
-
-@dataclass(frozen=True)
-class _Group:
-    """Sequences whose attention runs as one padded ``[rows, width]`` block over the
-    contiguous cache rows ``lo .. lo + n_rows`` (rows in the block but not in the
-    group get zero queries whose output is dropped)."""
-
-    tokens: torch.Tensor  # [t] the group's tokens' indexes in the packed order
-    slots: torch.Tensor  # [t] each token's index in the padded [n_rows * width] layout
-    mask: torch.Tensor  # [n_rows, 1, width, span] which positions each padded query sees
-    lo: int
-    n_rows: int
-    width: int
-    span: int
-
-    @classmethod
-    def build(cls, items: Sequence[BatchItem], members: list[int], offsets: list[int],
-              device: torch.device) -> _Group:
-        rows = [items[i].state.row for i in members]
-        lo, n_rows = min(rows), max(rows) + 1 - min(rows)
-        width = max(len(items[i].token_ids) for i in members)
-        tokens: list[int] = []
-        slots: list[int] = []
-        starts = [0] * n_rows
-        span = 0
-        for i in members:
-            item = items[i]
-            row, start, n = item.state.row - lo, item.state.length, len(item.token_ids)
-            tokens.extend(range(offsets[i], offsets[i] + n))
-            slots.extend(range(row * width, row * width + n))
-            starts[row] = start
-            span = max(span, start + n)
-        query_pos = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # [R, W]
-        keys = torch.arange(span)
-        mask = keys[None, None, :] <= query_pos[:, :, None]  # causal, per row
-        for i in members:  # an alternative sees the cache and the pending token, and itself
-            item = items[i]
-            if item.alternative:
-                start, n = item.state.length, len(item.token_ids)
-                mask[item.state.row - lo, n - 1] = (keys <= start) | (keys == start + n - 1)
-        return cls(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                   slots=torch.tensor(slots, dtype=torch.long, device=device),
-                   mask=mask[:, None].to(device), lo=lo, n_rows=n_rows, width=width, span=span)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where a batch's tokens go: packed for the matrix products, padded per group
-    for attention, in blocks as ``attention_blocks`` decides. Long additions (prompt
-    chunks) never share a block with short ones (decoding rounds), so a prompt riding
-    along in a decoding pass does not pad every other row to its length."""
-
-    ids: torch.Tensor  # [T] token ids, packed
-    positions: torch.Tensor  # [T] position of each token in its sequence
-    cache_slots: torch.Tensor  # [T] where its keys and values go in its row (its position,
-    # but for an alternative: after the tokens before it, at the position of the second)
-    cache_rows: torch.Tensor  # [T] the cache row of each token
-    offsets: list[int]  # where each item's tokens start in the packed order
-    groups: list[_Group]
-
-    @classmethod
-    def build(cls, items: Sequence[BatchItem], device: torch.device) -> _Layout:
-        ids: list[int] = []
-        positions: list[int] = []
-        cache_slots: list[int] = []
-        cache_rows: list[int] = []
-        offsets: list[int] = []
-        for item in items:
-            start, n = item.state.length, len(item.token_ids)
-            offsets.append(len(ids))
-            ids.extend(item.token_ids)
-            cache_slots.extend(range(start, start + n))
-            positions.extend(range(start, start + n - 1) if item.alternative
-                             else range(start, start + n))
-            if item.alternative:
-                positions.append(start + 1)
-            cache_rows.extend([item.state.row] * n)
-        overhead = _BLOCK_OVERHEAD if device.type == "cpu" else _GPU_BLOCK_OVERHEAD
-        groups = [_Group.build(items, members, offsets, device)
-                  for members in attention_blocks(items, overhead)]
-
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        return cls(ids=as_tensor(ids), positions=as_tensor(positions),
-                   cache_slots=as_tensor(cache_slots),
-                   cache_rows=as_tensor(cache_rows), offsets=offsets, groups=groups)
-
-
-def attention_blocks(items: Sequence[BatchItem], overhead: int = _BLOCK_OVERHEAD
-                     ) -> list[list[int]]:
-    """How a pass's additions (indexes into ``items``) are split into padded attention
-    blocks. A block pads every cache row in its range to its widest addition, and
-    attention reads each row's keys and values once per query, so one stream verifying
-    8 drafts among 7 one-token streams would make all 8 rows attend with 9 queries.
-    Short additions (decoding rounds): of three layouts (one block; one-token rows apart
-    from the rest; each longer addition alone) the cheapest by ``_block_cost`` is used
-    (the first on ties). Long ones (prompt chunks): each alone, or all in one block when
-    that is cheaper (several prompts joining at once, where calls cost more than padding)."""
-    short = [i for i, item in enumerate(items) if len(item.token_ids) <= _GROUP_WIDTH]
-    long = [i for i, item in enumerate(items) if len(item.token_ids) > _GROUP_WIDTH]
-    blocks: list[list[int]] = []
-    if short:
-        ones = [i for i in short if len(items[i].token_ids) == 1]
-        more = [i for i in short if len(items[i].token_ids) > 1]
-        layouts = [[short]]
-        if ones and more:
-            layouts.append([ones, more])
-        if len(more) > 1 or (ones and more):
-            layouts.append(([ones] if ones else []) + [[i] for i in more])
-        blocks += _cheapest(items, layouts, overhead)
-    if long:
-        blocks += _cheapest(items, [[[i] for i in long], [long]], overhead)
-    return blocks
-
-
-def _cheapest(items: Sequence[BatchItem], layouts: list[list[list[int]]], overhead: int
-              ) -> list[list[int]]:
-    return min(layouts, key=lambda blocks: sum(_block_cost(items, b, overhead) for b in blocks))
-
-
-def _block_cost(items: Sequence[BatchItem], members: list[int], overhead: int) -> int:
-    """(query, key) pairs a padded block computes, plus one call's overhead."""
-    rows = [items[i].state.row for i in members]
-    width = max(len(items[i].token_ids) for i in members)
-    span = max(items[i].state.length + len(items[i].token_ids) for i in members)
-    return (max(rows) + 1 - min(rows)) * width * span + overhead
 
 
 def _aligned(positions: int) -> int:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
+from decoding import draft_format as distilled
 from decoding import model_store
 from decoding.batched import BatchedLM
-from decoding.distill import draft as distilled
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.continuation import ContinuationDrafter
@@ -26,6 +28,7 @@ NGRAM = "ngram"
 CACHE = "cache"
 AUTO = "auto"  # lookup, plus the shipped draft model where it fits the target
 DRAFT_DTYPES = ("auto", "float32", "bfloat16")
+CHEAP_DRAFTS = frozenset({NO_DRAFT, NGRAM, CACHE})  # drafters that run no model
 
 
 def load_target(spec: str = "default", dtype: str = "float32", device: str = "cpu") -> CausalLM:
@@ -34,40 +37,76 @@ def load_target(spec: str = "default", dtype: str = "float32", device: str = "cp
     return BatchedLM.load(path, dtype=dtype, device=device)
 
 
+class DraftSpecError(ValueError):
+    """A draft spec that names no valid combination of drafters."""
+
+
+ModelLoader = Callable[[str], Drafter]  # a draft spec's model part -> its drafter
+
+
 def load_drafter(
     spec: str,
     target: CausalLM,
     dtype: str = "float32",
     prefix_cache: PrefixCache | None = None,
     draft_dtype: str = "auto",
+    model_loader: ModelLoader | None = None,
 ) -> Drafter | None:
     """Parse a draft spec: ``none``, ``ngram``, ``cache``, a model (path or hub id),
     or several joined by ``+`` (e.g. ``ngram+cache``): the longest lookup proposal
     wins, and a model draft runs when lookup found nothing or has lately been right
     less often than the model (``CombinedDrafter``); or ``auto`` (``auto_draft``).
-    A draft model runs in ``draft_dtype`` (``auto``: see ``torch_draft_dtype``)."""
+    The model part is loaded by ``model_loader`` (default: on PyTorch, in
+    ``draft_dtype``; see ``torch_draft_dtype``). This is the one parser of draft specs."""
     spec = resolve_auto(spec, target, prefix_cache)
     parts = draft_parts(spec)
     if not parts or parts == [NO_DRAFT]:
         return None
-    cheap: list[Drafter] = []
+    if NO_DRAFT in parts:
+        raise DraftSpecError("'none' cannot be combined with other drafters")
+    models = [part for part in parts if part not in CHEAP_DRAFTS]
+    if len(models) > 1:
+        raise DraftSpecError(f"draft spec {spec!r} names more than one draft model")
+    if CACHE in parts and prefix_cache is None:
+        raise DraftSpecError("the 'cache' drafter needs the prefix cache to be enabled")
+    cheap: list[Drafter] = [NgramDrafter() if part == NGRAM
+                            else ContinuationDrafter(prefix_cache, target.vocab_size)  # type: ignore[arg-type]
+                            for part in parts if part in (NGRAM, CACHE)]
     model: Drafter | None = None
-    for part in parts:
-        if part == NGRAM:
-            cheap.append(NgramDrafter())
-        elif part == CACHE:
-            if prefix_cache is None:
-                raise ValueError("the 'cache' drafter needs the prefix cache to be enabled")
-            cheap.append(ContinuationDrafter(prefix_cache, target.vocab_size))
-        elif part == NO_DRAFT:
-            raise ValueError("'none' cannot be combined with other drafters")
-        elif model is not None:
-            raise ValueError(f"draft spec {spec!r} names more than one draft model")
-        else:
-            model = load_model_drafter(part, target, dtype, draft_dtype)
+    if models:
+        load = model_loader or (lambda part: load_model_drafter(part, target, dtype, draft_dtype))
+        model = load(models[0])
     if len(cheap) + (model is not None) == 1:
         return cheap[0] if cheap else model
     return CombinedDrafter(cheap, model)
+
+
+def cheap_only(spec: str) -> bool:
+    """Whether ``spec`` runs no draft model (only lookup sources, or nothing)."""
+    return all(part in CHEAP_DRAFTS for part in draft_parts(spec))
+
+
+class DraftLoader(Protocol):
+    """Loads the default drafter of a server: ``(drafter or None, backend it runs on)``.
+    The command line passes the one that can run draft models on ONNX Runtime and
+    TensorRT; ``torch_draft_loader`` runs them on PyTorch."""
+
+    def __call__(self, spec: str, target: CausalLM, backend: str, dtype: str,
+                 prefix_cache: PrefixCache | None, *, draft_dtype: str = "auto",
+                 ) -> tuple[Drafter | None, str]: ...
+
+
+def torch_draft_loader(spec: str, target: CausalLM, backend: str, dtype: str,
+                       prefix_cache: PrefixCache | None, *, draft_dtype: str = "auto",
+                       ) -> tuple[Drafter | None, str]:
+    """A ``DraftLoader`` whose draft models run on PyTorch (``backend`` auto or torch)."""
+    if backend not in ("auto", "torch"):
+        raise DraftSpecError(f"draft backend {backend!r} is not available in this server")
+    spec = resolve_auto(spec, target, prefix_cache)
+    drafter = load_drafter(spec, target, dtype, prefix_cache, draft_dtype)
+    if drafter is None:
+        return None, "none"
+    return drafter, "builtin" if cheap_only(spec) else "torch"
 
 
 def draft_parts(spec: str) -> list[str]:

@@ -31,7 +31,15 @@ from decoding import model_store
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
-from decoding.factory import CACHE, NGRAM, NO_DRAFT, load_drafter, load_target
+from decoding.factory import (
+    CACHE,
+    NGRAM,
+    NO_DRAFT,
+    DraftLoader,
+    load_drafter,
+    load_target,
+    torch_draft_loader,
+)
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import CausalLM
 from gateway.errors import install_error_handlers
@@ -45,7 +53,6 @@ from observability.logging import configure_logging
 from observability.metrics import start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import build_tracer_provider
-from trt.backends import load_draft
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +77,8 @@ def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | No
     return PrefixCache(store, namespace, block_tokens=settings.prefix_block_tokens)
 
 
-def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | None
+def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | None,
+                   draft_loader: DraftLoader = torch_draft_loader,
                    ) -> tuple[dict[str, Drafter], str | None, str]:
     """Every drafter a request may ask for by name, the default one, and the backend
     its draft model runs on (``builtin`` when no model runs)."""
@@ -82,8 +90,8 @@ def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | No
         drafters[drafter.name] = drafter
     if settings.draft == NO_DRAFT:
         return drafters, None, "none"
-    default, backend = load_draft(settings.draft, target, settings.draft_backend,
-                                  settings.dtype, cache, draft_dtype=settings.draft_dtype)
+    default, backend = draft_loader(settings.draft, target, settings.draft_backend,
+                                    settings.dtype, cache, draft_dtype=settings.draft_dtype)
     assert default is not None
     drafters.setdefault(default.name, default)
     log.info("default drafter %s (draft backend: %s)", default.name, backend)
@@ -99,13 +107,14 @@ def draft_model_dtype(drafter: Drafter | None) -> str | None:
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
 
 
-def build_engine(settings: Settings) -> Engine:
-    """Load the target and drafters named in the settings, warm them up, start."""
+def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loader) -> Engine:
+    """Load the target and drafters named in the settings (a draft model through
+    ``draft_loader``, which the command line injects), warm them up, start."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     target = load_target(settings.target, settings.dtype)
     cache = build_prefix_cache(settings, target)
-    drafters, default, backend = build_drafters(settings, target, cache)
+    drafters, default, backend = build_drafters(settings, target, cache, draft_loader)
     info = {"draft_backend": backend}
     draft_dtype = draft_model_dtype(drafters.get(default or ""))
     if draft_dtype is not None:
@@ -126,9 +135,11 @@ def create_app(
     engine: Engine | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
     telemetry: Telemetry | None = None,
+    draft_loader: DraftLoader = torch_draft_loader,
 ) -> FastAPI:
     """The API application. ``on_fatal`` is told when loading the models fails;
-    ``telemetry`` (metrics registry, tracer) is built from the settings unless given."""
+    ``telemetry`` (metrics registry, tracer) is built from the settings unless given;
+    ``draft_loader`` loads the draft model when no engine is given."""
     if telemetry is None:
         provider = build_tracer_provider(otlp_endpoint=settings.otlp_endpoint)
         telemetry = Telemetry(settings.model_name, tracer_provider=provider,
@@ -140,7 +151,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = None if engine is not None else asyncio.create_task(_load(state, on_fatal))
+        loader = (None if engine is not None
+                  else asyncio.create_task(_load(state, on_fatal, draft_loader)))
         try:
             yield
         finally:
@@ -165,9 +177,10 @@ def create_app(
     return app
 
 
-async def _load(state: GatewayState, on_fatal: Callable[[BaseException], None] | None) -> None:
+async def _load(state: GatewayState, on_fatal: Callable[[BaseException], None] | None,
+                draft_loader: DraftLoader) -> None:
     try:
-        engine = await asyncio.to_thread(build_engine, state.settings)
+        engine = await asyncio.to_thread(build_engine, state.settings, draft_loader)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
@@ -226,9 +239,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, draft_loader: DraftLoader = torch_draft_loader) -> int:
     server_box: list[DrainingServer] = []
-    app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc))
+    app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc),
+                     draft_loader=draft_loader)
     state: GatewayState = app.state.gateway
     assert state.telemetry is not None
     metrics_server = start_metrics_server(state.telemetry.metrics, settings.host,
@@ -246,17 +260,18 @@ def serve(settings: Settings) -> int:
     return server.exit_code
 
 
-def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+                      draft_loader: DraftLoader = torch_draft_loader) -> None:
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_settings_flags(parser)
-    parser.set_defaults(func=_cmd_serve)
+    parser.set_defaults(func=lambda args: _cmd_serve(args, draft_loader))
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _cmd_serve(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
         log.error("invalid settings:\n%s", exc)
         return 2
     configure_logging(settings.log_level, json_lines=settings.log_format == "json")
-    return serve(settings)
+    return serve(settings, draft_loader)

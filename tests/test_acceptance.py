@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from decoding.bench_acceptance import replay
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
@@ -17,7 +16,8 @@ from decoding.prompting import encode_chat
 from decoding.sequence import decode
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
-from gateway.cli import main
+from specbench.acceptance import replay
+from specserve.cli import main
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from decoding import batched
-from decoding.batched import BatchedLM, BatchedState, attention_blocks
+from decoding import layout, weights
+from decoding.batched import BatchedLM, BatchedState
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
+from decoding.layout import attention_blocks
 from decoding.policy import (
     MIN_CALIBRATION,
     AdaptiveSpeculation,
@@ -162,7 +163,7 @@ def test_prompts_sharing_a_block_get_the_model_s_own_logits(
         tiny_target: BatchedLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts of different lengths prefilled in one padded block, beside decoding rows,
     give each the logits of the model's own (transformers) forward."""
-    monkeypatch.setattr(batched, "_BLOCK_OVERHEAD", 10**9)  # as if calls were dear
+    monkeypatch.setattr(layout, "BLOCK_OVERHEAD", 10**9)  # as if calls were dear
     rng = random.Random(7)
     reference = CausalLM(tiny_target.model, tiny_target.tokenizer)
     running = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (14, 33)]
@@ -758,18 +759,18 @@ def test_weight_products_match_the_plain_product_on_every_path(
         dtype: torch.dtype, packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed for oneDNN (a CPU that has it) or not, for a step, a verify pass, a batch and a
     prefill chunk, with and without a bias: the plain ``x @ w.T + b``, to rounding."""
-    if packed and dtype not in batched._ONEDNN_DTYPES:
+    if packed and dtype not in weights.onednn_dtypes():
         pytest.skip(f"this PyTorch build's oneDNN does not pack {dtype}")
     if not packed:
-        monkeypatch.setattr(batched, "_ONEDNN_LINEAR", None)
+        monkeypatch.setattr(weights, "onednn_dtypes", frozenset)
     torch.manual_seed(0)
     rows = torch.randn(96, 64).to(dtype)
     bias = torch.randn(96).to(dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for b in (None, bias):
-        matrix = batched._Matrix(rows, b)
+        matrix = weights.Matrix(rows, b)
         assert (matrix.packed is not None) == packed
-        for tokens in (1, 2, 5, batched._ONEDNN_MAX_TOKENS, batched._ONEDNN_MAX_TOKENS + 8):
+        for tokens in (1, 2, 5, weights.ONEDNN_MAX_TOKENS, weights.ONEDNN_MAX_TOKENS + 8):
             x = torch.randn(tokens, 64).to(dtype)
             want = x.float() @ rows.float().t() + (0 if b is None else b.float())
             got = matrix(x)

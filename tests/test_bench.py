@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from decoding.bench import PROMPT_SETS, load_prompts, select_methods
-from decoding.bench_methods import ALL_METHODS, HF_METHODS, Generation
-from decoding.bench_report import format_table, summarise
-from gateway.cli import main
+from specbench.compare import PROMPT_SETS, load_prompts, select_methods
+from specbench.methods import ALL_METHODS, HF_METHODS, Generation
+from specbench.report import format_table, summarise
+from specserve.cli import main
 
 RUN_KEYS: dict[str, type | tuple[type, ...]] = {
     "prompt_set": str, "method": str, "dtype": str, "tokens_per_s": float, "tokens": int,

@@ -12,18 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decoding.distill import data as distill_data
-from decoding.distill import draft as distilled
-from decoding.distill import prompts as prompt_source
-from decoding.distill.data import (
-    HELD_OUT_NAME,
-    POOLS_NAME,
-    answer_all,
-    existing_shards,
-    load_or_make_pools,
-    load_shard,
-)
-from decoding.distill.train import CHECKPOINT_NAME, collate, loss_and_hits, subset_index
+from decoding import draft_format as distilled
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import auto_draft, load_drafter
@@ -31,7 +20,18 @@ from decoding.prompting import encode_chat
 from decoding.sequence import decode
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
-from gateway.cli import main
+from specdistill import data as distill_data
+from specdistill import prompts as prompt_source
+from specdistill.data import (
+    HELD_OUT_NAME,
+    POOLS_NAME,
+    answer_all,
+    existing_shards,
+    load_or_make_pools,
+    load_shard,
+)
+from specdistill.train import CHECKPOINT_NAME, collate, loss_and_hits, subset_index
+from specserve.cli import main
 
 VOCAB_TOP = 512
 
@@ -295,7 +295,7 @@ def test_chat_requests_take_their_share_of_the_stream_on_subjects_of_their_own()
 
 
 def test_chat_subjects_stay_off_the_benchmark_prompts() -> None:
-    from decoding.bench import PROMPT_SETS, load_prompts
+    from specbench.compare import PROMPT_SETS, load_prompts
 
     texts = [m["content"].lower() for name in PROMPT_SETS for p in load_prompts(name)
              for m in p.messages]
@@ -309,7 +309,7 @@ def test_a_run_of_a_version_without_chat_requests_resumes(tmp_path: Path,
                                                            tiny_target_dir: Path) -> None:
     import json
 
-    from decoding.distill.cli import SETTINGS_NAME
+    from specdistill.cli import SETTINGS_NAME
 
     _distill(tiny_target_dir, tmp_path / "d", tmp_path / "w", 1)
     for path, key in ((tmp_path / "w" / SETTINGS_NAME, "data"),
@@ -325,8 +325,8 @@ def test_a_run_of_a_version_without_chat_requests_resumes(tmp_path: Path,
 
 def test_the_default_model_writes_questions_that_can_be_read_out(
         default_target: CausalLM) -> None:
-    from decoding.distill.data import ASK_MAX_NEW_TOKENS, ASK_TEMPERATURE
     from decoding.prompting import encode_chat
+    from specdistill.data import ASK_MAX_NEW_TOKENS, ASK_TEMPERATURE
 
     subjects = ["cooking rice on the stove", "a text editor for programmers", "the water cycle",
                 "backing up photos", "learning to play the guitar", "time zones"]

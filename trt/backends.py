@@ -21,13 +21,10 @@ from enum import StrEnum
 from pathlib import Path
 
 from decoding.drafters.base import Drafter
-from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import (
-    CACHE,
-    NGRAM,
-    NO_DRAFT,
-    draft_parts,
+    DraftSpecError,
+    cheap_only,
     load_drafter,
     load_model_drafter,
     resolve_auto,
@@ -62,7 +59,6 @@ class DraftBackend(StrEnum):
 
 
 BACKENDS = tuple(b.value for b in DraftBackend)
-CHEAP_DRAFTS = frozenset({NO_DRAFT, NGRAM, CACHE})  # drafters that run no model
 
 
 def load_draft(
@@ -83,33 +79,31 @@ def load_draft(
     chosen backend is ``none``/``builtin`` when no model runs. On PyTorch the model runs
     in ``draft_dtype`` (``auto``: ``decoding.factory.torch_draft_dtype``).
     """
-    spec = resolve_auto(spec, target, prefix_cache)
     try:
         choice = DraftBackend(backend)
     except ValueError:
         raise DraftBackendError(
             f"unknown draft backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
-    parts = draft_parts(spec)
-    models = [p for p in parts if p not in CHEAP_DRAFTS]
-    if not models:
-        if choice in (DraftBackend.ONNX, DraftBackend.TENSORRT):
-            raise DraftBackendError(
-                f"--draft-backend {choice} runs a draft model, but the draft is {spec!r}; "
-                "pass a draft model (e.g. --draft default-truncated:4) or --draft-backend auto")
-        drafter = load_drafter(spec, target, dtype, prefix_cache)
-        return drafter, "none" if drafter is None else "builtin"
-    if len(models) > 1:
-        raise DraftBackendError(f"draft spec {spec!r} names more than one draft model")
-    if NO_DRAFT in parts:
-        raise DraftBackendError("'none' cannot be combined with other drafters")
-    model, chosen = load_model_draft(models[0], target, choice, dtype, export_root=export_root,
-                                     draft_dtype=draft_dtype)
-    cheap_parts = [p for p in parts if p in CHEAP_DRAFTS]
-    if not cheap_parts:
-        return model, chosen
-    cheap = load_drafter("+".join(cheap_parts), target, dtype, prefix_cache)
-    cheap_list = cheap.cheap if isinstance(cheap, CombinedDrafter) else [cheap]
-    return CombinedDrafter([d for d in cheap_list if d is not None], model), chosen
+    spec = resolve_auto(spec, target, prefix_cache)
+    if cheap_only(spec) and choice in (DraftBackend.ONNX, DraftBackend.TENSORRT):
+        raise DraftBackendError(
+            f"--draft-backend {choice} runs a draft model, but the draft is {spec!r}; "
+            "pass a draft model (e.g. --draft default-truncated:4) or --draft-backend auto")
+    chosen: list[str] = []
+
+    def model_loader(part: str) -> Drafter:
+        drafter, used = load_model_draft(part, target, choice, dtype, export_root=export_root,
+                                         draft_dtype=draft_dtype)
+        chosen.append(used)
+        return drafter
+
+    try:
+        drafter = load_drafter(spec, target, dtype, prefix_cache, draft_dtype, model_loader)
+    except DraftSpecError as exc:
+        raise DraftBackendError(str(exc)) from exc
+    if chosen:
+        return drafter, chosen[0]
+    return drafter, "none" if drafter is None else "builtin"
 
 
 def load_model_draft(

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from decoding import draft_format as distilled
 from decoding import model_store
-from decoding.distill import draft as distilled
 from decoding.target import DTYPES, CausalLM
 
 log = logging.getLogger(__name__)

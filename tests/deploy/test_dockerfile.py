@@ -227,10 +227,10 @@ def test_the_wheel_builds_from_the_build_context_alone(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-        assert "specserve = gateway.cli:main" in archive.read(entry_points).decode()
+        assert "specserve = specserve.cli:main" in archive.read(entry_points).decode()
     for package in SOURCE_DIRS:
         assert f"{package}/__init__.py" in names
-    assert any(n.startswith("decoding/prompts/") and n.endswith(".json") for n in names)
+    assert any(n.startswith("specbench/prompts/") and n.endswith(".json") for n in names)
 
 
 def test_pyproject_requirements_lists_dependencies_and_extras() -> None:

@@ -164,7 +164,7 @@ def test_other_programs_run_as_given(shim: dict[str, str]) -> None:
 
 
 def _serve_available() -> bool:
-    from gateway.cli import _parser
+    from specserve.cli import _parser
 
     try:
         _parser().parse_args(["serve", "--help"])

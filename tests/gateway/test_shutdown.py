@@ -39,7 +39,7 @@ def run_server(model_dir: Path, shutdown_timeout: float
     env["SPECSERVE_SHUTDOWN_TIMEOUT"] = str(shutdown_timeout)
     with tempfile.TemporaryFile(mode="w+") as log:  # a file, not a pipe: never blocks
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--target", str(model_dir),
+            [sys.executable, "-m", "specserve.cli", "serve", "--target", str(model_dir),
              "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
              "--threads", "1", "--log-level", "info"],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,

@@ -181,7 +181,7 @@ def serve_many(flag_sets: Sequence[Sequence[str]], model_dir: Path,
 def _spawn(model_dir: Path, flags: Sequence[str], env: dict[str, str] | None
            ) -> Iterator[ServeProcess]:
     port, metrics_port = free_port(), free_port()
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--target", str(model_dir),
+    command = [sys.executable, "-m", "specserve.cli", "serve", "--target", str(model_dir),
                "--served-model-name", TINY, "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", str(metrics_port), "--threads", "1", "--log-level", "info",
                *flags]

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from decoding.distill import draft as draft_format
-from decoding.distill.data import HELD_OUT_NAME, Example, existing_shards, load_shard, save_atomic
+from decoding import draft_format as draft_format
+from specdistill.data import HELD_OUT_NAME, Example, existing_shards, load_shard, save_atomic
 
 log = logging.getLogger(__name__)
 

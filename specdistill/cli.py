@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from decoding import model_store
-from decoding.distill import prompts as prompt_source
-from decoding.distill.data import (
+from specdistill import prompts as prompt_source
+from specdistill.data import (
     POOLS_NAME,
     DataSettings,
     default_streams,
     generate,
     load_or_make_pools,
 )
-from decoding.distill.train import (
+from specdistill.train import (
     CHECKPOINT_NAME,
     Progress,
     TrainSettings,

@@ -12,15 +12,16 @@ from typing import Any
 import torch
 
 from decoding import model_store
-from decoding.bench import DraftLoader
-from decoding.bench_methods import ALL_METHODS
-from decoding.distill.cli import add_distill_command
 from decoding.drafters.base import Drafter
 from decoding.factory import DRAFT_DTYPES, load_target
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from gateway.server import add_serve_command
+from specbench.compare import DraftLoader
+from specbench.methods import ALL_METHODS
+from specdistill.cli import add_distill_command
 from trt.backends import BACKENDS, load_draft
 from trt.cli import add_export_command
 from trt.errors import DraftBackendError
@@ -91,17 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     add_export_command(sub)
     add_distill_command(sub)
 
-    try:
-        from gateway.server import add_serve_command
-    except ImportError:  # the HTTP extras are part of the default install; be explicit anyway
-        pass
-    else:
-        add_serve_command(sub)
+    add_serve_command(sub, draft_loader=load_draft)  # draft models on any backend
     return parser
 
 
 def _acceptance_command(sub: Any) -> None:
-    from decoding import bench_acceptance as ba
+    from specbench import acceptance as ba
 
     p = sub.add_parser("acceptance", help="how often drafters agree with the target: greedy "
                                           "rounds replayed from plain output, no timing")
@@ -198,12 +194,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from decoding.bench import run_bench
+    from specbench.compare import run_bench
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.concurrency:
-        from decoding.bench_concurrency import run_concurrency_bench
+        from specbench.concurrency import run_concurrency_bench
 
         return run_concurrency_bench(args)
 
@@ -215,7 +211,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_acceptance(args: argparse.Namespace) -> int:
-    from decoding.bench_acceptance import run_acceptance
+    from specbench.acceptance import run_acceptance
 
     if args.threads:
         torch.set_num_threads(args.threads)

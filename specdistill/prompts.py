@@ -25,7 +25,7 @@ acceptance is measured on subjects the draft never saw. Which subjects are held
 out follows from each subject's text alone (a stable hash), not from the seed:
 every seed and every stage of a draft trained in several (``--init-from``) holds
 out the same ones, so a later stage's held-out subjects were never an earlier
-stage's training subjects. The prompts of ``decoding/prompts/*.json`` (the
+stage's training subjects. The prompts of ``specbench/prompts/*.json`` (the
 benchmark sets) are never used.
 """
 

@@ -2,7 +2,7 @@
 same engine called directly, time to first token, and aggregate throughput with
 several concurrent streams. Prints a table and writes JSON.
 
-    python -m gateway.bench_http --threads 1 --json bench-results/http.json
+    python -m specbench.http --threads 1 --json bench-results/http.json
 
 The server runs as a separate process (as in production) with the same model,
 drafter and thread count as the in-process engine; direct and HTTP runs
@@ -110,7 +110,7 @@ def _free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--target", args.target,
+    command = [sys.executable, "-m", "specserve.cli", "serve", "--target", args.target,
                "--draft", args.draft, "--dtype", args.dtype, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning", "--max-tokens",
                str(args.tokens), "--max-active", str(max(args.concurrency))]
@@ -201,7 +201,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.bench_http", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m specbench.http", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="default")
     parser.add_argument("--draft", default="ngram")

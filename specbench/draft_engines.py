@@ -1,6 +1,6 @@
 """Benchmark one draft on PyTorch against ONNX Runtime, with the real target.
 
-    python -m trt.bench_draft [--draft default-truncated:4] [--prompts 3] [--max-tokens 48]
+    python -m specbench.draft_engines [--draft default-truncated:4] [--prompts 3] [--max-tokens 48]
                               [--json bench-results/draft-backends.json]
 
 Two measurements per backend, same draft, same prompts, greedy decoding:
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trt.bench_draft", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m specbench.draft_engines", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", default="default-truncated:4")
     p.add_argument("--target", default="default")
@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prompts(target: CausalLM, count: int) -> list[list[int]]:
-    raw = json.loads(resources.files("decoding").joinpath("prompts/chat.json").read_text())
+    raw = json.loads(resources.files("specbench").joinpath("prompts/chat.json").read_text())
     return [encode_chat(target.tokenizer, p["messages"]) for p in raw["prompts"][:count]]
 
 

@@ -28,7 +28,13 @@ from typing import Any, TextIO
 
 import torch
 
-from decoding.bench import (
+from decoding import draft_format as distilled
+from decoding.drafters.base import DraftContext, Drafter
+from decoding.factory import draft_parts, load_target
+from decoding.prompting import encode_chat
+from decoding.target import DTYPES
+from decoding.types import SamplingParams
+from specbench.compare import (
     QUICK_MAX_TOKENS,
     QUICK_PROMPTS,
     DraftLoader,
@@ -37,13 +43,7 @@ from decoding.bench import (
     load_prompts,
     split_list,
 )
-from decoding.bench_methods import engine_runner
-from decoding.distill import draft as distilled
-from decoding.drafters.base import DraftContext, Drafter
-from decoding.factory import draft_parts, load_target
-from decoding.prompting import encode_chat
-from decoding.target import DTYPES
-from decoding.types import SamplingParams
+from specbench.methods import engine_runner
 
 log = logging.getLogger(__name__)
 

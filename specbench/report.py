@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import torch
 import transformers
 
-from decoding.bench_methods import PLAIN, Generation
+from specbench.methods import PLAIN, Generation
 
 MS = 1000.0
 

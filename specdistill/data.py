@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from decoding.distill import prompts as prompt_source
 from decoding.prompting import encode_chat
 from decoding.target import BatchItem, CausalLM, kv_position_bytes
+from specdistill import prompts as prompt_source
 
 log = logging.getLogger(__name__)
 

@@ -36,13 +36,13 @@ from typing import Any, TextIO
 
 import torch
 
-from decoding.bench_report import load_average, machine_info
 from decoding.drafters.base import Drafter
 from decoding.engine import Engine
 from decoding.factory import NGRAM, load_drafter, load_target
 from decoding.prompting import encode_chat
 from decoding.target import DTYPES, CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from specbench.report import load_average, machine_info
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
 
 
 def run_concurrency_bench(args: argparse.Namespace) -> int:
-    from decoding.bench import load_prompts
+    from specbench.compare import load_prompts
 
     log.setLevel(logging.INFO)
     try:

@@ -23,7 +23,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from decoding.bench_methods import (
+from decoding.drafters.base import Drafter
+from decoding.drafters.model import ModelDrafter
+from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target, torch_draft_dtype
+from decoding.prompting import encode_chat
+from decoding.target import DTYPES, CausalLM
+from specbench.methods import (
     ALL_METHODS,
     DRAFT_METHODS,
     HF_METHODS,
@@ -33,12 +38,7 @@ from decoding.bench_methods import (
     build_runners,
     method_settings,
 )
-from decoding.bench_report import load_average, machine_info, summarise, write_table
-from decoding.drafters.base import Drafter
-from decoding.drafters.model import ModelDrafter
-from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target, torch_draft_dtype
-from decoding.prompting import encode_chat
-from decoding.target import DTYPES, CausalLM
+from specbench.report import load_average, machine_info, summarise, write_table
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,10 @@ def select_methods(wanted: str | None, has_draft: bool, hf: bool) -> tuple[str, 
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
-    """The first ``limit`` prompts of a shipped prompt set (``decoding/prompts/<name>.json``)
+    """The first ``limit`` prompts of a shipped prompt set (``specbench/prompts/<name>.json``)
     or of a prompt file of one's own (a path; see ``read_prompt_file``)."""
     if name in PROMPT_SETS:
-        text = resources.files("decoding").joinpath("prompts", f"{name}.json").read_text("utf-8")
+        text = resources.files("specbench").joinpath("prompts", f"{name}.json").read_text("utf-8")
         data = json.loads(text)
         prompts = [Prompt(id=p["id"], messages=tuple(p["messages"])) for p in data["prompts"]]
     elif Path(name).expanduser().is_file():

@@ -1,7 +1,7 @@
 """Time to first token with a cached prompt prefix, and repeated requests with
 continuation drafts, against the default model; in process and through Redis.
 
-    python scripts/bench_prefix_cache.py [--redis-url URL] [--prefix-tokens 2000] [--json PATH]
+    python specbench/prefix_cache.py [--redis-url URL] [--prefix-tokens 2000] [--json PATH]
 
 Prints a table and writes JSON. Ratios are measured side by side in one run.
 """

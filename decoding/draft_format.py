@@ -35,7 +35,7 @@ WEIGHTS_NAME = "draft.safetensors"
 VOCAB_IDS = "lm_head.ids"
 EMBEDDING = "model.embed_tokens.weight"
 DEFAULT_DRAFT = "default-draft"  # the spec naming the draft shipped for the default model
-DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-instruct"
+DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
 PROBE_ROWS = 16  # embedding rows whose norms identify the target
 PROBE_RTOL = 2e-2  # loose enough for a bfloat16 target
 

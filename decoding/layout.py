@@ -1,0 +1,146 @@
+"""Where a batch's tokens go: packed for the matrix products, padded per block for
+attention. ``attention_blocks`` decides which additions share a padded block."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decoding.target import BatchItem
+
+GROUP_WIDTH = 16  # additions up to this many tokens may share one padded attention block
+# What one more attention block per layer costs, in (query, key) pairs (docs/performance.md)
+BLOCK_OVERHEAD = 4000
+# On a GPU a call costs its kernel launches while the pairs are nearly free, so blocks
+# merge far more readily there (docs/performance.md)
+GPU_BLOCK_OVERHEAD = 250_000
+
+
+@dataclass(frozen=True)
+class Group:
+    """Sequences whose attention runs as one padded ``[rows, width]`` block over the
+    contiguous cache rows ``lo .. lo + n_rows`` (rows in the block but not in the
+    group get zero queries whose output is dropped)."""
+
+    tokens: torch.Tensor  # [t] the group's tokens' indexes in the packed order
+    slots: torch.Tensor  # [t] each token's index in the padded [n_rows * width] layout
+    mask: torch.Tensor  # [n_rows, 1, width, span] which positions each padded query sees
+    lo: int
+    n_rows: int
+    width: int
+    span: int
+
+    @classmethod
+    def build(cls, items: Sequence[BatchItem], members: list[int], offsets: list[int],
+              device: torch.device) -> Group:
+        rows = [items[i].state.row for i in members]
+        lo, n_rows = min(rows), max(rows) + 1 - min(rows)
+        width = max(len(items[i].token_ids) for i in members)
+        tokens: list[int] = []
+        slots: list[int] = []
+        starts = [0] * n_rows
+        span = 0
+        for i in members:
+            item = items[i]
+            row, start, n = item.state.row - lo, item.state.length, len(item.token_ids)
+            tokens.extend(range(offsets[i], offsets[i] + n))
+            slots.extend(range(row * width, row * width + n))
+            starts[row] = start
+            span = max(span, start + n)
+        query_pos = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # [R, W]
+        keys = torch.arange(span)
+        mask = keys[None, None, :] <= query_pos[:, :, None]  # causal, per row
+        for i in members:  # an alternative sees the cache and the pending token, and itself
+            item = items[i]
+            if item.alternative:
+                start, n = item.state.length, len(item.token_ids)
+                mask[item.state.row - lo, n - 1] = (keys <= start) | (keys == start + n - 1)
+        return cls(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                   slots=torch.tensor(slots, dtype=torch.long, device=device),
+                   mask=mask[:, None].to(device), lo=lo, n_rows=n_rows, width=width, span=span)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a batch's tokens go: packed for the matrix products, padded per group
+    for attention, in blocks as ``attention_blocks`` decides. Long additions (prompt
+    chunks) never share a block with short ones (decoding rounds), so a prompt riding
+    along in a decoding pass does not pad every other row to its length."""
+
+    ids: torch.Tensor  # [T] token ids, packed
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    cache_slots: torch.Tensor  # [T] where its keys and values go in its row (its position,
+    # but for an alternative: after the tokens before it, at the position of the second)
+    cache_rows: torch.Tensor  # [T] the cache row of each token
+    offsets: list[int]  # where each item's tokens start in the packed order
+    groups: list[Group]
+
+    @classmethod
+    def build(cls, items: Sequence[BatchItem], device: torch.device) -> Layout:
+        ids: list[int] = []
+        positions: list[int] = []
+        cache_slots: list[int] = []
+        cache_rows: list[int] = []
+        offsets: list[int] = []
+        for item in items:
+            start, n = item.state.length, len(item.token_ids)
+            offsets.append(len(ids))
+            ids.extend(item.token_ids)
+            cache_slots.extend(range(start, start + n))
+            positions.extend(range(start, start + n - 1) if item.alternative
+                             else range(start, start + n))
+            if item.alternative:
+                positions.append(start + 1)
+            cache_rows.extend([item.state.row] * n)
+        overhead = BLOCK_OVERHEAD if device.type == "cpu" else GPU_BLOCK_OVERHEAD
+        groups = [Group.build(items, members, offsets, device)
+                  for members in attention_blocks(items, overhead)]
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(ids=as_tensor(ids), positions=as_tensor(positions),
+                   cache_slots=as_tensor(cache_slots),
+                   cache_rows=as_tensor(cache_rows), offsets=offsets, groups=groups)
+
+
+def attention_blocks(items: Sequence[BatchItem], overhead: int = BLOCK_OVERHEAD
+                     ) -> list[list[int]]:
+    """How a pass's additions (indexes into ``items``) are split into padded attention
+    blocks. A block pads every cache row in its range to its widest addition, and
+    attention reads each row's keys and values once per query, so one stream verifying
+    8 drafts among 7 one-token streams would make all 8 rows attend with 9 queries.
+    Short additions (decoding rounds): of three layouts (one block; one-token rows apart
+    from the rest; each longer addition alone) the cheapest by ``_block_cost`` is used
+    (the first on ties). Long ones (prompt chunks): each alone, or all in one block when
+    that is cheaper (several prompts joining at once, where calls cost more than padding)."""
+    short = [i for i, item in enumerate(items) if len(item.token_ids) <= GROUP_WIDTH]
+    long = [i for i, item in enumerate(items) if len(item.token_ids) > GROUP_WIDTH]
+    blocks: list[list[int]] = []
+    if short:
+        ones = [i for i in short if len(items[i].token_ids) == 1]
+        more = [i for i in short if len(items[i].token_ids) > 1]
+        layouts = [[short]]
+        if ones and more:
+            layouts.append([ones, more])
+        if len(more) > 1 or (ones and more):
+            layouts.append(([ones] if ones else []) + [[i] for i in more])
+        blocks += _cheapest(items, layouts, overhead)
+    if long:
+        blocks += _cheapest(items, [[[i] for i in long], [long]], overhead)
+    return blocks
+
+
+def _cheapest(items: Sequence[BatchItem], layouts: list[list[list[int]]], overhead: int
+              ) -> list[list[int]]:
+    return min(layouts, key=lambda blocks: sum(_block_cost(items, b, overhead) for b in blocks))
+
+
+def _block_cost(items: Sequence[BatchItem], members: list[int], overhead: int) -> int:
+    """(query, key) pairs a padded block computes, plus one call's overhead."""
+    rows = [items[i].state.row for i in members]
+    width = max(len(items[i].token_ids) for i in members)
+    span = max(items[i].state.length + len(items[i].token_ids) for i in members)
+    return (max(rows) + 1 - min(rows)) * width * span + overhead

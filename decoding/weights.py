@@ -1,0 +1,136 @@
+"""The target's weight matrices, kept in the layout a CPU multiplies fastest.
+
+On a CPU with oneDNN a matrix is packed once into oneDNN's blocked layout for products
+of a few tokens (a decode step, a verify pass, a batch of streams): a plain ``[out, in]``
+matrix is reordered on every call, and MKL's small products read the weights far below
+the memory's speed. Which dtypes oneDNN takes is probed once, when the first matrix is
+built (never at import). Figures behind these choices: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+# the product size oneDNN's layout is chosen for (products of 1 to 8 tokens cost about
+# the same packed for 8)
+PACK_TOKENS = 8
+# oneDNN keeps a primitive per shape it has run: used for a bounded range of token counts,
+# its memory stays bounded too; larger products go to the default product
+ONEDNN_MAX_TOKENS = 32
+
+
+class Matrix:
+    """A weight matrix kept in the layout a CPU multiplies fastest. On a CPU with oneDNN:
+    packed once into oneDNN's blocked layout, for products of up to
+    ``_ONEDNN_MAX_TOKENS`` tokens (a decode step, a verify pass, a batch of streams). A
+    plain ``[out, in]`` matrix is reordered on every call, and MKL's small products read
+    the weights far below the memory's speed; packed, a product of 2-8 tokens costs
+    little more than one token's (a verify pass of several drafts about a single step),
+    and one token runs faster than MKL's matrix-vector product too. Larger products
+    (prefill chunks) take the default product of the ``[out, in]`` matrix, as on a GPU.
+    Without oneDNN, in float32: ``[in, out]`` for a single token (one pass streams it,
+    well faster than the usual product)."""
+
+    def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.rows = rows  # [out, in], contiguous
+        self.bias = bias
+        cpu = rows.device.type == "cpu"
+        self.packed = pack(rows) if cpu else None  # oneDNN's opaque blocked copy
+        self.cols = (rows.t().contiguous()
+                     if cpu and self.packed is None and rows.dtype == torch.float32 else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= ONEDNN_MAX_TOKENS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.cols is not None and x.shape[0] == 1:
+            if self.bias is not None:
+                return torch.addmm(self.bias, x, self.cols)
+            return x @ self.cols
+        return F.linear(x, self.rows, self.bias)
+
+
+@functools.cache
+def onednn_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes in which oneDNN's linear over a packed weight computes what the plain
+    product does (empty where this PyTorch build has no oneDNN)."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if op is None or reorder is None or not torch.backends.mkldnn.is_available():
+        return frozenset()
+    x = torch.arange(6.0).view(2, 3)
+    w = torch.arange(12.0).view(4, 3)
+    dtypes = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            got = op(x.to(dtype), reorder(w.to(dtype), PACK_TOKENS), None, "none", [], "")
+        except (RuntimeError, NotImplementedError):
+            continue
+        if torch.equal(got.float(), x @ w.t()):
+            dtypes.add(dtype)
+    return frozenset(dtypes)
+
+
+def pack(rows: torch.Tensor) -> torch.Tensor | None:
+    """``rows`` in oneDNN's blocked layout for products of a few tokens; None where oneDNN
+    is missing or does not take this dtype."""
+    if rows.dtype not in onednn_dtypes():
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(rows, PACK_TOKENS)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return packed
+
+
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's matrices, fused (q, k and v as one; gate and up as one).
+    The fused ``[out, in]`` tensors become the modules' own weights (each module
+    sees its rows), so only the ``[in, out]`` copies take extra memory. The norms
+    and the activation are the layer's own."""
+
+    input_norm: Any
+    post_norm: Any
+    act: Any
+    qkv: Matrix
+    o: Matrix
+    gate_up: Matrix
+    down: Matrix
+
+    @classmethod
+    def of(cls, layer: Any) -> LayerWeights:
+        attention, mlp = layer.self_attn, layer.mlp
+        return cls(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
+                   act=mlp.act_fn,
+                   qkv=fuse((attention.q_proj, attention.k_proj, attention.v_proj)),
+                   o=fuse((attention.o_proj,)), gate_up=fuse((mlp.gate_proj, mlp.up_proj)),
+                   down=fuse((mlp.down_proj,)))
+
+
+def fuse(linears: Sequence[Any]) -> Matrix:
+    """One ``[sum(out), in]`` matrix for ``linears``; each module's weight (and bias)
+    becomes a view of its rows."""
+    weights = [m.weight.detach() for m in linears]
+    fused = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0].contiguous()
+    biases = [getattr(m, "bias", None) for m in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
+                          for b, w in zip(biases, weights, strict=True)])
+    start = 0
+    for module, weight, own_bias in zip(linears, weights, biases, strict=True):
+        rows = weight.shape[0]
+        if len(linears) > 1:
+            module.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+            if bias is not None and own_bias is not None:
+                module.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return Matrix(fused, bias)
