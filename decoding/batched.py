@@ -14,8 +14,7 @@ freed per round. Capacity and rows grow by doubling when needed. Released rows
 are refilled from the end, so the rows in use stay dense and one forward covers
 a contiguous block of them. When the last sequence leaves, the buffers shrink
 back to their first size. The buffers hold rows x the longest sequence's
-positions: with 16 requests and an 8k context, up to 6 GB for the default
-model in float32 (``max_active`` bounds the rows).
+positions (``max_active`` bounds the rows).
 
 A forward packs every sequence's new tokens into one list for the matrix
 products (a ragged batch costs its real tokens, not the longest row times the
@@ -38,7 +37,7 @@ import torch
 from torch.nn import functional as F
 
 from decoding.layout import Layout
-from decoding.target import BatchItem, CausalLM, head_subset
+from decoding.target import BatchItem, CausalLM, TargetCapabilities, head_subset
 from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Matrix
 
 log = logging.getLogger(__name__)
@@ -77,6 +76,8 @@ def supports(model: Any) -> str | None:
 class BatchedLM(CausalLM):
     """A Llama-family causal LM whose sequences can share one forward pass."""
 
+    capabilities = TargetCapabilities(batched=True, branches=True)
+
     def __init__(self, model: Any, tokenizer: Any, name: str = "model") -> None:
         super().__init__(model, tokenizer, name)
         reason = supports(model)
@@ -111,14 +112,6 @@ class BatchedLM(CausalLM):
         return cls(model, tokenizer, name=name)
 
     # -- sequences --------------------------------------------------------------------
-
-    @property
-    def batched(self) -> bool:
-        return True
-
-    @property
-    def branches(self) -> bool:
-        return True
 
     @torch.inference_mode()
     def adopt_alternative(self, state: Any, start: int, n: int) -> None:
@@ -320,9 +313,8 @@ class BatchedLM(CausalLM):
         shared key/value heads (grouped-query attention, more than one query per row;
         for one query too on a GPU, where PyTorch's masked grouped-query attention takes
         the reference path, which copies every key and value once per query head, and on
-        a CPU in bfloat16, where a one-token pass of the default model at a 300-token
-        context spent 253 us per layer in it against 78 folded: 27.6 -> 24.7 ms a pass.
-        In float32 a CPU's grouped-query path is the faster for one query)."""
+        a CPU in bfloat16, where its grouped-query path is slow; in float32 a CPU's
+        grouped-query path is the faster for one query)."""
         return self.heads != self.kv_heads and (width > 1 or self._fold_single)
 
     def _fold_mask(self, mask: torch.Tensor) -> torch.Tensor:  # [R, 1, W, S] -> [R, 1, g*W, S]
@@ -336,10 +328,7 @@ class BatchedLM(CausalLM):
         """Attention of a padded block. With several queries per row and grouped-query
         attention, the query heads that share a key/value head become extra queries of
         that head (``[R, kv, g*W, D]``, ``mask`` folded the same way): the keys and
-        values are then read once per key/value head, not once per query head. On a
-        2-core CPU the attention call of a block of 8 rows x 2-5 queries over 300-800
-        cached positions took 1.6-1.7x less time (9 queries: 1.1x); for one query per row
-        PyTorch's grouped-query path is as fast."""
+        values are then read once per key/value head, not once per query head."""
         rows, queries, heads, dim = q.shape
         if not self._folds(queries):
             return F.scaled_dot_product_attention(

@@ -16,7 +16,6 @@ error ends only the request that hit it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import queue
@@ -28,12 +27,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from decoding.drafters.base import Drafter, DraftProposal, propose_many, warm_up
+from decoding.drafters.base import Drafter
 from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
-from decoding.sequence import ContextOverflowError, RoundPlan, SequenceDecoder
-from decoding.target import CausalLM
-from decoding.types import FinishReason, GenerationRequest, RoundEvent, RoundTiming
+from decoding.round import RoundResult, speculative_round
+from decoding.sequence import ContextOverflowError, SequenceDecoder
+from decoding.target import Target
+from decoding.types import FinishReason, GenerationRequest, RoundEvent
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class _Active:
 class Engine:
     def __init__(
         self,
-        target: CausalLM,
+        target: Target,
         drafters: Mapping[str, Drafter] | None = None,
         default_drafter: str | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
@@ -227,7 +227,7 @@ class Engine:
 
         self.target.warmup()
         for loaded in self.drafters.values():
-            warm_up(loaded)
+            loaded.warmup()
         ids = tuple(self.target.tokenizer.encode("Hello, world. Hello, world.")) or (0,)
         for drafter in [None, *self.drafters.values()]:
             request = GenerationRequest(prompt_ids=ids, max_new_tokens=4,
@@ -271,46 +271,53 @@ class Engine:
             running = [active for active in batch if active in self._active]
         for active in running:
             try:
-                self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
-                                                  "the model failed"))
+                self._finish(active, active.decoder.failed("the model failed"))
             except Exception:
                 log.exception("could not end request %s", active.stream.request.request_id)
 
     def _iteration(self, batch: list[_Active]) -> None:
-        """One round for every active request: the next chunk of waiting prompts and one
-        speculation round for every running stream, in one forward pass (weights read
-        once for both)."""
+        """What goes into the next pass: the next chunk of waiting prompts (within
+        ``prefill_chunk`` tokens) and a round for every running stream, with its draft
+        length; then the round, and its events handed out."""
         live = [active for active in batch if self._still_running(active)]
-        prefilling = [a for a in live if a.decoder.rounds == 0]
-        decoding = [a for a in live if a.decoder.rounds > 0]
-        plans: list[tuple[_Active, RoundPlan]] = []
+        prompts: list[tuple[SequenceDecoder, int]] = []
         budget = self.prefill_chunk
-        for active in prefilling:
+        for active in (a for a in live if a.decoder.rounds == 0):
             if budget <= 0:
                 break
-            plan = self._plan(active, prefill_chunk=budget)
-            if plan is not None:
-                plans.append((active, plan))
-                budget -= len(plan.item.token_ids)
-        if not self.target.batched:  # one sequence per forward pass: take turns
-            for pair in plans:
-                self._forward([pair], observe=False)
-            for active in decoding:
-                plan = self._plan(active, k=None)
-                if plan is not None:
-                    self._forward([(active, plan)], observe=False)
+            remaining = len(active.stream.request.prompt_ids) - active.decoder.prefilled
+            prompts.append((active.decoder, budget))
+            budget -= remaining
+        decoding = [a for a in live if a.decoder.rounds > 0 and self._choose_source(a)]
+        lengths = self._draft_lengths(decoding)
+        by_decoder = {id(a.decoder): a for a in live}
+        if not self.target.capabilities.batched:  # one sequence per forward pass: take turns
+            for decoder, limit in prompts:
+                self._deliver(by_decoder, speculative_round(self.target, [(decoder, limit)], []))
+            for active, k in zip(decoding, lengths, strict=True):
+                self._deliver(by_decoder, speculative_round(self.target, [], [(active.decoder, k)]))
             return
-        decoding = [a for a in decoding if self._choose_source(a)]
-        if decoding:
-            ks = self._draft_lengths(decoding)
-            lengths = [a.decoder.draft_length(k) for a, k in zip(decoding, ks, strict=True)]
-            drafted = self._draft_together(decoding, lengths)
-            for active, k, made in zip(decoding, lengths, drafted, strict=True):
-                plan = self._plan(active, k=k, drafted=made)
-                if plan is not None:
-                    plans.append((active, plan))
-        # the step-cost fit describes decoding passes; a prompt chunk would skew it
-        self._forward(plans, observe=not any(plan.prefill for _, plan in plans))
+        result = speculative_round(self.target, prompts,
+                                   [(a.decoder, k) for a, k in zip(decoding, lengths, strict=True)])
+        if result.passes == 1 and not prompts:  # the step-cost fit describes decoding passes
+            self.step_cost.observe(result.pass_tokens, result.pass_s)
+        self._deliver(by_decoder, result)
+
+    def _deliver(self, by_decoder: dict[int, _Active], result: RoundResult) -> None:
+        """Hand each sequence's event to its stream; end the finished ones."""
+        self.forward_passes += result.passes
+        for outcome in result.outcomes:
+            active = by_decoder[id(outcome.sequence)]
+            event = outcome.event
+            if event is None:
+                continue
+            draft = outcome.draft
+            if self.batch_planning and draft is not None and draft.expected is not None:
+                self._source_prior(active).record(draft.expected, event.accepted_tokens)
+            if event.finished:
+                self._finish(active, event)
+            else:
+                active.stream._put(event)
 
     def _still_running(self, active: _Active) -> bool:
         stream = active.stream
@@ -318,7 +325,7 @@ class Engine:
             self._finish(active, None)
             return False
         if active.deadline is not None and time.monotonic() > active.deadline:
-            self._finish(active, _final_event(active.decoder, FinishReason.TIMEOUT))
+            self._finish(active, active.decoder.final_event(FinishReason.TIMEOUT))
             return False
         if stream.started_at is None:
             stream.started_at = time.monotonic()
@@ -331,118 +338,22 @@ class Engine:
             active.decoder.choose_source()
             return True
         except Exception:
-            self._drafting_failed(active)
+            log.exception("drafting failed in request %s", active.stream.request.request_id)
+            self._finish(active, active.decoder.failed("the model failed"))
             return False
 
-    def _draft_lengths(self, decoding: list[_Active]) -> list[int | None]:
+    def _draft_lengths(self, decoding: list[_Active]) -> list[int]:
         """Per sequence: its own policy's k, or (batch planning) k chosen for the batch."""
-        if not self.batch_planning:
-            return [None] * len(decoding)
         decoders = [a.decoder for a in decoding]
+        if not self.batch_planning or not self.target.capabilities.batched:
+            return [d.draft_length() for d in decoders]
         policies = [d.policy if d.drafter is not None else None for d in decoders]
         limits = [d.max_new - len(d.output) - 1 for d in decoders]
         draft_s = [d.policy.draft_s_per_token for d in decoders]
         calibration = [self._source_prior(a).calibration if a.decoder.drafter is not None
                        else 1.0 for a in decoding]
-        return list(plan_batch(policies, limits, self.step_cost, draft_s, calibration))
-
-    def _draft_together(self, decoding: list[_Active], lengths: list[int]
-                        ) -> list[tuple[DraftProposal, float] | None]:
-        """Each sequence's proposal, made together with the others that share its
-        drafter (a draft model's steps run batched), with its share of the seconds
-        spent. None where drafting is left to the sequence itself: nothing to draft, or
-        the group failed (alone, only the sequence at fault fails)."""
-        made: list[tuple[DraftProposal, float] | None] = [None] * len(decoding)
-        groups: dict[int, list[int]] = {}
-        for i, (active, k) in enumerate(zip(decoding, lengths, strict=True)):
-            if k > 0 and active.decoder.drafter is not None:
-                groups.setdefault(id(active.decoder.drafter), []).append(i)
-        for members in groups.values():
-            if len(members) == 1:
-                continue
-            decoders = [decoding[i].decoder for i in members]
-            start = time.perf_counter()
-            try:
-                proposals = propose_many(
-                    decoders[0].drafter, [d.draft_state for d in decoders],  # type: ignore[arg-type]
-                    [d.draft_context() for d in decoders], [lengths[i] for i in members])
-            except Exception:
-                log.warning("drafting for %d requests together failed; each drafts alone",
-                            len(members), exc_info=True)
-                continue
-            seconds = time.perf_counter() - start
-            total = sum(lengths[i] for i in members)
-            for i, proposal in zip(members, proposals, strict=True):
-                made[i] = (proposal, seconds * lengths[i] / total)
-        return made
-
-    def _plan(self, active: _Active, k: int | None = None, prefill_chunk: int | None = None,
-              drafted: tuple[DraftProposal, float] | None = None) -> RoundPlan | None:
-        try:
-            return active.decoder.plan(k=k, prefill_chunk=prefill_chunk, drafted=drafted)
-        except Exception:
-            self._drafting_failed(active)
-            return None
-
-    def _drafting_failed(self, active: _Active) -> None:
-        """End the request whose drafter (or planning) just raised; the others go on."""
-        log.exception("drafting failed in request %s", active.stream.request.request_id)
-        self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
-                                          "the model failed"))
-
-    def _forward(self, plans: list[tuple[_Active, RoundPlan]], observe: bool) -> None:
-        """Run the planned rounds in one forward pass and hand out their events. When
-        the pass fails, each request runs alone so only the one at fault fails."""
-        if not plans:
-            return
-        start = time.perf_counter()
-        try:
-            logits = self.target.forward_batch([plan.item for _, plan in plans])
-        except Exception:
-            if len(plans) == 1:
-                active, plan = plans[0]
-                log.exception("model error in request %s", active.stream.request.request_id)
-                plan_undo(active, plan)
-                self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
-                                                  "the model failed"))
-                return
-            log.warning("a batched forward pass failed; running its %d requests one by one",
-                        len(plans))
-            for active, plan in plans:
-                plan_undo(active, plan)
-            for pair in plans:
-                self._forward([pair], observe=False)
-            return
-        seconds = time.perf_counter() - start
-        if observe:
-            self.step_cost.observe(sum(len(plan.item.token_ids) for _, plan in plans), seconds)
-        self.forward_passes += 1
-        for (active, plan), out in zip(plans, logits, strict=True):
-            promised = self._promised(plan)
-            try:
-                event = active.decoder.complete(plan, out, seconds)
-            except Exception:
-                log.exception("model error in request %s", active.stream.request.request_id)
-                self._finish(active, _final_event(active.decoder, FinishReason.ERROR,
-                                                  "the model failed"))
-                continue
-            if event is None:
-                continue
-            if promised is not None:
-                self._source_prior(active).record(promised, event.accepted_tokens)
-            if len(plans) > 1:
-                event = dataclasses.replace(event, batch_size=len(plans))
-            active.stream._put(event)
-            if event.finished:
-                self._finish(active, None)
-
-    def _promised(self, plan: RoundPlan) -> float | None:
-        """The accepted drafts a batch-planned round's policy expects (before it learns
-        the outcome), for its drafter's calibration; None for other rounds."""
-        if not self.batch_planning or not plan.draft or plan.policy is None:
-            return None
-        tokens = plan.policy.expected_tokens(len(plan.draft))
-        return tokens[-1] - 1.0 if tokens else None
+        ks = plan_batch(policies, limits, self.step_cost, draft_s, calibration)
+        return [d.draft_length(k) for d, k in zip(decoders, ks, strict=True)]
 
     def _expire_waiting(self) -> None:
         """A request whose deadline passes while it waits ends with ``timeout``."""
@@ -534,24 +445,7 @@ class Engine:
             waiting, self._waiting = list(self._waiting), deque()
         for item in active:
             item.decoder.close()
-            item.stream._put(_final_event(item.decoder, FinishReason.CANCELLED))
+            item.stream._put(item.decoder.final_event(FinishReason.CANCELLED))
             item.stream._put(_END)
         for stream in waiting:
             self._fail(stream, "the server is shutting down")
-
-
-def plan_undo(active: _Active, plan: RoundPlan) -> None:
-    try:
-        active.decoder.undo(plan)
-    except Exception:
-        log.exception("could not roll back request %s", active.stream.request.request_id)
-
-
-def _final_event(decoder: SequenceDecoder, reason: FinishReason, error: str | None = None
-                 ) -> RoundEvent:
-    return RoundEvent(
-        token_ids=(), text=decoder.text.flush() if reason is FinishReason.TIMEOUT else "",
-        draft_tokens=0, accepted_tokens=0, finish_reason=reason, timing=RoundTiming(),
-        round_index=decoder.rounds, prompt_tokens=len(decoder.request.prompt_ids),
-        completion_tokens=len(decoder.output), error=error,
-    )

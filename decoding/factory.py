@@ -155,11 +155,9 @@ def torch_draft_dtype(target_dtype: str, device: torch.device | str,
     target's, except that beside a float32 target on a CPU with native bfloat16
     arithmetic (AVX512-BF16 or AMX) the draft runs in bfloat16.
 
-    A draft step reads all the draft's weights for one token, so its time is mostly
-    memory traffic: half the bytes made the shipped draft's step 1.7x faster on a
-    2-core AVX512-BF16 CPU (5.7 -> 3.4 ms, a target step being 65 ms), while its
-    proposals changed at 4 of 2,900 positions of the benchmark's outputs. Output is
-    unaffected: the target still verifies every token in its own dtype."""
+    A draft step is mostly memory traffic, so half the bytes make it much faster
+    (docs/performance.md); output is unaffected: the target verifies every token in
+    its own dtype."""
     if requested not in DRAFT_DTYPES:
         raise ValueError(f"unknown draft dtype {requested!r}; choose one of {list(DRAFT_DTYPES)}")
     if requested != "auto":

@@ -1,8 +1,9 @@
 """Turning raw logits into the distribution a request samples from.
 
-The same transforms are applied to the draft's and the target's logits before
-verification, so temperature, top-k, top-p and the OpenAI penalties are
-honoured exactly under speculation.
+The target's logits at every verified position go through these transforms, so
+temperature, top-k, top-p and the OpenAI penalties are honoured exactly under
+speculation. A model drafter applies temperature, top-k and top-p to its own logits;
+its distribution need not match the target's for the output to be exact.
 """
 
 from __future__ import annotations
@@ -65,13 +66,6 @@ def logits_to_probs(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(dim=-1)
-
-
-def sample(
-    probs: torch.Tensor,  # [vocab]
-    generator: torch.Generator | None,
-) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -1,13 +1,9 @@
-"""One request's speculative decoding, one round per ``step()``.
+"""One request's state across speculative rounds: its tokens, KV caches, drafter state,
+draft-length policies, text stream and prefix-cache use.
 
-Round 0 prefills the prompt and takes the first token from the target. Every
-later round: the drafter proposes k tokens, the target scores the last
-committed token plus the k drafts in one forward pass, ``verify()`` keeps the
-acceptable prefix plus one target token, and both KV caches are rolled back to
-the committed length. Greedy, a model drafter's second choice for the first
-draft token may ride along at the end of the pass (a two-branch token tree);
-when the target rejects the first draft token for it, it and the target's token
-after it are kept.
+The round itself is ``decoding.round.speculative_round``; this class offers it the
+steps it needs for one sequence (the next prompt chunk, a draft, the pass's tokens, the
+processed scores, keeping what verification kept, committing), each small.
 """
 
 from __future__ import annotations
@@ -15,16 +11,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from decoding.drafters.base import DraftContext, Drafter, DraftProposal, draft_source
+from decoding.drafters.base import DraftContext, Drafter, DraftProposal
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
-from decoding.target import BatchItem, CausalLM
+from decoding.target import BatchItem, Target
 from decoding.text import TextStream
 from decoding.types import (
     FinishReason,
@@ -33,7 +29,7 @@ from decoding.types import (
     RoundTiming,
     TokenLogprob,
 )
-from decoding.verify import verify
+from decoding.verify import Verdict, verify
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +37,26 @@ log = logging.getLogger(__name__)
 _REMEMBERED = (FinishReason.STOP, FinishReason.LENGTH)
 
 
-@dataclass
-class RoundPlan:
-    """One round's work for the target: ``item`` to run, and what to verify after."""
+@dataclass(frozen=True)
+class PromptChunk:
+    """The next piece of a prompt to prefill (round 0)."""
 
-    item: BatchItem
-    prefill: bool = False
-    final: bool = True  # the prompt's last chunk (prefill only)
-    draft: list[int] = field(default_factory=list)
-    alternative: int | None = None  # verified beside draft[0], last in the pass
-    proposal: DraftProposal | None = None
-    started: float = 0.0
-    draft_s: float = 0.0
-    policy: AdaptiveSpeculation | None = None  # the draft source's policy, told the outcome
+    tokens: Sequence[int]
+    final: bool  # the prompt's last chunk: its logits give the first token
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One round's draft for one sequence, and what verification needs of it."""
+
+    tokens: tuple[int, ...]  # [k]
+    probs: torch.Tensor | None  # [k, vocab]; None for a deterministic drafter
+    alternative: int | None  # a second candidate for tokens[0]'s place, verified beside it
+    proposal: DraftProposal
+    seconds: float  # spent drafting
+    started: float  # when the round began
+    policy: AdaptiveSpeculation | None  # the draft source's policy, told the outcome
+    expected: float | None  # accepted drafts the policy expects of it (before the outcome)
 
 
 class ContextOverflowError(ValueError):
@@ -63,7 +66,7 @@ class ContextOverflowError(ValueError):
 class SequenceDecoder:
     def __init__(
         self,
-        target: CausalLM,
+        target: Target,
         drafter: Drafter | None,
         request: GenerationRequest,
         policy: AdaptiveSpeculation | None = None,
@@ -110,6 +113,11 @@ class SequenceDecoder:
         return self.finish_reason is not None
 
     @property
+    def prefilled(self) -> int:
+        """Prompt tokens in the target's cache (round 0)."""
+        return self._prefilled or 0
+
+    @property
     def policy(self) -> AdaptiveSpeculation:
         """The draft-length policy of the source that drafts the next round."""
         policy = self.policies.get(self.source)
@@ -127,59 +135,123 @@ class SequenceDecoder:
         round); ``policy`` is then that source's."""
         if self.drafter is None or self.rounds == 0 or self._source_round == self.rounds:
             return
-        self.source = draft_source(self.drafter, self.draft_state, self.draft_context())
+        self.source = self.drafter.source(self.draft_state, self.draft_context())
         self._source_round = self.rounds
 
     def step(self) -> RoundEvent:
         """Run one round and describe what it committed (the whole prompt's prefill is
-        one round here; an engine can feed a long prompt in chunks with ``plan``)."""
-        while True:
-            plan = self.plan()
-            start = time.perf_counter()
-            logits = self.target.forward_batch([plan.item])[0]
-            event = self.complete(plan, logits, time.perf_counter() - start)
-            if event is not None:
-                return event
+        one round here; an engine feeds a long prompt in chunks)."""
+        from decoding.round import speculative_round
 
-    def plan(self, k: int | None = None, prefill_chunk: int | None = None,
-             drafted: tuple[DraftProposal, float] | None = None) -> RoundPlan:
-        """What the target must run next for this sequence: the next piece of the
-        prompt, or the pending token plus ``k`` drafts (``None``: the policy's k), or
-        the ``drafted`` proposal (made with others' in one batch, and its share of that
-        batch's seconds)."""
+        while True:
+            if self.rounds == 0:
+                outcome = speculative_round(self.target, [(self, 0)], []).outcomes[0]
+            else:
+                outcome = speculative_round(self.target, [],
+                                            [(self, self.draft_length())]).outcomes[0]
+            if outcome.event is not None:
+                return outcome.event
+
+    def next_prompt_chunk(self, limit: int = 0) -> PromptChunk:
+        """The next at most ``limit`` prompt tokens to prefill (0: all the rest), after
+        the longest cached prefix."""
+        if self.finished or self.rounds:
+            raise RuntimeError("the prompt has been prefilled")
+        if self._prefilled is None:
+            self._round_start = time.perf_counter()
+            self.cached_tokens = self._load_prefix()
+            self._prefilled = self.cached_tokens
+        rest = self.request.prompt_ids[self._prefilled :]
+        chunk = rest[:limit] if limit else rest
+        return PromptChunk(chunk, final=len(chunk) == len(rest))
+
+    def propose(self, k: int, made: tuple[DraftProposal, float] | None = None) -> Draft:
+        """This round's draft of at most ``k`` tokens, or ``made`` (a proposal drafted with
+        other sequences' in one batch, and its share of that batch's seconds)."""
         if self.finished:
             raise RuntimeError("the sequence has already finished")
         start = time.perf_counter()
-        if self.rounds == 0:
-            if self._prefilled is None:
-                self.cached_tokens = self._load_prefix()
-                self._prefilled = self.cached_tokens
-                self._round_start = start
-            rest = self.request.prompt_ids[self._prefilled :]
-            chunk = rest[:prefill_chunk] if prefill_chunk else rest
-            final = len(chunk) == len(rest)
-            return RoundPlan(BatchItem(self.state, chunk, 1 if final else 0), prefill=True,
-                             final=final, started=start)
         if self._store_prefix_pending:  # after the first token went out, not before
             self._store_prefix()
-            start = time.perf_counter()
-        if drafted is None:
-            proposal = self._propose(self.draft_length(k))
-            draft_s = time.perf_counter() - start
-        else:
-            proposal, draft_s = drafted
+        if made is None:
+            drafting = time.perf_counter()
+            proposal = self._propose(k)
+            made = (proposal, time.perf_counter() - drafting)
+        proposal, seconds = made
         remaining = self.max_new - len(self.output)
-        draft = list(proposal.tokens[: max(0, remaining - 1)])
+        tokens = tuple(proposal.tokens[: max(0, remaining - 1)])
         alternative = (proposal.alternative  # a draft token too: within the round's cap
-                       if draft and len(draft) < self.policy.max_tokens
+                       if tokens and len(tokens) < self.policy.max_tokens
                        and self.takes_alternatives else None)
-        tokens = [self.tokens[-1], *draft]  # the pending token, then the drafts
-        if alternative is not None:  # then the second choice for draft[0]'s place
-            tokens.append(alternative)
-        return RoundPlan(BatchItem(self.state, tokens, len(tokens),
-                                   alternative=alternative is not None),
-                         draft=draft, alternative=alternative, proposal=proposal,
-                         started=start, draft_s=draft_s, policy=self.policy)
+        probs = proposal.probs[: len(tokens)] if proposal.probs is not None else None
+        policy = self.policy if self.drafter is not None else None
+        expected = policy.expected_tokens(len(tokens)) if policy is not None and tokens else []
+        return Draft(tokens, probs, alternative, proposal, seconds, start, policy,
+                     expected[-1] - 1.0 if expected else None)
+
+    def pass_item(self, part: PromptChunk | Draft) -> BatchItem:
+        """What the target runs for this sequence: a prompt chunk, or the pending token,
+        the draft and (last) the alternative."""
+        if isinstance(part, PromptChunk):
+            return BatchItem(self.state, part.tokens, 1 if part.final else 0)
+        tokens = [self.tokens[-1], *part.tokens]
+        if part.alternative is not None:
+            tokens.append(part.alternative)
+        return BatchItem(self.state, tokens, len(tokens), alternative=part.alternative is not None)
+
+    def prompt_done(self, chunk: PromptChunk, logits: torch.Tensor, forward_s: float
+                    ) -> RoundEvent | None:
+        """After a prompt chunk's pass: nothing yet, or (the last chunk) the first token."""
+        assert self._prefilled is not None
+        self._prefilled += len(chunk.tokens)
+        self._prefill_s += forward_s
+        if not chunk.final:
+            return None
+        token = verify((), None, self.process(logits, ()), self.generator).next_token
+        return self.commit([token], 0, 0, logits, RoundTiming(0.0, self._prefill_s, 0.0),
+                           self._round_start)
+
+    def keep(self, verdict: Verdict, passed: int) -> None:
+        """Roll the target's cache back to what verification kept of a pass of ``passed``
+        tokens (pending, drafts, then any alternative)."""
+        if verdict.alternative_taken:
+            self.target.adopt_alternative(self.state, len(self.tokens) - 1, passed)
+        else:
+            self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
+
+    def learn(self, draft: Draft, verdict: Verdict, timing: RoundTiming) -> None:
+        """Tell the draft source's policy how the round went."""
+        if draft.policy is None:
+            return
+        proposal = draft.proposal
+        draft.policy.update(
+            len(draft.tokens), verdict.accepted, timing.draft_s, timing.verify_s,
+            proposal.confidence[: len(draft.tokens) + 1],
+            alternative=(proposal.alternative_confidence if draft.alternative is not None
+                         else None),
+            alternative_taken=verdict.alternative_taken)
+
+    def undo(self, part: PromptChunk | Draft) -> None:
+        """Forget a pass that failed: the cache as it was."""
+        if self.state is None:
+            return
+        committed = self._prefilled if isinstance(part, PromptChunk) else len(self.tokens)
+        self.target.rollback(self.state, committed or 0)
+
+    def failed(self, error: str) -> RoundEvent:
+        """The final event of a sequence that failed (its caches freed)."""
+        self.close()
+        self.finish_reason = FinishReason.ERROR
+        return self.final_event(FinishReason.ERROR, error)
+
+    def final_event(self, reason: FinishReason, error: str | None = None) -> RoundEvent:
+        """An event that ends the sequence without new tokens (timeout, error,
+        cancellation); a timeout keeps the text held back so far."""
+        return RoundEvent(
+            token_ids=(), text=self.text.flush() if reason is FinishReason.TIMEOUT else "",
+            draft_tokens=0, accepted_tokens=0, finish_reason=reason, timing=RoundTiming(),
+            round_index=self.rounds, prompt_tokens=len(self.request.prompt_ids),
+            completion_tokens=len(self.output), error=error)
 
     def draft_length(self, k: int | None = None) -> int:
         """How many tokens to draft next round: ``k`` (``None``: the policy's choice),
@@ -212,60 +284,7 @@ class SequenceDecoder:
         would need counts and a distribution of their own), on a target that runs
         token trees."""
         return (self.generator is None and not self.params.has_penalties
-                and self.target.branches)
-
-    def complete(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float
-                 ) -> RoundEvent | None:
-        """Verify and commit a planned round from the target's logits for it (None
-        after a prompt chunk that is not the last: nothing to commit yet)."""
-        if plan.prefill:
-            self._prefilled = (self._prefilled or 0) + len(plan.item.token_ids)
-            self._prefill_s += forward_s
-            if not plan.final:
-                return None
-            scores = self._process(logits, [])
-            token = verify((), None, scores, self.generator).next_token
-            timing = RoundTiming(0.0, self._prefill_s, 0.0)
-            return self._commit([token], 0, 0, logits, timing, self._round_start)
-        draft = plan.draft
-        scores = self._process(logits[: len(draft) + 1], draft)
-        probs = plan.proposal.probs if plan.proposal is not None else None
-        draft_probs = probs[: len(draft)] if probs is not None else None
-        verify_start = time.perf_counter()
-        verdict = verify(draft, draft_probs, scores, self.generator)
-        taken = (plan.alternative is not None and verdict.accepted == 0
-                 and verdict.next_token == plan.alternative)
-        if taken:  # greedy, unpenalised: the target's choice after the alternative is its argmax
-            committed = [verdict.next_token, int(logits[-1].argmax().item())]
-            behind = torch.stack([logits[0], logits[-1]])  # the logits each token came from
-            # The cache holds pending, drafts, alternative; keep pending + alternative.
-            self.target.adopt_alternative(self.state, len(self.tokens) - 1,
-                                          len(plan.item.token_ids))
-        else:
-            committed, behind = verdict.committed(draft), logits
-            # The cache holds pending + drafts (+ alternative); keep pending + the accepted.
-            self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
-        verify_s = forward_s + time.perf_counter() - verify_start
-        timing = RoundTiming(plan.draft_s, verify_s, 0.0)
-        if plan.policy is not None:
-            proposal = plan.proposal
-            confidences = proposal.confidence if proposal is not None else ()
-            plan.policy.update(
-                len(draft), verdict.accepted, timing.draft_s, timing.verify_s,
-                confidences[: len(draft) + 1],
-                alternative=(proposal.alternative_confidence
-                             if plan.alternative is not None and proposal is not None else None),
-                alternative_taken=taken)
-        drafted = len(draft) + (plan.alternative is not None)
-        return self._commit(committed, drafted, 1 if taken else verdict.accepted, behind,
-                            timing, plan.started)
-
-    def undo(self, plan: RoundPlan) -> None:
-        """Forget a planned round whose forward pass failed: the cache as it was."""
-        if self.state is None:
-            return
-        committed = self._prefilled if plan.prefill else len(self.tokens)
-        self.target.rollback(self.state, committed or 0)
+                and self.target.capabilities.branches)
 
     def close(self) -> None:
         """Free the KV caches (idempotent)."""
@@ -316,7 +335,7 @@ class SequenceDecoder:
             return DraftProposal.empty()
         return self.drafter.propose(self.draft_state, self.draft_context(), k)
 
-    def _process(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:  # [n, V]
+    def process(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor:  # [n, V]
         """Penalties, then (when sampling) temperature/top-k/top-p into probabilities."""
         if self.params.has_penalties:
             if self._counts is None:
@@ -326,7 +345,7 @@ class SequenceDecoder:
             return logits
         return logits_to_probs(logits, self.params)
 
-    def _commit(
+    def commit(
         self,
         new: list[int],
         drafted: int,
@@ -379,7 +398,8 @@ class SequenceDecoder:
             prompt_tokens=len(self.request.prompt_ids),
             completion_tokens=len(self.output),
             cached_tokens=self.cached_tokens if self.rounds == 1 else 0,
-            draft_source=(self.source or getattr(self.drafter, "name", "")) if drafted else "",
+            draft_source=(self.source or (self.drafter.name if self.drafter else "")
+                          if drafted else ""),
         )
 
     def _logprobs(self, new: list[int], logits: torch.Tensor) -> tuple[TokenLogprob, ...]:
@@ -400,7 +420,7 @@ class SequenceDecoder:
 
 
 def decode(
-    target: CausalLM,
+    target: Target,
     drafter: Drafter | None,
     request: GenerationRequest,
     policy: AdaptiveSpeculation | None = None,

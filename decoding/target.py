@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -21,6 +21,60 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class TokenizerMismatchError(ValueError):
     """The draft and the target do not share a vocabulary."""
+
+
+@dataclass(frozen=True)
+class TargetCapabilities:
+    """What a target runner can do, declared rather than probed."""
+
+    batched: bool  # ``forward_batch`` runs its sequences in one forward pass
+    branches: bool  # ``forward_batch`` takes ``BatchItem.alternative`` (a two-branch tree)
+
+
+class Target(Protocol):
+    """The model that scores drafts: a forward pass over a batch of (sequence, new
+    tokens) gives logits for every kept position; each sequence's KV rolls back to a
+    length. ``CausalLM`` (one sequence per pass) and ``BatchedLM`` implement it."""
+
+    name: str
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+    capabilities: TargetCapabilities
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def new_state(self) -> Any: ...
+
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        """Each item's tokens appended to its sequence; each item's kept logits,
+        ``[keep, vocab]``."""
+        ...
+
+    def rollback(self, state: Any, length: int) -> None:
+        """Forget every cached position at or after ``length``."""
+        ...
+
+    def adopt_alternative(self, state: Any, start: int, n: int) -> None:
+        """Keep ``token_ids[0]`` and the alternative of a pass of ``n`` tokens from
+        ``start`` (only with ``capabilities.branches``)."""
+        ...
+
+    def release(self, state: Any) -> None: ...
+
+    def load_kv(self, state: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
+
+    def kv(self, state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def kv_bytes(self, rows: int, positions: int) -> int: ...
+
+    def fit(self, rows: int, positions: int) -> None: ...
+
+    def warmup(self) -> None: ...
 
 
 @dataclass
@@ -76,7 +130,10 @@ def output_vocab_size(model: Any) -> int:
 
 
 class CausalLM:
-    """Prefill / score / rollback over a transformers causal LM."""
+    """Prefill / score / rollback over a transformers causal LM, one sequence per
+    forward pass (the ``Target`` of models the batched runner does not cover)."""
+
+    capabilities = TargetCapabilities(batched=False, branches=False)
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "model") -> None:
         self.model = model.eval()
@@ -117,16 +174,6 @@ class CausalLM:
     def score(self, state: CacheState, token_ids: Sequence[int]) -> torch.Tensor:  # [n, vocab]
         """Append ``token_ids`` to the cache; return the logits after each of them."""
         return self._forward(state, token_ids, keep=len(token_ids))
-
-    @property
-    def batched(self) -> bool:
-        """Whether ``forward_batch`` runs its sequences in one forward pass."""
-        return False
-
-    @property
-    def branches(self) -> bool:
-        """Whether ``forward_batch`` takes ``BatchItem.alternative``."""
-        return False
 
     def adopt_alternative(self, state: Any, start: int, n: int) -> None:
         """After a pass of ``n`` tokens from position ``start`` whose last was an

@@ -6,6 +6,11 @@ a draft token is *accepted* or rejected; on rejection the next token is
 *recovered* by sampling the residual distribution; when every draft token is
 accepted the target contributes one *bonus* token. The acceptance length of a
 round therefore includes that final token.
+
+Greedy, a round may also verify an *alternative*: a second candidate for the first
+draft position, run as a branch of a two-token tree (it sees the cache and the
+pending token only). When the target rejects the first draft token for exactly the
+alternative, the alternative and the target's token after it are kept.
 """
 
 from __future__ import annotations
@@ -19,19 +24,26 @@ import torch
 @dataclass(frozen=True)
 class Verdict:
     accepted: int  # how many draft tokens were kept (a prefix of the draft)
-    next_token: int  # recovered (after a rejection) or bonus (all accepted)
+    next_token: int  # recovered (after a rejection) or bonus (all accepted), or the
+    # alternative when it was taken
     bonus: bool  # True when next_token is the bonus token
+    alternative_taken: bool = False  # the alternative replaced the first draft token
+    after_alternative: int | None = None  # then: the target's token after it
 
     def committed(self, draft_tokens: Sequence[int]) -> list[int]:
         """The tokens this round adds to the sequence."""
+        if self.alternative_taken:
+            assert self.after_alternative is not None
+            return [self.next_token, self.after_alternative]
         return [*draft_tokens[: self.accepted], self.next_token]
 
 
 def verify(
     draft_tokens: Sequence[int],  # [k]
     draft_probs: torch.Tensor | None,  # [k, vocab]; None for a deterministic drafter
-    target_probs: torch.Tensor,  # [k + 1, vocab]
+    target_probs: torch.Tensor,  # [k + 1, vocab]; [k + 2, vocab] with an alternative
     generator: torch.Generator | None,
+    alternative: int | None = None,  # greedy only: a second candidate for draft[0]
 ) -> Verdict:
     """Keep the longest acceptable prefix of the draft, plus one target token.
 
@@ -46,21 +58,33 @@ def verify(
     max(0, target_probs[i] - draft_probs[i]), renormalised. The output then has
     exactly the target's distribution. ``draft_probs=None`` stands for a
     deterministic drafter (a one-hot distribution on each proposed token).
+
+    ``alternative`` (greedy only, with a draft): the last row of ``target_probs`` is
+    the target's scores after the alternative; it is taken when the target's choice
+    for the first position is the alternative (the Verdict says so).
     """
     k = len(draft_tokens)
-    if target_probs.shape[0] != k + 1:
-        raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens")
+    rows = k + 1 + (alternative is not None)
+    if target_probs.shape[0] != rows:
+        raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens"
+                         + (" and an alternative" if alternative is not None else ""))
+    if alternative is not None and (generator is not None or k == 0):
+        raise ValueError("an alternative is verified only greedily, beside a draft")
     if generator is None:
-        return _verify_greedy(draft_tokens, target_probs)
+        return _verify_greedy(draft_tokens, target_probs, alternative)
     return _verify_sampled(draft_tokens, draft_probs, target_probs, generator)
 
 
-def _verify_greedy(draft_tokens: Sequence[int], target_scores: torch.Tensor) -> Verdict:
-    best = target_scores.argmax(dim=-1).tolist()  # [k + 1], one host sync
+def _verify_greedy(draft_tokens: Sequence[int], target_scores: torch.Tensor,
+                   alternative: int | None) -> Verdict:
+    best = target_scores.argmax(dim=-1).tolist()  # [k + 1 (+ 1)], one host sync
+    k = len(draft_tokens)
+    if alternative is not None and best[0] == alternative != draft_tokens[0]:
+        return Verdict(accepted=0, next_token=alternative, bonus=False,
+                       alternative_taken=True, after_alternative=best[k + 1])
     for i, token in enumerate(draft_tokens):
         if token != best[i]:
             return Verdict(accepted=i, next_token=best[i], bonus=False)
-    k = len(draft_tokens)
     return Verdict(accepted=k, next_token=best[k], bonus=True)
 
 

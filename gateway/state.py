@@ -84,10 +84,6 @@ class GatewayState:
 
     # -- in-flight requests -------------------------------------------------------------
 
-    @property
-    def inflight(self) -> int:
-        return self._inflight
-
     def begin(self, streams: list[RequestStream]) -> None:
         """Count a request as in flight until :meth:`end` (its response is done)."""
         self._inflight += 1

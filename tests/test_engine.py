@@ -15,6 +15,9 @@ from decoding.sequence import ContextOverflowError, decode
 from decoding.target import CausalLM
 from decoding.types import FinishReason, GenerationRequest, SamplingParams, SpeculationParams
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(240)
+
 GREEDY = SamplingParams(temperature=0.0)
 
 

@@ -91,7 +91,7 @@ def test_tiny_alternatives_taken_every_round_stay_lossless(
     """A draft whose first token is always the target's second choice: each round's
     alternative (its second choice, the target's first) is taken, the cache is
     rearranged to hold it, and the output is still plain decoding's."""
-    assert tiny_target.branches
+    assert tiny_target.capabilities.branches
     ids = tuple(encode_text(tiny_target.tokenizer, prompt))
     request = GenerationRequest(prompt_ids=ids, max_new_tokens=40, sampling=GREEDY)
     plain = _run(tiny_target, None, request)[0]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from decoding.drafters.model import ModelDrafter
-from decoding.target import CausalLM
+from decoding.target import BatchItem, CausalLM
 
 
 @dataclass
@@ -50,18 +50,27 @@ class StepEngine(Protocol):
 class _StepModel:
     """A ``StepEngine`` in the shape ``ModelDrafter`` drives (``DraftModel``)."""
 
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: StepEngine, tokenizer: Any) -> None:
         self.engine = engine
         self.vocab_size = engine.vocab_size
+        self.tokenizer = tokenizer
+        self.name = engine.runtime
 
     def new_state(self) -> KVCache:
         return self.engine.empty_cache()
 
-    def prefill(self, state: KVCache, token_ids: Sequence[int]) -> torch.Tensor:  # [vocab]
-        return self.engine.step(state, token_ids)
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        """One step per item (an exported step runs one sequence at a time)."""
+        return [self.engine.step(item.state, item.token_ids)[None] for item in items]
 
     def rollback(self, state: KVCache, length: int) -> None:
         state.crop(length)
+
+    def release(self, state: KVCache) -> None:
+        state.crop(0)
+
+    def warmup(self) -> None:
+        return None
 
 
 class KVDrafter(ModelDrafter):
@@ -74,5 +83,5 @@ class KVDrafter(ModelDrafter):
         target: CausalLM | None = None,
         name: str = "draft",
     ) -> None:
-        super().__init__(_StepModel(engine), target, tokenizer=tokenizer, name=name)
+        super().__init__(_StepModel(engine, tokenizer), target, tokenizer=tokenizer, name=name)
         self.engine = engine

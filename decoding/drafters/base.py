@@ -61,7 +61,8 @@ class DraftJudge(Protocol):
 
 
 class Drafter(Protocol):
-    """Proposes up to k tokens per round; keeps per-sequence state it can roll back."""
+    """Proposes up to k tokens per round; keeps per-sequence state it can roll back.
+    ``BaseDrafter`` gives the optional members their plain meaning."""
 
     name: str
 
@@ -71,6 +72,20 @@ class Drafter(Protocol):
 
     def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal: ...
 
+    def propose_many(self, states: Sequence[Any], contexts: Sequence[DraftContext],
+                     ks: Sequence[int]) -> list[DraftProposal]:
+        """Proposals for several sequences: together where the drafter can (a batched
+        draft model runs each draft step for all of them in one pass)."""
+        ...
+
+    def source(self, state: Any, context: DraftContext) -> str:
+        """Which of the drafter's sources drafts the next round ("" for a drafter with
+        one). A drafter that combines sources (lookup, a model) names the one it will use
+        before the round's length is chosen, so that each source gets a length policy of
+        its own: a source whose drafts are often rejected must not shorten the long, free
+        runs of another."""
+        ...
+
     def rollback(self, state: Any, length: int) -> None:
         """The sequence now has ``length`` committed tokens; forget anything beyond."""
         ...
@@ -79,31 +94,26 @@ class Drafter(Protocol):
         """The sequence is finished; free what its state holds."""
         ...
 
-
-def propose_many(drafter: Drafter, states: Sequence[Any], contexts: Sequence[DraftContext],
-                 ks: Sequence[int]) -> list[DraftProposal]:
-    """Proposals for several sequences of one drafter: together where the drafter can
-    (a batched draft model runs each draft step for all of them in one pass), else one
-    after another."""
-    together = getattr(drafter, "propose_many", None)
-    if together is not None:
-        return list(together(states, contexts, ks))
-    return [drafter.propose(s, c, k) for s, c, k in zip(states, contexts, ks, strict=True)]
+    def warmup(self) -> None:
+        """Prepare kernels before the first request needs them."""
+        ...
 
 
-def draft_source(drafter: Drafter, state: Any, context: DraftContext) -> str:
-    """Which of the drafter's sources drafts the next round ("" for a drafter with one).
+class BaseDrafter:
+    """The optional members of ``Drafter``, in their plain form: one source, proposals
+    one sequence after another, nothing to warm up."""
 
-    A drafter that combines sources (lookup, a model) names the one it will use
-    before the round's length is chosen, so that each source gets a length policy
-    of its own: a source whose drafts are often rejected must not shorten the long,
-    free runs of another."""
-    choose = getattr(drafter, "source", None)
-    return str(choose(state, context)) if choose is not None else ""
+    name: str = "drafter"
 
+    def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal:
+        raise NotImplementedError
 
-def warm_up(part: object) -> None:
-    """Let a drafter or draft model prepare its kernels, where it has a ``warmup``."""
-    prepare = getattr(part, "warmup", None)
-    if prepare is not None:
-        prepare()
+    def propose_many(self, states: Sequence[Any], contexts: Sequence[DraftContext],
+                     ks: Sequence[int]) -> list[DraftProposal]:
+        return [self.propose(s, c, k) for s, c, k in zip(states, contexts, ks, strict=True)]
+
+    def source(self, state: Any, context: DraftContext) -> str:
+        return ""
+
+    def warmup(self) -> None:
+        return None

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.drafters.base import DraftContext, Drafter, DraftProposal, propose_many, warm_up
+from decoding.drafters.base import BaseDrafter, DraftContext, Drafter, DraftProposal
 from decoding.policy import MAX_DRAFT_TOKENS
 
 # The model must keep this many more tokens per proposal than lookup before it takes
@@ -59,7 +59,7 @@ class CombinedState:
     round: _Round | None = None  # this round's decision, once made
 
 
-class CombinedDrafter:
+class CombinedDrafter(BaseDrafter):
     def __init__(self, cheap: Sequence[Drafter], model: Drafter | None = None) -> None:
         if not cheap and model is None:
             raise ValueError("CombinedDrafter needs at least one drafter")
@@ -73,7 +73,7 @@ class CombinedDrafter:
 
     def warmup(self) -> None:
         for drafter in self._all():
-            warm_up(drafter)
+            drafter.warmup()
 
     def source(self, state: CombinedState, context: DraftContext) -> str:
         """Which source drafts the next round: "lookup" or "model"."""
@@ -98,7 +98,7 @@ class CombinedDrafter:
             chosen.append(DraftProposal(scored[:k]) if decided.source == CHEAP
                           else DraftProposal.empty())
         if self.model is not None and for_model:
-            proposals = propose_many(self.model, [states[i].parts[-1] for i in for_model],
+            proposals = self.model.propose_many([states[i].parts[-1] for i in for_model],
                                      [contexts[i] for i in for_model], [ks[i] for i in for_model])
             for i, proposal in zip(for_model, proposals, strict=True):
                 chosen[i] = proposal

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decoding.drafters.base import DraftContext, DraftProposal
+from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
 from decoding.prefix_cache import PrefixCache
 
 
-class ContinuationDrafter:
+class ContinuationDrafter(BaseDrafter):
     name = "cache"
 
     def __init__(self, cache: PrefixCache, vocab_size: int) -> None:

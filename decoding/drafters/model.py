@@ -12,23 +12,30 @@ from typing import Any, Protocol
 
 import torch
 
-from decoding.drafters.base import DraftContext, DraftJudge, DraftProposal, warm_up
+from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import logits_to_probs
 from decoding.target import BatchItem, CausalLM, check_same_vocabulary
 
 
 class DraftModel(Protocol):
-    """One decoding step of a causal LM over a KV cache it can roll back."""
+    """Decoding steps of a causal LM over KV caches it can roll back: a PyTorch runner
+    (``CausalLM``) or an exported step (``trt/``)."""
 
+    name: str
     vocab_size: int
+    tokenizer: Any
 
     def new_state(self) -> Any: ...
 
-    def prefill(self, state: Any, token_ids: Sequence[int]) -> torch.Tensor:  # [vocab]
-        """Append ``token_ids`` to the cache; return the logits after the last one."""
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        """Each item's tokens appended to its cache; each item's kept logits."""
         ...
 
     def rollback(self, state: Any, length: int) -> None: ...
+
+    def release(self, state: Any) -> None: ...
+
+    def warmup(self) -> None: ...
 
 
 @dataclass
@@ -37,12 +44,12 @@ class ModelDraftState:
     fed: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
 
 
-class ModelDrafter:
+class ModelDrafter(BaseDrafter):
     def __init__(self, model: DraftModel, target: CausalLM | None = None,
                  tokenizer: Any = None, name: str = "draft") -> None:
-        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         if target is not None:
-            check_same_vocabulary(target.tokenizer, tokenizer, getattr(model, "name", name))
+            check_same_vocabulary(target.tokenizer, tokenizer, model.name)
         self.model = model
         self.name = name
         self.target_vocab = target.vocab_size if target is not None else model.vocab_size
@@ -53,7 +60,7 @@ class ModelDrafter:
     def warmup(self) -> None:
         """Let the model prepare its kernels (a batched PyTorch model builds one per
         pass size) before the first request needs them."""
-        warm_up(self.model)
+        self.model.warmup()
 
     def propose(self, state: ModelDraftState, context: DraftContext, k: int) -> DraftProposal:
         return self.propose_many([state], [context], [k])[0]
@@ -123,11 +130,8 @@ class ModelDrafter:
 
     def _forward(self, caches: list[Any], feeds: list[list[int]]) -> list[torch.Tensor]:
         """Each cache's logits after its feed, ``[vocab]`` each."""
-        together = getattr(self.model, "forward_batch", None)
-        if together is None:  # an exported step (ONNX Runtime, TensorRT): one at a time
-            return [self.model.prefill(c, f) for c, f in zip(caches, feeds, strict=True)]
         items = [BatchItem(c, f, 1) for c, f in zip(caches, feeds, strict=True)]
-        return [out[0] for out in together(items)]
+        return [out[0] for out in self.model.forward_batch(items)]
 
     def rollback(self, state: ModelDraftState, length: int) -> None:
         if length < len(state.fed):
@@ -135,11 +139,7 @@ class ModelDrafter:
             del state.fed[length:]
 
     def release(self, state: ModelDraftState) -> None:
-        free = getattr(self.model, "release", None)  # a batched model frees the row
-        if free is not None:
-            free(state.cache)
-        else:
-            self.model.rollback(state.cache, 0)
+        self.model.release(state.cache)
         state.fed.clear()
 
     def _pick(

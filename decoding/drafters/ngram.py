@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from decoding.drafters.base import DraftContext, DraftProposal
+from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
 
 DEFAULT_MAX_NGRAM = 4
 DEFAULT_MIN_NGRAM = 2
@@ -21,7 +21,7 @@ class NgramState:
     indexed: int = 0  # positions [0, indexed) have been entered
 
 
-class NgramDrafter:
+class NgramDrafter(BaseDrafter):
     name = "ngram"
 
     def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM):

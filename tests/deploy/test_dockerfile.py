@@ -18,7 +18,8 @@ import pytest
 from tests.deploy.conftest import REPO, require_tool
 
 DOCKERFILE = REPO / "Dockerfile"
-SOURCE_DIRS = ("gateway", "decoding", "trt", "observability")
+SOURCE_DIRS = ("gateway", "decoding", "trt", "observability", "specserve", "specbench",
+               "specdistill")
 
 
 @dataclass

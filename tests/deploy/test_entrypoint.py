@@ -183,8 +183,7 @@ def model_home(tmp_path: Path, default_model_dir: Path) -> Path:
 
 
 def test_entrypoint_serve_help_parses(model_home: Path) -> None:
-    if not _serve_available():
-        pytest.skip("`specserve serve` is not implemented yet")
+    assert _serve_available(), "`specserve serve --help` fails"
     env = _image_env(model_home, SPECSERVE_PULL_MODEL="never")
     result = subprocess.run([str(ENTRYPOINT), "--help"], env=env, capture_output=True,
                             text=True, timeout=120)
@@ -194,8 +193,7 @@ def test_entrypoint_serve_help_parses(model_home: Path) -> None:
 
 def test_entrypoint_starts_the_real_server_and_drains_on_sigterm(model_home: Path,
                                                                  tmp_path: Path) -> None:
-    if not _serve_available():
-        pytest.skip("`specserve serve` is not implemented yet")
+    assert _serve_available(), "`specserve serve --help` fails"
     port, metrics_port = free_port(), free_port()
     env = _image_env(model_home, SPECSERVE_PULL_MODEL="never", SPECSERVE_HOST="127.0.0.1",
                      SPECSERVE_PORT=str(port), SPECSERVE_METRICS_PORT=str(metrics_port),

@@ -244,11 +244,18 @@ def test_real_prometheus_computes_the_acceptance_rate(
                 except OSError:
                     continue
             assert result, "Prometheus never scraped the metrics port"
-            value = float(result[0]["value"][1])  # type: ignore[index]
+            # no more requests: wait for a scrape of the final counters, then compare
             s = _samples(telemetry.metrics)
-            expected = (_total(s, "specserve_spec_decode_num_accepted_tokens_total")
-                        / _total(s, "specserve_spec_decode_num_draft_tokens_total"))
+            drafted = _total(s, "specserve_spec_decode_num_draft_tokens_total")
+            expected = _total(s, "specserve_spec_decode_num_accepted_tokens_total") / drafted
+            scraped = 0.0
+            while time.monotonic() < deadline + 30 and scraped != drafted:
+                time.sleep(0.5)
+                totals = _query(prom_port, "sum(specserve_spec_decode_num_draft_tokens_total)")
+                scraped = float(totals[0]["value"][1]) if totals else 0.0  # type: ignore[index]
+            assert scraped == drafted, "Prometheus never scraped the final counters"
+            value = float(_query(prom_port, expr)[0]["value"][1])  # type: ignore[index]
             assert 0 < value <= 1
-            assert value == pytest.approx(expected, rel=0.5)
+            assert value == pytest.approx(expected, rel=1e-9)
     finally:
         server.shutdown()

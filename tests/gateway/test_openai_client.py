@@ -83,15 +83,22 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
 def test_stop_strings(client: openai.OpenAI) -> None:
     base: dict[str, Any] = {"model": TINY, "prompt": "The weather", "max_tokens": 12,
                             "temperature": 0}
-    full = client.completions.create(**base).choices[0].text
-    words = full.split()
-    stop = words[len(words) // 2]
+    whole = client.completions.create(**base, logprobs=1).choices[0]
+    full, tokens = whole.text, whole.logprobs.tokens
+    # a stop string that spans a token boundary: its start must be held back until the
+    # next token shows whether the stop completes
+    i = next(i for i in range(len(tokens) // 2, len(tokens) - 1)
+             if tokens[i].strip() and tokens[i + 1].strip())
+    stop = tokens[i][-2:] + tokens[i + 1][:2]
+    assert len(stop) > 2
     expected = full[: full.index(stop)]
     cut = client.completions.create(**base, stop=[stop, "never-there"]).choices[0]
     assert (cut.text, cut.finish_reason) == (expected, "stop")
-    chunks = list(client.completions.create(**base, stop=stop, stream=True))
-    assert texts_by_index(chunks) == {0: expected}
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    for speculation in ({"enabled": True}, {"enabled": False}):  # off: one token a round
+        chunks = list(client.completions.create(**base, stop=stop, stream=True,
+                                                extra_body={"speculation": speculation}))
+        assert texts_by_index(chunks) == {0: expected}
+        assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:

@@ -38,6 +38,9 @@ from tests.reliability.support import (
     wait_for,
 )
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(300)
+
 LONG = 200  # tokens a leaving client asks for: it is always gone before the end
 KEPT = 24  # tokens of a stream that stays
 CONCURRENCY = 24  # leaving clients at once (below the default queue of 64)

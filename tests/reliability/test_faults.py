@@ -33,6 +33,9 @@ from tests.reliability.support import (
     wait_for,
 )
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(300)
+
 TIMEOUT_S = 0.3
 LONG = 450  # far more tokens than the time limit allows
 STOPPED_WITHIN_S = 1.0  # from the timeout to an idle engine (one round, shared CPU)

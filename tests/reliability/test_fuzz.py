@@ -54,6 +54,9 @@ from tests.reliability.support import (
     wait_for,
 )
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(300)
+
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 CHAT, TEXT = "POST /v1/chat/completions", "POST /v1/completions"
 MODEL = "GET /v1/models/{model_id}"

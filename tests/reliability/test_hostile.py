@@ -17,6 +17,9 @@ from gateway.server import create_app
 from tests.gateway.conftest import live_server, tiny_settings
 from tests.reliability.support import TINY, assert_openai_error, is_idle, sse_data, wait_for
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(300)
+
 CHAT_PATH, TEXT_PATH = "/v1/chat/completions", "/v1/completions"
 BODY_LIMIT = 256 * 1024
 MAX_TOKENS = 8

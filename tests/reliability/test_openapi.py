@@ -22,6 +22,9 @@ from gateway.routes import parse_body, router, v1
 from gateway.server import create_app
 from tests.gateway.conftest import in_process, tiny_settings
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(300)
+
 CHAT = [{"role": "user", "content": "hi"}]
 REQUEST_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}

@@ -31,6 +31,9 @@ from tests.reliability.support import (
     wait_for,
 )
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(300)
+
 MAX_QUEUE, MAX_ACTIVE = 4, 2
 BURST = 4 * MAX_QUEUE
 NEW_TOKENS = 48

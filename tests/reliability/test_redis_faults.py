@@ -33,6 +33,9 @@ from tests.reliability.support import (
     stream_text,
 )
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(300)
+
 BLOCK = 16  # small prefix-cache blocks, so that every prompt spans several
 NEW_TOKENS = 12
 CLIENTS = 3

@@ -25,6 +25,9 @@ from tests.reliability.support import (
     stream_text,
 )
 
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(300)
+
 PROMPT = "Tell a very long story about the sea."
 
 

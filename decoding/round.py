@@ -1,0 +1,172 @@
+"""The speculative round: draft -> one target pass -> verify -> commit -> the event.
+
+``speculative_round`` is the whole of speculation, for one sequence (``decode``) or for
+every running sequence of the engine at once. The engine only decides what goes into
+the pass (which prompt chunks, how many tokens each sequence drafts); the round does
+the rest, and hands back each sequence's event.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+
+from decoding.drafters.base import DraftProposal
+from decoding.sequence import Draft, PromptChunk, SequenceDecoder
+from decoding.target import Target
+from decoding.types import RoundEvent, RoundTiming
+from decoding.verify import verify
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a round did to one sequence: its event (None after a prompt chunk that is
+    not the prompt's last) and the draft it verified (None for a prompt chunk)."""
+
+    sequence: SequenceDecoder
+    event: RoundEvent | None
+    draft: Draft | None = None
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    outcomes: list[Outcome]  # prompt chunks first, then the decoding sequences, as given
+    passes: int  # target passes run (more than one only when a batched pass failed)
+    pass_tokens: int  # tokens in the pass
+    pass_s: float  # its seconds (0 when the batched pass failed)
+
+
+def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, int]],
+                      decoding: Sequence[tuple[SequenceDecoder, int]]) -> RoundResult:
+    """One iteration: the next chunk (at most the given tokens) of each prompt in
+    ``prompts``, and for each sequence in ``decoding`` one speculative round drafting
+    the given number of tokens, all in one target pass. A failure ends only the
+    sequence at fault (its outcome is an error event)."""
+    outcomes: list[Outcome] = []
+    work: list[tuple[SequenceDecoder, PromptChunk | Draft]] = []
+    for seq, limit in prompts:
+        chunk = _attempt(seq, outcomes, seq.next_prompt_chunk, limit)
+        if chunk is not None:
+            work.append((seq, chunk))
+    for (seq, _), draft in zip(decoding, propose_drafts(decoding, outcomes), strict=True):
+        if draft is not None:                                             # 1. drafted
+            work.append((seq, draft))
+    logits, passes, tokens, seconds = target_pass(target, work)           # 2. one target pass
+    for (seq, part), out in zip(work, logits, strict=True):
+        if out is None:
+            outcomes.append(Outcome(seq, seq.failed("the model failed")))
+            continue
+        try:
+            if isinstance(part, PromptChunk):
+                event = seq.prompt_done(part, out, seconds)
+            else:
+                event = verify_and_commit(seq, part, out, seconds)        # 3, 4, 5
+        except Exception:
+            log.exception("model error in request %s", seq.request.request_id)
+            outcomes.append(Outcome(seq, seq.failed("the model failed")))
+            continue
+        if event is not None and len(work) > 1:
+            event = replace(event, batch_size=len(work))
+        outcomes.append(Outcome(seq, event, part if isinstance(part, Draft) else None))
+    return RoundResult(outcomes, passes, tokens, seconds)
+
+
+def verify_and_commit(seq: SequenceDecoder, draft: Draft,
+                      logits: torch.Tensor,  # [n_pass, vocab]: pending, drafts, alternative
+                      forward_s: float) -> RoundEvent:
+    """Verify a sequence's draft against the target's logits, roll its caches back to
+    what was kept, and commit the kept tokens (3, 4 and 5 of the round)."""
+    start = time.perf_counter()
+    k = len(draft.tokens)
+    scores = seq.process(logits[: k + 1], draft.tokens)  # [k + 1, vocab]
+    if draft.alternative is not None:  # greedy, unpenalised: its row as the target gave it
+        scores = torch.cat([scores, logits[-1:]])  # [k + 2, vocab]
+    verdict = verify(draft.tokens, draft.probs, scores, seq.generator, draft.alternative)
+    seq.keep(verdict, len(draft.tokens) + 1 + (draft.alternative is not None))
+    timing = RoundTiming(draft.seconds, forward_s + time.perf_counter() - start, 0.0)
+    seq.learn(draft, verdict, timing)
+    behind = (torch.stack([logits[0], logits[-1]]) if verdict.alternative_taken
+              else logits)  # the logits each committed token came from
+    drafted = k + (draft.alternative is not None)
+    accepted = 1 if verdict.alternative_taken else verdict.accepted
+    return seq.commit(verdict.committed(draft.tokens), drafted, accepted, behind, timing,
+                      draft.started)
+
+
+def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: list[Outcome]
+                   ) -> list[Draft | None]:
+    """Each sequence's draft of the given length: made together with the others that share
+    its drafter where it can (a draft model's steps run batched), each with its share of
+    the seconds. A sequence whose drafting fails ends with an error (None here)."""
+    made: list[tuple[DraftProposal, float] | None] = [None] * len(decoding)
+    groups: dict[int, list[int]] = {}
+    for i, (seq, k) in enumerate(decoding):
+        if k > 0 and seq.drafter is not None:
+            groups.setdefault(id(seq.drafter), []).append(i)
+    for members in (m for m in groups.values() if len(m) > 1):
+        seqs = [decoding[i][0] for i in members]
+        ks = [decoding[i][1] for i in members]
+        start = time.perf_counter()
+        try:
+            drafter = seqs[0].drafter
+            assert drafter is not None
+            proposals = drafter.propose_many([s.draft_state for s in seqs],
+                                             [s.draft_context() for s in seqs], ks)
+        except Exception:
+            log.warning("drafting for %d requests together failed; each drafts alone",
+                        len(members), exc_info=True)
+            continue
+        seconds = time.perf_counter() - start
+        for i, proposal, k in zip(members, proposals, ks, strict=True):
+            made[i] = (proposal, seconds * k / sum(ks))
+    return [_attempt(seq, outcomes, seq.propose, k, made[i])
+            for i, (seq, k) in enumerate(decoding)]
+
+
+def target_pass(target: Target, work: Sequence[tuple[SequenceDecoder, PromptChunk | Draft]]
+                ) -> tuple[list[torch.Tensor | None], int, int, float]:
+    """The kept logits of every sequence's tokens from one forward pass; the passes run,
+    the tokens in the pass and its seconds. When the pass fails each sequence runs
+    alone, so only the one at fault fails (None, its caches as they were)."""
+    items = [seq.pass_item(part) for seq, part in work]
+    tokens = sum(len(item.token_ids) for item in items)
+    if not items:
+        return [], 0, 0, 0.0
+    start = time.perf_counter()
+    try:
+        return list(target.forward_batch(items)), 1, tokens, time.perf_counter() - start
+    except Exception:
+        log.log(logging.WARNING if len(items) > 1 else logging.ERROR,
+                "a forward pass of %d sequences failed", len(items), exc_info=True)
+        for seq, part in work:
+            seq.undo(part)
+        if len(items) == 1:
+            return [None], 0, tokens, 0.0
+    logits: list[torch.Tensor | None] = []
+    for (seq, part), item in zip(work, items, strict=True):  # each alone
+        try:
+            logits.append(target.forward_batch([item])[0])
+        except Exception:
+            log.exception("the forward pass failed in request %s", seq.request.request_id)
+            seq.undo(part)
+            logits.append(None)
+    return logits, sum(out is not None for out in logits), tokens, 0.0
+
+
+def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[..., T],
+             *args: Any) -> T | None:
+    """``make(*args)``, or None after ending ``seq`` with an error when it raises."""
+    try:
+        return make(*args)
+    except Exception:
+        log.exception("drafting failed in request %s", seq.request.request_id)
+        outcomes.append(Outcome(seq, seq.failed("the model failed")))
+        return None
