@@ -54,8 +54,9 @@ class BuilderFlag(IntEnum):
 
 _ONNX_TYPES = {1: DataType.FLOAT, 10: DataType.HALF, 16: DataType.BF16, 7: DataType.INT64,
                6: DataType.INT32}
-_NUMPY = {DataType.FLOAT: np.float32, DataType.HALF: np.float16, DataType.INT64: np.int64,
-          DataType.INT32: np.int32}
+_NUMPY: dict[DataType, type[np.generic]] = {
+    DataType.FLOAT: np.float32, DataType.HALF: np.float16, DataType.INT64: np.int64,
+    DataType.INT32: np.int32}
 
 
 @dataclass
@@ -290,7 +291,7 @@ def _read(address: int, shape: tuple[int, ...], dtype: int) -> np.ndarray:
     if count == 0:
         return np.zeros(shape, dtype=numpy_dtype)
     buffer = (ctypes.c_char * (count * np.dtype(numpy_dtype).itemsize)).from_address(address)
-    return np.frombuffer(buffer, dtype=numpy_dtype).reshape(shape).copy()
+    return np.frombuffer(memoryview(buffer), dtype=numpy_dtype).reshape(shape).copy()
 
 
 def _evaluate(dim: int | str, symbols: dict[str, int]) -> int:

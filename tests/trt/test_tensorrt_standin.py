@@ -206,7 +206,7 @@ def test_auto_falls_back_to_onnx_then_torch_with_the_reason(
                                       export_root=tmp_path)
     assert backend.startswith("onnx (tensorrt: failed: TensorRT could not create an "
                               "execution context")
-    assert drafter is not None and drafter.engine.runtime.startswith("onnxruntime")
+    assert isinstance(drafter, KVDrafter) and drafter.engine.runtime.startswith("onnxruntime")
     assert "tensorrt failed, trying the next backend" in caplog.text
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # `import onnxruntime` fails
     drafter, backend = load_draft(str(draft_copy), tiny_target, "auto", export_root=tmp_path)
