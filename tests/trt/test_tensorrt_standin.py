@@ -9,6 +9,7 @@ paths run for real here; the GPU tests in test_tensorrt.py run the real thing.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -223,11 +224,13 @@ def test_an_export_directory_falls_back_too(tiny_target: CausalLM, export_dir: P
     assert isinstance(drafter, KVDrafter)
 
 
-async def test_models_metadata_says_why_auto_fell_back(tiny_target_dir: Path,
-                                                       tiny_draft_dir: Path) -> None:
+async def test_models_metadata_says_why_auto_fell_back(
+        tiny_target_dir: Path, tiny_draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No stand-in here: on this machine TensorRT really is missing, and there is no export."""
     if tensorrt_build.tensorrt_unavailable_reason() is None:
         pytest.skip("TensorRT can run here, so auto does not fall back")
+    for name in [n for n in os.environ if n.startswith("SPECSERVE_") and n != "SPECSERVE_HOME"]:
+        monkeypatch.delenv(name)  # the settings are this test's alone
     settings = tiny_settings(target=str(tiny_target_dir), draft=str(tiny_draft_dir),
                              draft_backend="auto", prefix_cache=False)
     engine = build_engine(settings, draft_loader=load_draft)
