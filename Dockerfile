@@ -57,11 +57,14 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # GPU dependencies: CUDA PyTorch (the default wheels are CUDA builds), TensorRT for the
-# draft engine, ONNX for its export, then everything pyproject.toml lists.
+# draft engine, ONNX for its export, then everything pyproject.toml lists. TensorRT's
+# PyPI packages are placeholders that fetch the real wheels from NVIDIA's index, so it
+# is named here; the version must lie in pyproject's `tensorrt` extra (see docs/tensorrt.md).
 FROM gpu-base AS gpu-deps
 ARG TORCH_VERSION=2.13.0
 ARG TENSORRT_PACKAGE=tensorrt-cu13
-ARG TENSORRT_VERSION=11.4.0.106
+ARG TENSORRT_VERSION=10.13.3.9
+ARG TENSORRT_INDEX_URL=https://pypi.nvidia.com
 ARG EXTRAS=otlp,onnx
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -69,7 +72,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 RUN python3 -m venv /opt/venv \
-    && pip install "torch==${TORCH_VERSION}" "${TENSORRT_PACKAGE}==${TENSORRT_VERSION}"
+    && pip install "torch==${TORCH_VERSION}" "${TENSORRT_PACKAGE}==${TENSORRT_VERSION}" \
+        --extra-index-url "${TENSORRT_INDEX_URL}"
+# The build fails here, not on a GPU at start-up, when TensorRT did not really install.
+RUN python -c "import tensorrt; print(tensorrt.__version__)"
 COPY pyproject.toml deploy/pyproject_requirements.py ./
 RUN python pyproject_requirements.py pyproject.toml "${EXTRAS}" > requirements.txt \
     && pip install -r requirements.txt

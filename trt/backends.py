@@ -1,10 +1,13 @@
 """Choosing the engine a draft model runs on: PyTorch, ONNX Runtime or TensorRT.
 
 ``load_draft(spec, target, backend, dtype)`` returns the drafter and the backend
-actually used. ``auto`` picks TensorRT when it is installed and a GPU is
-visible, else ONNX Runtime when a current export of the draft exists, else
-PyTorch, and logs why. Naming a backend that cannot run (not installed, no
-GPU) raises a ``DraftBackendError`` at start-up; it never falls back silently.
+actually used. ``auto`` tries TensorRT when it is installed and a GPU is
+visible, then ONNX Runtime when a current export of the draft exists, then
+PyTorch: a backend that cannot run, or fails while loading, is passed over with
+the reason logged and kept in the returned name, e.g. ``torch (tensorrt: no CUDA
+GPU is visible to PyTorch; onnx: no export of this draft yet)``, which the
+server shows in ``/v1/models``. Naming a backend that cannot run (not installed,
+no GPU) raises a ``DraftBackendError`` at start-up; it never falls back.
 ``onnx`` and ``tensorrt`` export the draft on first use (once; later starts
 reuse the export while the draft's weights are unchanged).
 
@@ -17,6 +20,7 @@ TensorRT without the original model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from pathlib import Path
 
@@ -59,6 +63,16 @@ class DraftBackend(StrEnum):
 
 
 BACKENDS = tuple(b.value for b in DraftBackend)
+REASON_CHARS = 200  # a failure's message is cut to this in the backend's name
+
+# A backend auto may use: its name, why it cannot run (None: it can; asked only when
+# the options before it failed), and its loader.
+Option = tuple[DraftBackend, Callable[[], str | None], Callable[[], Drafter]]
+
+
+def backend_name(chosen: str) -> str:
+    """The bare backend of a name ``load_draft`` returned (``torch (tensorrt: ...)``)."""
+    return chosen.split(" ", 1)[0]
 
 
 def load_draft(
@@ -129,7 +143,8 @@ def load_model_draft(
                     DraftBackend.TORCH.value)
         raise DraftBackendError(str(exc)) from exc
     if choice is DraftBackend.AUTO:
-        choice = _auto(source, dtype, export_root)
+        return _first_that_loads(_auto_options(source, target, dtype, export_root,
+                                               draft_dtype))
     drafter = _load(source, target, choice, dtype, export_root, draft_dtype)
     log.info("draft %s runs on %s", spec, choice.value)
     return drafter, choice.value
@@ -146,22 +161,59 @@ def onnx_dtype(dtype: str) -> str:
     return "float32"
 
 
-def _auto(source: DraftSource, dtype: str, export_root: Path | None) -> DraftBackend:
-    trt_reason = tensorrt_unavailable_reason()
-    if trt_reason is None:
-        log.info("draft backend auto: TensorRT is installed and a GPU is visible")
-        return DraftBackend.TENSORRT
+def _auto_options(source: DraftSource, target: CausalLM, dtype: str,
+                  export_root: Path | None, draft_dtype: str) -> list[Option]:
+    def load(choice: DraftBackend) -> Callable[[], Drafter]:
+        return lambda: _load(source, target, choice, dtype, export_root, draft_dtype)
+
+    return [(DraftBackend.TENSORRT, tensorrt_unavailable_reason, load(DraftBackend.TENSORRT)),
+            (DraftBackend.ONNX, lambda: _onnx_unavailable_reason(source, dtype, export_root),
+             load(DraftBackend.ONNX)),
+            (DraftBackend.TORCH, _runs_anywhere, load(DraftBackend.TORCH))]
+
+
+def _runs_anywhere() -> None:
+    return None
+
+
+def _onnx_unavailable_reason(source: DraftSource, dtype: str, export_root: Path | None
+                             ) -> str | None:
     if not onnxruntime_available():
-        log.info("draft backend auto: PyTorch (%s; onnxruntime is not installed)", trt_reason)
-        return DraftBackend.TORCH
+        return "onnxruntime is not installed"
     found = store.find_export(source, onnx_dtype(dtype), export_root)
     if found.directory is None:
-        why = "; ".join(found.rejected) or "no export of this draft yet"
-        log.info("draft backend auto: PyTorch (%s; ONNX Runtime: %s -- run `specserve "
-                 "export-draft --draft %s` to use it)", trt_reason, why, source.spec)
-        return DraftBackend.TORCH
-    log.info("draft backend auto: ONNX Runtime (%s; export in %s)", trt_reason, found.directory)
-    return DraftBackend.ONNX
+        log.info("`specserve export-draft --draft %s` makes an export ONNX Runtime can run",
+                 source.spec)
+        return "; ".join(found.rejected) or "no export of this draft yet"
+    return None
+
+
+def _first_that_loads(options: Sequence[Option]) -> tuple[Drafter, str]:
+    """The drafter of the first option that can run and loads, named with why every
+    option before it was passed over; the last option's failure is raised."""
+    passed: list[str] = []
+    for i, (backend, reason, load) in enumerate(options):
+        unavailable = reason()
+        if unavailable is None:
+            try:
+                drafter = load()
+            except Exception as exc:  # auto serves on the next backend whatever this raised
+                if i == len(options) - 1:
+                    raise
+                log.warning("draft backend auto: %s failed, trying the next backend: %s",
+                            backend.value, exc, exc_info=True)
+                unavailable = "failed: " + _one_line(exc)
+            else:
+                name = f"{backend.value} ({'; '.join(passed)})" if passed else backend.value
+                log.info("draft backend auto: %s", name)
+                return drafter, name
+        passed.append(f"{backend.value}: {unavailable}")
+    raise BackendUnavailableError("no draft backend can run this draft: " + "; ".join(passed))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 3] + "..."
 
 
 def _load(source: DraftSource, target: CausalLM, choice: DraftBackend, dtype: str,
@@ -177,7 +229,7 @@ def _load(source: DraftSource, target: CausalLM, choice: DraftBackend, dtype: st
         export_dir, manifest = store.ensure_export(source, onnx_dtype(dtype), export_root)
         return load_onnx_drafter(export_dir, target, manifest)
     require_tensorrt()
-    # A bfloat16 export cannot be checked with ONNX Runtime; the engine build checks it.
+    # A bfloat16 export is checked with the engine, on the GPU (its CPU check is slow).
     check = dtype in ELEMENT_TYPES
     export_dir, manifest = store.ensure_export(source, dtype, export_root, check=check)
     return load_tensorrt_drafter(export_dir, manifest, target, source.load_tokenizer(),
@@ -187,26 +239,42 @@ def _load(source: DraftSource, target: CausalLM, choice: DraftBackend, dtype: st
 def _from_export_dir(export_dir: Path, target: CausalLM, choice: DraftBackend, dtype: str,
                      draft_dtype: str = "auto") -> tuple[Drafter, str]:
     manifest = Manifest.load(export_dir)
+    loaders: dict[DraftBackend, Callable[[], Drafter]] = {
+        DraftBackend.TENSORRT: lambda: _export_on_tensorrt(export_dir, manifest, target),
+        DraftBackend.ONNX: lambda: load_onnx_drafter(export_dir, target, manifest),
+        DraftBackend.TORCH: lambda: _export_source_on_torch(export_dir, manifest, target,
+                                                            dtype, draft_dtype),
+    }
     if choice is DraftBackend.AUTO:
-        if tensorrt_unavailable_reason() is None:
-            choice = DraftBackend.TENSORRT
-        elif onnxruntime_available() and manifest.dtype in ELEMENT_TYPES:
-            choice = DraftBackend.ONNX
-        else:
-            choice = DraftBackend.TORCH
-    if choice is DraftBackend.TORCH:
-        try:
-            source = DraftSource.parse(manifest.source_spec)
-        except DraftSourceError as exc:
-            raise BackendUnavailableError(
-                f"{export_dir} is an exported draft; PyTorch needs its source model "
-                f"{manifest.source_spec!r}, which is not available: {exc}") from exc
-        return _load(source, target, choice, dtype, None, draft_dtype), choice.value
-    if choice is DraftBackend.ONNX:
-        drafter: Drafter = load_onnx_drafter(export_dir, target, manifest)
-    else:
-        require_tensorrt()
-        drafter = load_tensorrt_drafter(export_dir, manifest, target,
-                                        load_export_tokenizer(export_dir), reference=None)
+        def onnx_reason() -> str | None:
+            if not onnxruntime_available():
+                return "onnxruntime is not installed"
+            if manifest.dtype not in ELEMENT_TYPES:
+                return f"it cannot run the {manifest.dtype} export"
+            return None
+
+        return _first_that_loads([
+            (DraftBackend.TENSORRT, tensorrt_unavailable_reason, loaders[DraftBackend.TENSORRT]),
+            (DraftBackend.ONNX, onnx_reason, loaders[DraftBackend.ONNX]),
+            (DraftBackend.TORCH, _runs_anywhere, loaders[DraftBackend.TORCH]),
+        ])
+    drafter = loaders[choice]()
     log.info("draft %s runs on %s", export_dir, choice.value)
     return drafter, choice.value
+
+
+def _export_on_tensorrt(export_dir: Path, manifest: Manifest, target: CausalLM) -> Drafter:
+    require_tensorrt()
+    return load_tensorrt_drafter(export_dir, manifest, target,
+                                 load_export_tokenizer(export_dir), reference=None)
+
+
+def _export_source_on_torch(export_dir: Path, manifest: Manifest, target: CausalLM,
+                            dtype: str, draft_dtype: str) -> Drafter:
+    try:
+        source = DraftSource.parse(manifest.source_spec)
+    except DraftSourceError as exc:
+        raise BackendUnavailableError(
+            f"{export_dir} is an exported draft; PyTorch needs its source model "
+            f"{manifest.source_spec!r}, which is not available: {exc}") from exc
+    return _load(source, target, DraftBackend.TORCH, dtype, None, draft_dtype)

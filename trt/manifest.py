@@ -50,7 +50,19 @@ class ExportCheck:
     runtime: str  # e.g. "onnxruntime 1.20.1 (CPUExecutionProvider)"
     cases: tuple[tuple[int, int], ...]  # (past length, new tokens)
     max_abs_logits_diff: float
-    tolerance: float
+    tolerance: float | None  # the largest diff accepted; None: judged by top-k agreement
+    top_k: int = 0
+    # Share of cases where each side's most likely token is among the other's top_k.
+    top_k_agreement: float | None = None
+
+    @property
+    def summary(self) -> str:
+        judged = (f"<= {self.tolerance:g}" if self.tolerance is not None
+                  else "(not judged)")
+        agreement = ("" if self.top_k_agreement is None
+                     else f", top-{self.top_k} agreement {self.top_k_agreement:.0%}")
+        return (f"max |logits diff| {self.max_abs_logits_diff:.3g} {judged}{agreement} "
+                f"on {self.runtime}")
 
 
 @dataclass(frozen=True)
@@ -115,12 +127,18 @@ class Manifest:
                     runtime=check["runtime"],
                     cases=tuple((int(p), int(n)) for p, n in check["cases"]),
                     max_abs_logits_diff=float(check["max_abs_logits_diff"]),
-                    tolerance=float(check["tolerance"]),
+                    tolerance=_optional_float(check["tolerance"]),
+                    top_k=int(check.get("top_k", 0)),
+                    top_k_agreement=_optional_float(check.get("top_k_agreement")),
                 ),
                 **raw,
             )
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"malformed manifest {path}: {exc}") from exc
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _tensor(raw: dict[str, Any]) -> TensorSpec:

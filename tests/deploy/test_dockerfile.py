@@ -8,12 +8,15 @@ import shutil
 import subprocess
 import sys
 import threading
+import tomllib
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.deploy.conftest import REPO, require_tool
 
@@ -88,6 +91,24 @@ def test_cpu_is_the_default_target_and_gpu_a_second_one(stages: dict[str, Stage]
     cpu_install = " ".join(stages["cpu-deps"].args("RUN"))
     assert "--index-url" in cpu_install and "torch==${TORCH_VERSION}" in cpu_install
     assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.MULTILINE)
+
+
+def test_tensorrt_is_pyprojects_range_from_nvidias_index_and_imports(
+        stages: dict[str, Stage]) -> None:
+    text = DOCKERFILE.read_text()
+    package = re.search(r"^ARG TENSORRT_PACKAGE=(\S+)$", text, re.MULTILINE)
+    version = re.search(r"^ARG TENSORRT_VERSION=(\S+)$", text, re.MULTILINE)
+    assert package and version
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["tensorrt"]
+    (requirement,) = (Requirement(r) for r in extra)
+    assert canonicalize_name(requirement.name) == canonicalize_name(package.group(1))
+    assert requirement.specifier.contains(version.group(1)), (requirement, version.group(1))
+    assert re.search(r"^ARG TENSORRT_INDEX_URL=https://pypi\.nvidia\.com$", text, re.MULTILINE)
+    runs = stages["gpu-deps"].args("RUN")
+    install = next(i for i, r in enumerate(runs) if "${TENSORRT_PACKAGE}" in r)
+    assert '--extra-index-url "${TENSORRT_INDEX_URL}"' in runs[install]
+    assert runs[install + 1] == 'python -c "import tensorrt; print(tensorrt.__version__)"'
 
 
 @pytest.mark.parametrize("deps", ["cpu-deps", "gpu-deps"])

@@ -16,7 +16,7 @@ from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.target import CausalLM
 from trt import export
-from trt.backends import load_draft
+from trt.backends import backend_name, load_draft
 from trt.errors import DraftBackendError, MissingDependencyError
 from trt.kv_drafter import KVDrafter
 from trt.manifest import ONNX_NAME, Manifest
@@ -90,12 +90,14 @@ def test_onnx_exports_once_then_reuses(tiny_target: CausalLM, tiny_draft_dir: Pa
 @needs_no_tensorrt
 def test_auto_prefers_a_current_export(tiny_target: CausalLM, draft_copy: Path,
                                        tmp_path: Path, export_calls: list[Path]) -> None:
+    why_not_tensorrt = f"tensorrt: {tensorrt_unavailable_reason()}"
     drafter, backend = load_draft(str(draft_copy), tiny_target, "auto", export_root=tmp_path)
-    assert backend == "onnx" and isinstance(drafter, KVDrafter)
+    assert backend == f"onnx ({why_not_tensorrt})" and isinstance(drafter, KVDrafter)
     shutil.rmtree(draft_copy / NEXT_TO_DRAFT)
     drafter, backend = load_draft(str(draft_copy), tiny_target, "auto", export_root=tmp_path)
-    assert backend == "torch" and isinstance(drafter, ModelDrafter)
-    assert export_calls == []  # auto never exports
+    assert backend == f"torch ({why_not_tensorrt}; onnx: no export of this draft yet)"
+    assert isinstance(drafter, ModelDrafter)
+    assert export_calls == []  # auto never exports for ONNX Runtime
 
 
 def _change_weights(model_dir: Path) -> None:
@@ -114,7 +116,8 @@ def test_changed_weights_invalidate_the_export(tiny_target: CausalLM, draft_copy
     old_hash = Manifest.load(draft_copy / NEXT_TO_DRAFT).source_hash
     _change_weights(draft_copy)
     if tensorrt_unavailable_reason() is not None:  # auto ignores the stale export
-        assert load_draft(str(draft_copy), tiny_target, "auto", export_root=root)[1] == "torch"
+        backend = load_draft(str(draft_copy), tiny_target, "auto", export_root=root)[1]
+        assert backend_name(backend) == "torch" and "changed since it was exported" in backend
     _, backend = load_draft(str(draft_copy), tiny_target, "onnx", export_root=root)
     assert backend == "onnx"
     assert len(export_calls) == 1  # exported again, into the cache
@@ -148,7 +151,8 @@ def test_onnx_without_onnxruntime(tiny_target: CausalLM, tiny_draft_dir: Path,
     with pytest.raises(MissingDependencyError, match=r"pip install 'specserve\[onnx\]'"):
         load_draft(str(tiny_draft_dir), tiny_target, "onnx")
     if tensorrt_unavailable_reason() is not None:
-        assert load_draft(str(tiny_draft_dir), tiny_target, "auto")[1] == "torch"
+        backend = load_draft(str(tiny_draft_dir), tiny_target, "auto")[1]
+        assert backend.endswith("; onnx: onnxruntime is not installed)")
     assert export_calls == []
 
 
