@@ -15,23 +15,27 @@ error ends only the request that hit it.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from decoding.drafters.base import Drafter
 from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
 from decoding.round import RoundResult, speculative_round
 from decoding.sequence import ContextOverflowError, SequenceDecoder
+from decoding.streams import (
+    END,
+    EngineClosedError,
+    QueueFullError,
+    RequestStream,
+    UnknownDrafterError,
+)
 from decoding.target import Target
 from decoding.types import FinishReason, GenerationRequest, RoundEvent
 
@@ -40,70 +44,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_ACTIVE = 16
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per iteration, so long prompts do not stall streams
-_END = object()
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is full; the client should retry later."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is shutting down and admits no new requests."""
-
-
-class UnknownDrafterError(ValueError):
-    """The request asked for a drafter the server has not loaded."""
-
-
-@dataclass
-class RequestStream:
-    """The events of one request, consumable from a thread or from asyncio."""
-
-    request: GenerationRequest
-    drafter: str | None
-    submitted_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None  # when the first round began
-    _loop: asyncio.AbstractEventLoop | None = None
-    _async_queue: asyncio.Queue[Any] | None = None
-    _sync_queue: queue.Queue[Any] = field(default_factory=queue.Queue)
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self) -> None:
-        try:
-            self._loop = asyncio.get_running_loop()
-            self._async_queue = asyncio.Queue()
-        except RuntimeError:
-            self._loop = None
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        """Stop generating; the engine frees the request before its next round."""
-        self._cancelled.set()
-
-    def __iter__(self) -> Iterator[RoundEvent]:
-        if self._loop is not None:
-            raise RuntimeError("this stream was created in an event loop; use `async for`")
-        while (item := self._sync_queue.get()) is not _END:
-            yield item
-
-    async def __aiter__(self) -> AsyncIterator[RoundEvent]:
-        if self._async_queue is None:
-            raise RuntimeError("this stream was created outside an event loop; use `for`")
-        while (item := await self._async_queue.get()) is not _END:
-            yield item
-
-    def _put(self, item: Any) -> None:
-        if self._loop is None:
-            self._sync_queue.put(item)
-            return
-        assert self._async_queue is not None
-        try:
-            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is gone
-            self.cancel()
 
 
 @dataclass
@@ -364,7 +304,7 @@ class Engine:
             stream._put(RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,
                                    finish_reason=FinishReason.TIMEOUT,
                                    prompt_tokens=len(stream.request.prompt_ids)))
-            stream._put(_END)
+            stream._put(END)
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_active:
@@ -373,7 +313,7 @@ class Engine:
                 break  # it waits (first in line) until running requests free their KV
             self._waiting.popleft()
             if stream.cancelled:
-                stream._put(_END)
+                stream._put(END)
                 continue
             try:
                 drafter = self.drafters[stream.drafter] if stream.drafter else None
@@ -431,13 +371,13 @@ class Engine:
                 self._fit_kv()
         if last is not None:
             active.stream._put(last)
-        active.stream._put(_END)
+        active.stream._put(END)
 
     def _fail(self, stream: RequestStream, message: str) -> None:
         stream._put(RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,
                                finish_reason=FinishReason.ERROR, error=message,
                                prompt_tokens=len(stream.request.prompt_ids)))
-        stream._put(_END)
+        stream._put(END)
 
     def _drain_all(self) -> None:
         with self._lock:
@@ -446,6 +386,6 @@ class Engine:
         for item in active:
             item.decoder.close()
             item.stream._put(item.decoder.final_event(FinishReason.CANCELLED))
-            item.stream._put(_END)
+            item.stream._put(END)
         for stream in waiting:
             self._fail(stream, "the server is shutting down")

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 import torch
 
 from decoding.drafters.base import DraftProposal
-from decoding.sequence import Draft, PromptChunk, SequenceDecoder
+from decoding.sequence import SequenceDecoder
 from decoding.target import Target
-from decoding.types import RoundEvent, RoundTiming
+from decoding.types import Draft, PromptChunk, RoundEvent, RoundTiming
 from decoding.verify import verify
 
 log = logging.getLogger(__name__)

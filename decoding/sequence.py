@@ -11,23 +11,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal
+from decoding.logprobs import token_logprobs
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
 from decoding.target import BatchItem, Target
 from decoding.text import TextStream
 from decoding.types import (
+    Draft,
     FinishReason,
     GenerationRequest,
+    PromptChunk,
     RoundEvent,
     RoundTiming,
-    TokenLogprob,
 )
 from decoding.verify import Verdict, verify
 
@@ -35,28 +36,6 @@ log = logging.getLogger(__name__)
 
 
 _REMEMBERED = (FinishReason.STOP, FinishReason.LENGTH)
-
-
-@dataclass(frozen=True)
-class PromptChunk:
-    """The next piece of a prompt to prefill (round 0)."""
-
-    tokens: Sequence[int]
-    final: bool  # the prompt's last chunk: its logits give the first token
-
-
-@dataclass(frozen=True)
-class Draft:
-    """One round's draft for one sequence, and what verification needs of it."""
-
-    tokens: tuple[int, ...]  # [k]
-    probs: torch.Tensor | None  # [k, vocab]; None for a deterministic drafter
-    alternative: int | None  # a second candidate for tokens[0]'s place, verified beside it
-    proposal: DraftProposal
-    seconds: float  # spent drafting
-    started: float  # when the round began
-    policy: AdaptiveSpeculation | None  # the draft source's policy, told the outcome
-    expected: float | None  # accepted drafts the policy expects of it (before the outcome)
 
 
 class ContextOverflowError(ValueError):
@@ -377,7 +356,8 @@ class SequenceDecoder:
         if finish is not None and not update.stopped:
             delta += self.text.flush()
         self.finish_reason = finish
-        logprobs = self._logprobs(new, logits) if self.request.logprobs else ()
+        logprobs = (token_logprobs(new, logits, self.request.top_logprobs)
+                    if self.request.logprobs else ())
         self.rounds += 1
         if finish is not None:
             if self._store_prefix_pending:  # finished in its first round
@@ -401,23 +381,6 @@ class SequenceDecoder:
             draft_source=(self.source or (self.drafter.name if self.drafter else "")
                           if drafted else ""),
         )
-
-    def _logprobs(self, new: list[int], logits: torch.Tensor) -> tuple[TokenLogprob, ...]:
-        if not new:
-            return ()
-        logp = torch.log_softmax(logits[: len(new)].float(), dim=-1)  # [n, V]
-        chosen = logp[torch.arange(len(new)), torch.tensor(new)].tolist()
-        top_n = self.request.top_logprobs
-        tops: list[list[tuple[int, float]]] = [[] for _ in new]
-        if top_n > 0:
-            values, indices = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
-            tops = [list(zip(i, v, strict=True))
-                    for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
-        return tuple(
-            TokenLogprob(token_id=t, logprob=lp, top=tuple(top))
-            for t, lp, top in zip(new, chosen, tops, strict=True)
-        )
-
 
 def decode(
     target: Target,

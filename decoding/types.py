@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+
+    from decoding.drafters.base import DraftProposal
+    from decoding.policy import AdaptiveSpeculation
 
 
 class FinishReason(StrEnum):
@@ -126,3 +135,25 @@ class RoundEvent:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """The next piece of a prompt to prefill (round 0)."""
+
+    tokens: Sequence[int]
+    final: bool  # the prompt's last chunk: its logits give the first token
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One round's draft for one sequence, and what verification needs of it."""
+
+    tokens: tuple[int, ...]  # [k]
+    probs: torch.Tensor | None  # [k, vocab]; None for a deterministic drafter
+    alternative: int | None  # a second candidate for tokens[0]'s place, verified beside it
+    proposal: DraftProposal
+    seconds: float  # spent drafting
+    started: float  # when the round began
+    policy: AdaptiveSpeculation | None  # the draft source's policy, told the outcome
+    expected: float | None  # accepted drafts the policy expects of it (before the outcome)

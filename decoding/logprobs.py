@@ -1,0 +1,28 @@
+"""The target's log-probabilities of the tokens a round committed (OpenAI ``logprobs``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from decoding.types import TokenLogprob
+
+
+def token_logprobs(
+    tokens: Sequence[int],  # [n] committed tokens
+    logits: torch.Tensor,  # [>= n, vocab] the raw target logits behind each of them
+    top_n: int,
+) -> tuple[TokenLogprob, ...]:
+    """Each token's log-probability under the target, with its ``top_n`` alternatives."""
+    if not tokens:
+        return ()
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [n, vocab]
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(list(tokens))].tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top_n > 0:
+        values, indices = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v, strict=True))
+                for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    return tuple(TokenLogprob(token_id=t, logprob=lp, top=tuple(top))
+                 for t, lp, top in zip(tokens, chosen, tops, strict=True))
