@@ -17,6 +17,10 @@ import torch
 
 from decoding import model_store
 from decoding.batched import BatchedLM
+from decoding.drafters import ModelDrafter, NgramDrafter
+from decoding.drafters.base import Drafter
+from decoding.drafters.combined import CombinedDrafter
+from decoding.engine import Engine
 from decoding.target import CausalLM
 
 
@@ -180,3 +184,18 @@ def redis_server() -> Iterator[RedisServer]:
 def redis_url(redis_server: RedisServer) -> str:
     """REDIS_URL when given (a shared server), else a throwaway one."""
     return os.environ.get("REDIS_URL") or redis_server.url
+
+
+@pytest.fixture()
+def drafters(tiny_target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
+    return {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_draft, tiny_target),
+            "ngram+model": CombinedDrafter([NgramDrafter()], ModelDrafter(tiny_draft, tiny_target))}
+
+
+@pytest.fixture()
+def fresh_engine(tiny_target: CausalLM) -> Iterator[Engine]:
+    engine = Engine(tiny_target, {"ngram": NgramDrafter()}, default_drafter="ngram",
+                    max_active=16, max_queue=64)
+    engine.start()
+    yield engine
+    engine.shutdown()

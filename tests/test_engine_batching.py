@@ -1,0 +1,316 @@
+"""The engine's batches: every sequence gets the output it would have had alone (greedy,
+fp32), whatever the mix of prompts, drafts, sampling settings, finishes and cancellations."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from decoding.batched import BatchedLM, BatchedState
+from decoding.drafters import ModelDrafter, NgramDrafter
+from decoding.drafters.base import Drafter
+from decoding.engine import Engine
+from decoding.sequence import decode
+from decoding.target import CausalLM
+from decoding.types import (
+    FinishReason,
+    GenerationRequest,
+    RoundEvent,
+    SamplingParams,
+    SpeculationParams,
+)
+from tests.batching import (
+    GREEDY,
+    PROMPTS,
+    _alone,
+    _drafter_for,
+    _engine,
+    _greedy,
+    _ids,
+    _mixed_requests,
+    _serve,
+    _spy_on_draft_passes,
+    _tokens,
+)
+
+# a request that never ends must fail the test, not hang the suite
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("batch_planning", [True, False])
+def test_every_sequence_in_a_batch_matches_decoding_it_alone(
+    tiny_target: CausalLM, drafters: dict[str, Drafter], batch_planning: bool
+) -> None:
+    requests = _mixed_requests(tiny_target)
+    engine = _engine(tiny_target, drafters, batch_planning=batch_planning)
+    try:
+        streams = [engine.submit(r) for r in requests]
+        results = [list(s) for s in streams]
+        passes = engine.forward_passes
+    finally:
+        engine.shutdown()
+    rounds = 0
+    for request, events in zip(requests, results, strict=True):
+        alone = _alone(tiny_target, _drafter_for(request, drafters), request)
+        assert _tokens(events) == alone, request.request_id
+        assert events[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        rounds += len(events)
+    assert passes < rounds / 2, "the streams did not share forward passes"
+    assert tiny_target.rows_in_use == 0  # type: ignore[attr-defined]
+
+
+def test_seeded_sampling_with_drafts_is_reproducible_in_a_batch(
+    tiny_target: CausalLM, drafters: dict[str, Drafter]
+) -> None:
+    """Speculative sampling in a batch: the same seed and batch give the same text;
+    every request completes its budget."""
+    def run() -> list[list[int]]:
+        requests = [GenerationRequest(
+            prompt_ids=_ids(tiny_target, p), max_new_tokens=20, request_id=p,
+            sampling=SamplingParams(temperature=1.0, seed=11 + i))
+            for i, p in enumerate(PROMPTS[:4])]
+        return [_tokens(events) for events in _serve(tiny_target, drafters, requests)]
+
+    first = run()
+    assert all(len(tokens) > 0 for tokens in first)
+    assert run() == first
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(
+    tiny_target: CausalLM, drafters: dict[str, Drafter]
+) -> None:
+    requests = _greedy(tiny_target, PROMPTS[:4], 40)
+    engine = _engine(tiny_target, drafters)
+    try:
+        streams = [engine.submit(r) for r in requests]
+        collected: list[list[RoundEvent]] = [[] for _ in streams]
+
+        def consume(i: int) -> None:
+            for event in streams[i]:
+                collected[i].append(event)
+                if i == 1 and len(collected[i]) == 3:
+                    streams[i].cancel()
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads)
+        # every slot is free once the streams ended, before shutdown could free them
+        assert engine.num_running == 0
+        assert tiny_target.rows_in_use == 0  # type: ignore[attr-defined]
+    finally:
+        engine.shutdown()
+    assert sum(len(e.token_ids) for e in collected[1]) < 40
+    for i, request in enumerate(requests):
+        if i != 1:
+            assert _tokens(collected[i]) == _alone(tiny_target, drafters["ngram"], request)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_stream(
+    tiny_target: CausalLM, drafters: dict[str, Drafter]
+) -> None:
+    long_request = GenerationRequest(prompt_ids=_ids(tiny_target, "count: " + "one two " * 60),
+                                     max_new_tokens=8, sampling=GREEDY, request_id="long")
+    short_request = GenerationRequest(prompt_ids=_ids(tiny_target, "Hello"), max_new_tokens=30,
+                                      sampling=GREEDY, request_id="short",
+                                      speculation=SpeculationParams(enabled=False))
+    engine = _engine(tiny_target, drafters, prefill_chunk=16)
+    try:
+        short = engine.submit(short_request)
+        long = engine.submit(long_request)
+        short_events, long_events = list(short), list(long)
+    finally:
+        engine.shutdown()
+    chunks = -(-len(long_request.prompt_ids) // 16)
+    assert chunks > 5
+    # the short stream kept getting tokens while the long prompt was being read
+    assert len(short_events) >= chunks
+    assert _tokens(long_events) == _alone(tiny_target, drafters["ngram"], long_request)
+    assert _tokens(short_events) == _alone(tiny_target, None, short_request)
+
+
+def test_a_failing_batch_fails_only_the_request_at_fault(
+    tiny_target: CausalLM, drafters: dict[str, Drafter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A model fault cannot be caused from outside: one is injected for one token.
+    real = tiny_target.forward_batch
+    poisoned = 31337
+
+    def forward_batch(items):  # type: ignore[no-untyped-def]
+        if any(poisoned in item.token_ids for item in items):
+            raise RuntimeError("injected fault")
+        return real(items)
+
+    monkeypatch.setattr(tiny_target, "forward_batch", forward_batch)
+    good = _greedy(tiny_target, PROMPTS[:3], 12)
+    bad = GenerationRequest(prompt_ids=(1000, poisoned), max_new_tokens=12, sampling=GREEDY,
+                            stop_token_ids=(), request_id="bad")
+    engine = _engine(tiny_target, drafters)
+    try:
+        streams = [engine.submit(r) for r in good]
+        bad_stream = engine.submit(bad)
+        results = [list(s) for s in streams]
+        bad_events = list(bad_stream)
+    finally:
+        engine.shutdown()
+    monkeypatch.undo()
+    assert bad_events[-1].finish_reason is FinishReason.ERROR
+    assert bad_events[-1].error and "injected" not in bad_events[-1].error  # nothing leaks
+    for request, events in zip(good, results, strict=True):
+        assert _tokens(events) == _alone(tiny_target, drafters["ngram"], request)
+
+
+def test_a_fault_in_the_engine_s_own_planning_ends_the_batch_not_the_engine(
+    tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault outside any request's own work (here the batch planner, injected: it cannot
+    be caused from outside) ends the running requests with an error, frees their slots,
+    and the engine serves the next request."""
+    import decoding.engine as engine_module
+
+    real = engine_module.plan_batch
+    faults = iter([True])
+
+    def plan_batch(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if next(faults, False):
+            raise RuntimeError("injected fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "plan_batch", plan_batch)
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()})
+    try:
+        streams = [engine.submit(r) for r in _greedy(tiny_target, PROMPTS[:2], 12)]
+        ends = [list(stream)[-1] for stream in streams]
+        assert engine.num_running == 0
+        later = list(engine.submit(_greedy(tiny_target, PROMPTS[2:3], 12)[0]))
+    finally:
+        engine.shutdown()
+    assert all(e.finish_reason is FinishReason.ERROR for e in ends)
+    assert all(e.error and "injected" not in e.error for e in ends)  # nothing leaks
+    assert later[-1].finish_reason is FinishReason.LENGTH
+    assert len(_tokens(later)) == 12
+
+
+@pytest.mark.parametrize("fail_batches", [False, True])
+def test_a_draft_model_drafts_for_the_whole_batch_in_one_pass_per_step(
+    tiny_target: CausalLM, tiny_target_dir: object, monkeypatch: pytest.MonkeyPatch,
+    fail_batches: bool
+) -> None:
+    """Draft step i of every stream runs in one pass of the draft model; the outputs are
+    what each stream gives alone. When such a pass fails, each stream drafts alone."""
+    draft = BatchedLM.load(str(tiny_target_dir), dtype="float32")  # agrees with the target
+    drafter = ModelDrafter(draft, tiny_target)
+    requests = _greedy(tiny_target, PROMPTS[:4], 24,
+                       speculation=SpeculationParams(drafter="model"))
+    sizes = _spy_on_draft_passes(draft, monkeypatch, fail_batches)
+    results = _serve(tiny_target, {"ngram": NgramDrafter(), "model": drafter}, requests)
+    monkeypatch.undo()
+    assert max(sizes) > 1, "the streams' draft steps never shared a pass"
+    if fail_batches:
+        assert 1 in sizes, "after a failed shared pass each stream drafts alone"
+    for request, events in zip(requests, results, strict=True):
+        assert _tokens(events) == _alone(tiny_target, drafter, request), request.request_id
+        assert sum(e.accepted_tokens for e in events) > 0
+    assert draft.rows_in_use == 0
+    assert tiny_target.rows_in_use == 0  # type: ignore[attr-defined]
+
+
+def test_the_engine_calibrates_each_drafter_from_its_rounds(tiny_target: CausalLM,
+                                                           tiny_target_dir: object) -> None:
+    """Every batch-planned round that drafted adds what its policy promised and what was
+    accepted to its drafter's calibration (the target drafting for itself: every draft
+    is accepted, so its calibration is 1)."""
+    itself = ModelDrafter(BatchedLM.load(str(tiny_target_dir), dtype="float32"), tiny_target)
+    engine = _engine(tiny_target, {"self": itself}, default_drafter="self")
+    accepted = 0
+    try:
+        streams = [engine.submit(GenerationRequest(
+            prompt_ids=_ids(tiny_target, p), max_new_tokens=24, sampling=GREEDY))
+            for p in PROMPTS[:4]]
+        for stream in streams:
+            accepted += sum(e.accepted_tokens for e in stream)
+    finally:
+        engine.shutdown()
+    prior = engine._prior("self", "")
+    assert prior._expected > 0  # drafted rounds were recorded, with what they accepted
+    assert accepted > 0  # (older rounds weigh less)
+    assert 0 < prior._accepted <= accepted
+    assert prior.calibration == 1.0
+
+
+def test_the_engine_learns_its_step_cost(fresh_engine: Engine, tiny_target: CausalLM) -> None:
+    streams = [fresh_engine.submit(GenerationRequest(
+        prompt_ids=_ids(tiny_target, p), max_new_tokens=16, sampling=GREEDY))
+        for p in PROMPTS[:4]]
+    for stream in streams:
+        list(stream)
+    fixed, per_token = fresh_engine.step_cost.line()
+    assert fixed > 0 and per_token >= 0
+
+
+def test_admission_waits_for_kv_room(tiny_target: BatchedLM) -> None:
+    """With a KV budget for one request at a time, a second waits for the first to end
+    (rather than growing the cache past the budget), then completes unchanged."""
+    requests = _greedy(tiny_target, PROMPTS[:2], 16)
+    positions = max(len(r.prompt_ids) + r.max_new_tokens + 1 for r in requests)
+    one = tiny_target.kv_bytes(1, positions)
+    assert tiny_target.kv_bytes(2, positions) == one  # both fit the first rows...
+    budget = one - 1  # ...so the budget is set just under them
+    results = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=budget)
+    for request, events in zip(requests, results, strict=True):
+        assert _tokens(events) == _alone(tiny_target, NgramDrafter(), request)
+        assert all(e.batch_size == 1 for e in events)  # never ran together
+    together = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=2 * one)
+    assert any(e.batch_size == 2 for e in together[0])
+
+
+def test_the_cache_is_sized_for_the_running_requests(tiny_target: BatchedLM) -> None:
+    long_request = GenerationRequest(prompt_ids=_ids(tiny_target, "word " * 300),
+                                     max_new_tokens=4, sampling=GREEDY)
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()})
+    try:
+        list(engine.submit(long_request))
+        assert tiny_target.capacity < len(long_request.prompt_ids)  # shrank once it ended
+        stream = engine.submit(GenerationRequest(prompt_ids=_ids(tiny_target, "hi"),
+                                                 max_new_tokens=400, sampling=GREEDY))
+        first = next(iter(stream))
+        assert first.token_ids
+        assert tiny_target.capacity > 400  # reserved for the whole request up front
+        stream.cancel()
+        list(stream)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.real_model
+def test_streams_verifying_alternatives_together_match_each_alone(
+        default_target: BatchedLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped draft's alternatives in a batch of streams (greedy, float32): each
+    stream's output is its own plain decoding, and alternatives were taken on the way."""
+    from decoding.factory import load_model_drafter
+    from decoding.prompting import encode_chat
+
+    drafter = load_model_drafter("default-draft", default_target, "float32", "float32")
+    adopt = default_target.adopt_alternative
+    taken: list[int] = []
+
+    def counted(state: BatchedState, start: int, n: int) -> None:
+        taken.append(n)
+        adopt(state, start, n)
+
+    monkeypatch.setattr(default_target, "adopt_alternative", counted)
+    questions = ["Why is the sky blue?", "Give me three tips for a job interview.",
+                 "Write a haiku about autumn rain.", "How do I boil an egg?"]
+    requests = [GenerationRequest(
+        prompt_ids=tuple(encode_chat(default_target.tokenizer, [{"role": "user", "content": q}])),
+        max_new_tokens=48, sampling=GREEDY, request_id=q) for q in questions]
+    results = _serve(default_target, {"model": drafter}, requests, default_drafter="model",
+                     batch_planning=False)  # every stream drafts as if alone
+    for request, events in zip(requests, results, strict=True):
+        plain = _tokens(list(decode(default_target, None, request)))
+        assert _tokens(events) == plain, request.request_id
+    assert taken, "no alternative was taken"
+    assert default_target.rows_in_use == 0
