@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from decoding.batched import BatchedLM
 from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
-from decoding.drafters.base import DraftProposal
+from decoding.drafters.base import BaseDrafter, DraftProposal
 from decoding.drafters.combined import CombinedDrafter
 from decoding.prompting import encode_text
 from decoding.sequence import SequenceDecoder, decode
@@ -184,7 +184,7 @@ def test_mismatched_tokenizer_is_refused(
         ModelDrafter(draft, tiny_target)
 
 
-class _Scripted:
+class _Scripted(BaseDrafter):
     """Drafts the next tokens of a known continuation, optionally with a wrong first one."""
 
     def __init__(self, name: str, truth: list[int], wrong_first: bool) -> None:

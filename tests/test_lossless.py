@@ -11,7 +11,7 @@ from decoding.drafters.combined import CombinedDrafter
 from decoding.policy import AdaptiveSpeculation, FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
-from decoding.target import CausalLM
+from decoding.target import BatchItem, CausalLM
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -67,11 +67,17 @@ class _SecondBest:
         logits[first], logits[second] = logits[second].clone(), logits[first].clone()
         return logits
 
+    def forward_batch(self, items: list[BatchItem]) -> list[torch.Tensor]:
+        return [self.prefill(item.state, list(item.token_ids))[None] for item in items]
+
     def rollback(self, state: object, length: int) -> None:
         self.target.rollback(state, length)
 
     def release(self, state: object) -> None:
         self.target.release(state)
+
+    def warmup(self) -> None:
+        return None
 
 
 class _EveryAlternative(FixedSpeculation):

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from decoding.drafters.base import DraftContext, DraftProposal
+from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
 from decoding.engine import Engine
 from decoding.prompting import encode_chat, encode_text
 from decoding.target import CausalLM
@@ -20,7 +20,7 @@ from gateway.server import build_engine, create_app
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 
 
-class FailingDrafter:
+class FailingDrafter(BaseDrafter):
     """A drafter that breaks on its first proposal: a model fault on demand."""
 
     name = "boom"
