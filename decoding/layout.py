@@ -10,6 +10,11 @@ import torch
 
 from decoding.target import BatchItem
 
+# Attention spans are padded to a multiple of this many keys (masked): a query then sees
+# the same reduction over its keys whether it attends alone or beside later drafts, so
+# a verify pass gives bitwise a one-token step's logits (docs/performance.md). The KV
+# buffers' capacity is a multiple of it.
+SPAN_ALIGN = 64
 GROUP_WIDTH = 16  # additions up to this many tokens may share one padded attention block
 # What one more attention block per layer costs, in (query, key) pairs (docs/performance.md)
 BLOCK_OVERHEAD = 4000
@@ -49,6 +54,7 @@ class Group:
             slots.extend(range(row * width, row * width + n))
             starts[row] = start
             span = max(span, start + n)
+        span = -(-span // SPAN_ALIGN) * SPAN_ALIGN  # see SPAN_ALIGN
         query_pos = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # [R, W]
         keys = torch.arange(span)
         mask = keys[None, None, :] <= query_pos[:, :, None]  # causal, per row
