@@ -94,6 +94,8 @@ def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | No
                                     settings.dtype, cache, draft_dtype=settings.draft_dtype)
     assert default is not None
     drafters.setdefault(default.name, default)
+    if isinstance(default, CombinedDrafter) and default.model is not None:
+        drafters.setdefault(default.model.name, default.model)  # the draft model alone
     log.info("default drafter %s (draft backend: %s)", default.name, backend)
     return drafters, default.name, backend
 
