@@ -42,6 +42,7 @@ from decoding.factory import (
 )
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import CausalLM
+from gateway import pages
 from gateway.errors import install_error_handlers
 from gateway.middleware import RequestMetricsMiddleware
 from gateway.openapi import install_openapi
@@ -169,6 +170,8 @@ def create_app(
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
+    if settings.playground:
+        app.include_router(pages.router)
     install_openapi(app, bearer=bool(settings.api_keys))
     app.add_middleware(RequestMetricsMiddleware, metrics=telemetry.metrics)
     if settings.cors_origins:
