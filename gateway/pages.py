@@ -48,6 +48,11 @@ async def root() -> RedirectResponse:
     return RedirectResponse(PAGE, status_code=307)
 
 
+@router.get("/favicon.ico")
+async def favicon() -> Response:
+    return Response(status_code=204)  # no icon, and no 404 in the browser's console
+
+
 @router.get(PAGE)
 async def playground() -> Response:
     return _serve("playground.html")

@@ -25,7 +25,6 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from pydantic import ValidationError
 
 from decoding import model_store
 from decoding.drafters.base import Drafter
@@ -49,6 +48,7 @@ from gateway.openapi import install_openapi
 from gateway.redis_store import RedisStore
 from gateway.routes import router
 from gateway.settings import Settings, add_settings_flags, settings_from_args
+from gateway.startup import CONFIG_ERRORS, StartupError, check_settings, fail, one_line
 from gateway.state import GatewayState
 from observability.logging import configure_logging
 from observability.metrics import start_metrics_server
@@ -189,7 +189,11 @@ async def _load(state: GatewayState, on_fatal: Callable[[BaseException], None] |
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        log.exception("loading the models failed")
+        if isinstance(exc, CONFIG_ERRORS):  # a wrong path, package or model: one line
+            log.error("loading the models failed: %s", one_line(exc))
+            log.debug("loading the models failed", exc_info=True)
+        else:
+            log.exception("loading the models failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
         if on_fatal is not None:
             on_fatal(exc)
@@ -246,15 +250,23 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings, draft_loader: DraftLoader = torch_draft_loader) -> int:
     server_box: list[DrainingServer] = []
-    app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc),
-                     draft_loader=draft_loader)
+    try:
+        app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc),
+                         draft_loader=draft_loader)
+    except (ImportError, RuntimeError, ValueError) as exc:  # e.g. the tracing exporter
+        raise StartupError(one_line(exc)) from exc
     state: GatewayState = app.state.gateway
     assert state.telemetry is not None
-    metrics_server = start_metrics_server(state.telemetry.metrics, settings.host,
-                                          settings.metrics_port)
+    try:
+        metrics_server = start_metrics_server(state.telemetry.metrics, settings.host,
+                                              settings.metrics_port)
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on {settings.host}:"
+                           f"{settings.metrics_port}: {exc.strerror or exc}") from exc
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         timeout_graceful_shutdown=int(UVICORN_GRACE_SECONDS), access_log=True,
+        log_config=None,  # uvicorn's loggers go through ours (observability.logging)
     )
     server = DrainingServer(config, app.state.gateway)
     server_box.append(server)
@@ -273,10 +285,15 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _cmd_serve(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
+    """Configuration errors (settings, paths, a missing package, a port in use) are one
+    line on stderr and exit status 2; a model that fails to load exits with 1."""
     try:
         settings = settings_from_args(args)
-    except ValidationError as exc:
-        log.error("invalid settings:\n%s", exc)
-        return 2
+        check_settings(settings)
+    except (ValueError, StartupError) as exc:  # pydantic's ValidationError included
+        return fail("specserve serve", exc)
     configure_logging(settings.log_level, json_lines=settings.log_format == "json")
-    return serve(settings, draft_loader)
+    try:
+        return serve(settings, draft_loader)
+    except StartupError as exc:
+        return fail("specserve serve", exc)

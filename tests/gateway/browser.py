@@ -39,7 +39,7 @@ def _read(log: IO[str]) -> str:
 
 
 @contextmanager
-def serve(args: Sequence[str], timeout: float = 300) -> Iterator[str]:
+def serve(args: Sequence[str], timeout: float = 900) -> Iterator[str]:
     """``specserve serve ARGS`` on a free loopback port until ``/ready``; yields its URL."""
     port = free_port()
     env = {k: v for k, v in os.environ.items()
