@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,6 +26,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from transformers.utils import logging as transformers_logging
 
 from decoding import model_store
 from decoding.drafters.base import Drafter
@@ -293,6 +295,9 @@ def _cmd_serve(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
     except (ValueError, StartupError) as exc:  # pydantic's ValidationError included
         return fail("specserve serve", exc)
     configure_logging(settings.log_level, json_lines=settings.log_format == "json")
+    if settings.log_format == "json":  # nothing but JSON lines: no progress bars
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        transformers_logging.disable_progress_bar()
     try:
         return serve(settings, draft_loader)
     except StartupError as exc:

@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 REQUEST_LOGGER = "specserve.requests"
-UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+# Libraries that install handlers of their own: their records go through ours instead.
+LIBRARY_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "transformers")
 PROBE_PATHS = frozenset({"/health", "/ready"})
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
@@ -61,10 +62,10 @@ def configure_logging(level: str = "info", json_lines: bool = True) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for name in UVICORN_LOGGERS:
-        uvicorn_logger = logging.getLogger(name)
-        uvicorn_logger.handlers[:] = []
-        uvicorn_logger.propagate = True
+    for name in LIBRARY_LOGGERS:
+        library = logging.getLogger(name)
+        library.handlers[:] = []
+        library.propagate = True
     access = logging.getLogger("uvicorn.access")
     access.filters[:] = [f for f in access.filters if not isinstance(f, AccessFields)]
     access.addFilter(AccessFields())
