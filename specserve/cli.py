@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 from pydantic import ValidationError
@@ -56,7 +56,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specserve", description=__doc__)
-    sub = parser.add_subparsers()
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]", parser.add_subparsers())
 
     models = sub.add_parser("models", help="manage local models")
     models_sub = models.add_subparsers()
