@@ -17,6 +17,7 @@ from gateway.responses import RoundInfo, SpeculationStats, StreamSpeculation
 
 TARGET = "target"  # a token the target produced itself
 PROMPT = "prompt"  # echoed prompt text (legacy completions with echo)
+ANCHOR_CONTEXT = 8  # tokens decoded before a round's start, so word boundaries come out right
 LOOKUP_SOURCES = frozenset({"lookup", "ngram"})  # a combined drafter's cheap sources, n-gram
 
 
@@ -45,11 +46,20 @@ class TextOrigins:
         self.token_ids: list[int] = []
         self.segments: list[tuple[int, str]] = []  # (end offset in the text, origin)
         self.sent = 0  # characters of text sent so far
+        self._anchor = (0, 0)  # (tokens, their text's length) at the end of the last round
 
-    def _length(self, count: int) -> int:
-        text = self.tokenizer.decode(self.token_ids[:count], skip_special_tokens=True,
+    def _decoded(self, start: int, stop: int) -> int:
+        text = self.tokenizer.decode(self.token_ids[start:stop], skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
         return len(str(text))
+
+    def _length(self, count: int) -> int:
+        """The text length of the first ``count`` tokens, decoding only a window from a
+        few tokens before the last round's end (a whole-text decode per round would make
+        a long answer quadratic)."""
+        tokens, length = self._anchor
+        start = max(0, tokens - ANCHOR_CONTEXT)
+        return length + self._decoded(start, count) - self._decoded(start, tokens)
 
     def add(self, event: RoundEvent, kind: str) -> None:
         """Account for one round's committed tokens: the first ``accepted_tokens`` were
@@ -63,6 +73,7 @@ class TextOrigins:
             self.segments.append((self._length(start + accepted), kind))
         if accepted < len(event.token_ids):
             self.segments.append((self._length(len(self.token_ids)), TARGET))
+        self._anchor = (len(self.token_ids), self.segments[-1][0])
 
     def spans(self, text: str) -> list[tuple[int, str]]:
         """``[(characters, origin), ...]`` covering ``text``, the next text sent, in

@@ -170,3 +170,29 @@ async def test_echoed_prompt_is_its_own_span(client: httpx.AsyncClient) -> None:
     assert first["speculation"]["round"]["spans"][0] == [len(REPEATING), "prompt"]
     for chunk in chunks:
         _check_spans(chunk["choices"][0]["text"], chunk["speculation"]["round"])
+
+
+def test_origins_follow_the_text_through_multibyte_tokens(default_model_dir: Path) -> None:
+    """Windowed decoding gives the lengths a whole decode would, over text whose
+    characters span several tokens; spans cover whatever text is sent."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from decoding.types import RoundEvent
+    from gateway.rounds import TextOrigins
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = tokenizer.encode("Héllo wörld! 日本語のテキスト 🎉🎉 def f(x): return x**2\n" * 12)
+    origins, rng, at = TextOrigins(tokenizer), random.Random(0), 0
+    while at < len(ids):
+        new = ids[at:at + rng.randint(1, 5)]
+        accepted = rng.randint(0, len(new))
+        origins.add(RoundEvent(token_ids=tuple(new), text="", draft_tokens=accepted,
+                               accepted_tokens=accepted), "model")
+        at += len(new)
+        whole = tokenizer.decode(ids[:at], skip_special_tokens=True,
+                                 clean_up_tokenization_spaces=False)
+        assert origins.segments[-1][0] == len(whole)
+        sent = whole[origins.sent:len(whole) - rng.randint(0, 2)]  # some text held back
+        assert sum(n for n, _ in origins.spans(sent)) == len(sent)
