@@ -8,7 +8,7 @@ TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 
 .PHONY: install model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
-	deploy-tools \
+	deploy-tools system-deps screenshot \
 	image image-gpu
 
 $(PY):
@@ -39,12 +39,17 @@ typecheck: install
 deploy-tools: install
 	PYTHON=$(abspath $(PY)) scripts/install-deploy-tools.sh $(TOOLS)
 
-pytest: model deploy-tools
+# redis-server, prometheus, shellcheck and chromium, which tests run for real: apt-get as
+# root, else a failure that says how to install them (nothing is skipped for lack of them)
+system-deps:
+	scripts/install-system-deps.sh
+
+pytest: model deploy-tools system-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
-test-long: model deploy-tools
+test-long: model deploy-tools system-deps
 	$(BIN)/pytest --runslow $(PYTEST_ARGS)
 
 bench: model
@@ -54,8 +59,12 @@ bench-load: model
 	$(BIN)/specserve bench --concurrency 1,4,8,16 --dtypes float32 --prompts 8 \
 		--json bench-results/load.json
 
-reliability: model deploy-tools
+reliability: model deploy-tools system-deps
 	$(BIN)/pytest tests/reliability --runslow $(PYTEST_ARGS)
+
+# the playground in headless Chromium against a real server, into docs/img/playground.png
+screenshot: model system-deps
+	$(PY) -m tests.gateway.browser docs/img/playground.png
 
 bench-http: model
 	$(BIN)/python -m specbench.http --threads 1 --json bench-results/http.json

@@ -76,6 +76,7 @@ def load_drafter(
     if models:
         load = model_loader or (lambda part: load_model_drafter(part, target, dtype, draft_dtype))
         model = load(models[0])
+        model.name = models[0]  # the name the user typed: requests and metrics use it too
     if len(cheap) + (model is not None) == 1:
         return cheap[0] if cheap else model
     return CombinedDrafter(cheap, model)

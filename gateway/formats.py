@@ -26,8 +26,10 @@ from gateway.responses import (
     Completion,
     CompletionChoice,
     SpeculationStats,
+    StreamSpeculation,
     Usage,
 )
+from gateway.rounds import PROMPT, TextOrigins, source_kind, stream_speculation
 from gateway.tokens import LegacyLogprobs, TokenTexts, chat_logprobs, merge_legacy, visible
 
 
@@ -74,6 +76,17 @@ class _ChoiceFormat:
         self.hidden_ids = hidden_ids
         self.count = len(job.prompts) * job.per_prompt
         self._started = [False] * self.count
+        self._origins = [TextOrigins(texts.tokenizer) for _ in range(self.count)]
+
+    def _round(self, index: int, event: RoundEvent) -> None:
+        """Account for a streamed round's tokens (before deciding whether it is sent)."""
+        self._origins[index].add(event, source_kind(event.draft_source))
+
+    def _speculation(self, index: int, event: RoundEvent, totals: ChoiceTotals, text: str,
+                     echoed: int = 0) -> StreamSpeculation:
+        spans = self._origins[index].spans(text[echoed:])
+        return stream_speculation(event, totals.stats(),
+                                  [(echoed, PROMPT), *spans] if echoed else spans)
 
     def _shown_logprobs(self, event: RoundEvent) -> Sequence[TokenLogprob]:
         """The round's logprobs, without the final EOS token the text never shows."""
@@ -90,6 +103,7 @@ class ChatFormat(_ChoiceFormat):
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals
               ) -> ChatCompletionChunk | None:
+        self._round(index, event)
         first = not self._started[index]
         content = self._logprobs_of(event) if self.job.logprobs else None
         finish = finish_reason_text(event.finish_reason)
@@ -102,7 +116,7 @@ class ChatFormat(_ChoiceFormat):
                                  if content is not None else None)
         return ChatCompletionChunk(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
-            speculation=totals.stats() if event.finished else None)
+            speculation=self._speculation(index, event, totals, event.text))
 
     def observe(self, index: int, event: RoundEvent) -> None:
         if self.job.logprobs:
@@ -148,7 +162,9 @@ class CompletionFormat(_ChoiceFormat):
         return self._legacy[index].chunk(self._shown_logprobs(event))
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> Completion | None:
-        text = self._prefix(index) + event.text
+        self._round(index, event)
+        echoed = self._prefix(index)
+        text = echoed + event.text
         logprobs = self._logprobs_of(index, event) if self.job.logprobs else None
         finish = finish_reason_text(event.finish_reason)
         if not (text or (logprobs and logprobs["tokens"]) or finish):
@@ -158,7 +174,7 @@ class CompletionFormat(_ChoiceFormat):
                                   finish_reason=finish)
         return Completion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
-            speculation=totals.stats() if event.finished else None)
+            speculation=self._speculation(index, event, totals, text, len(echoed)))
 
     def observe(self, index: int, event: RoundEvent) -> None:
         if self.job.logprobs:

@@ -48,6 +48,28 @@ class SpeculationStats(BaseModel):
                       sum(p.accepted_tokens for p in parts))
 
 
+class RoundInfo(BaseModel):
+    """Extra, in stream chunks: the round that produced the chunk (docs/api.md)."""
+
+    index: int  # the choice's round, from 0
+    source: Literal["lookup", "cache", "model", "none"]  # what drafted it ("none": nothing)
+    draft_tokens: int  # proposed this round
+    accepted_tokens: int  # of those, accepted
+    tokens: int  # committed this round: the accepted drafts and the target's own token
+    draft_ms: float
+    verify_ms: float
+    batch_size: int  # sequences in the forward pass that verified it
+    # The chunk's text by origin, in order: [code points, "lookup" | "cache" | "model" |
+    # "target" | "prompt"]; the counts add up to the text's length.
+    spans: list[list[int | str]]
+
+
+class StreamSpeculation(SpeculationStats):
+    """Extra, in stream chunks: the choice's totals so far and the chunk's round."""
+
+    round: RoundInfo | None = None
+
+
 # -- chat ------------------------------------------------------------------------------
 
 
@@ -95,7 +117,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     # -- extras (not in OpenAI's API) ----------------------------------------------------
-    speculation: SpeculationStats | None = None
+    speculation: StreamSpeculation | SpeculationStats | None = None
 
 
 # -- completions ----------------------------------------------------------------------
@@ -118,7 +140,7 @@ class Completion(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     # -- extras (not in OpenAI's API) ----------------------------------------------------
-    speculation: SpeculationStats | None = None
+    speculation: StreamSpeculation | SpeculationStats | None = None
 
 
 # -- models ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from pydantic import ValidationError
+from transformers.utils import logging as transformers_logging
 
 from decoding import model_store
 from decoding.drafters.base import Drafter
@@ -42,12 +43,14 @@ from decoding.factory import (
 )
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import CausalLM
+from gateway import pages
 from gateway.errors import install_error_handlers
 from gateway.middleware import RequestMetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.redis_store import RedisStore
 from gateway.routes import router
 from gateway.settings import Settings, add_settings_flags, settings_from_args
+from gateway.startup import CONFIG_ERRORS, StartupError, check_settings, fail, one_line
 from gateway.state import GatewayState
 from observability.logging import configure_logging
 from observability.metrics import start_metrics_server
@@ -94,6 +97,8 @@ def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | No
                                     settings.dtype, cache, draft_dtype=settings.draft_dtype)
     assert default is not None
     drafters.setdefault(default.name, default)
+    if isinstance(default, CombinedDrafter) and default.model is not None:
+        drafters.setdefault(default.model.name, default.model)  # the draft model alone
     log.info("default drafter %s (draft backend: %s)", default.name, backend)
     return drafters, default.name, backend
 
@@ -167,6 +172,8 @@ def create_app(
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
+    if settings.playground:
+        app.include_router(pages.router)
     install_openapi(app, bearer=bool(settings.api_keys))
     app.add_middleware(RequestMetricsMiddleware, metrics=telemetry.metrics)
     if settings.cors_origins:
@@ -184,7 +191,11 @@ async def _load(state: GatewayState, on_fatal: Callable[[BaseException], None] |
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        log.exception("loading the models failed")
+        if isinstance(exc, CONFIG_ERRORS):  # a wrong path, package or model: one line
+            log.error("loading the models failed: %s", one_line(exc))
+            log.debug("loading the models failed", exc_info=True)
+        else:
+            log.exception("loading the models failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
         if on_fatal is not None:
             on_fatal(exc)
@@ -241,15 +252,23 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings, draft_loader: DraftLoader = torch_draft_loader) -> int:
     server_box: list[DrainingServer] = []
-    app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc),
-                     draft_loader=draft_loader)
+    try:
+        app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc),
+                         draft_loader=draft_loader)
+    except (ImportError, RuntimeError, ValueError) as exc:  # e.g. the tracing exporter
+        raise StartupError(one_line(exc)) from exc
     state: GatewayState = app.state.gateway
     assert state.telemetry is not None
-    metrics_server = start_metrics_server(state.telemetry.metrics, settings.host,
-                                          settings.metrics_port)
+    try:
+        metrics_server = start_metrics_server(state.telemetry.metrics, settings.host,
+                                              settings.metrics_port)
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on {settings.host}:"
+                           f"{settings.metrics_port}: {exc.strerror or exc}") from exc
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         timeout_graceful_shutdown=int(UVICORN_GRACE_SECONDS), access_log=True,
+        log_config=None,  # uvicorn's loggers go through ours (observability.logging)
     )
     server = DrainingServer(config, app.state.gateway)
     server_box.append(server)
@@ -268,10 +287,18 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _cmd_serve(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
+    """Configuration errors (settings, paths, a missing package, a port in use) are one
+    line on stderr and exit status 2; a model that fails to load exits with 1."""
     try:
         settings = settings_from_args(args)
-    except ValidationError as exc:
-        log.error("invalid settings:\n%s", exc)
-        return 2
+        check_settings(settings)
+    except (ValueError, StartupError) as exc:  # pydantic's ValidationError included
+        return fail("specserve serve", exc)
     configure_logging(settings.log_level, json_lines=settings.log_format == "json")
-    return serve(settings, draft_loader)
+    if settings.log_format == "json":  # nothing but JSON lines: no progress bars
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        transformers_logging.disable_progress_bar()
+    try:
+        return serve(settings, draft_loader)
+    except StartupError as exc:
+        return fail("specserve serve", exc)

@@ -54,6 +54,7 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     max_body_bytes: int = Field(default=4 * MIB, ge=1024)
     sse_ping_interval: float = Field(default=15.0, gt=0)
+    playground: bool = True  # the page at /playground (and / redirecting to it)
     # -- prefix cache ------------------------------------------------------------------
     prefix_cache: bool = True
     redis_url: str | None = None
@@ -174,6 +175,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                                "(SPECSERVE_MAX_BODY_BYTES, default 4 MiB)"}),
     ("--sse-ping-interval", {"type": float, "help": "seconds between SSE keep-alive comments "
                                                     "(SPECSERVE_SSE_PING_INTERVAL, default 15)"}),
+    ("--playground", {"action": argparse.BooleanOptionalAction,
+                      "help": "serve the playground page at /playground, / redirecting to it "
+                              "(SPECSERVE_PLAYGROUND, default on)"}),
     ("--no-prefix-cache", {"dest": "prefix_cache", "action": "store_const", "const": False,
                            "help": "disable prompt KV reuse and continuation drafts "
                                    "(SPECSERVE_PREFIX_CACHE=false)"}),

@@ -51,10 +51,11 @@ def build_tracer_provider(
 def _otlp_exporter(endpoint: str, explicit: bool) -> SpanExporter:
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    except ImportError as exc:
-        raise RuntimeError(
-            "an OTLP endpoint is configured but the exporter is missing; "
-            "pip install 'specserve[otlp]'") from exc
+    except ImportError as exc:  # a dependency of the package: a broken installation
+        raise ImportError(
+            "an OTLP endpoint is configured but the package "
+            "opentelemetry-exporter-otlp-proto-http is missing; reinstall specserve "
+            f"(pip install specserve) ({exc})") from exc
     if explicit and not endpoint.rstrip("/").endswith("/v1/traces"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"
     log.info("exporting traces over OTLP/HTTP to %s", endpoint)

@@ -7,18 +7,21 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import torch
+from pydantic import ValidationError
 
 from decoding import model_store
+from decoding.draft_format import DraftFormatError
 from decoding.drafters.base import Drafter
-from decoding.factory import DRAFT_DTYPES, load_target
+from decoding.factory import DRAFT_DTYPES, DraftSpecError, load_target
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
-from decoding.target import CausalLM
+from decoding.target import CausalLM, TokenizerMismatchError
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import add_serve_command
+from gateway.startup import fail
 from specbench.compare import DraftLoader
 from specbench.methods import ALL_METHODS
 from specdistill.cli import add_distill_command
@@ -37,12 +40,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (OSError, ImportError, DraftSpecError, DraftFormatError, TokenizerMismatchError,
+            DraftBackendError, ValidationError) as exc:  # configuration: one line, no traceback
+        return fail("specserve", exc, status=1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (the full usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
-    sub = parser.add_subparsers()
+    parser = _Parser(prog="specserve", description=__doc__)
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]", parser.add_subparsers())
 
     models = sub.add_parser("models", help="manage local models")
     models_sub = models.add_subparsers()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -95,17 +96,22 @@ def tiny_draft(tiny_draft_dir: Path) -> CausalLM:
     return CausalLM.load(str(tiny_draft_dir), dtype="float32")
 
 
+def require_program(name: str, package: str) -> str:
+    """The path of a system program the tests run for real; a missing one fails the
+    test (never a skip), saying how to install it."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run `make system-deps` (as root it runs "
+                    f"apt-get install {package}), or install the Debian package {package}",
+                    pytrace=False)
+    return path
+
+
 class RedisServer:
     """A throwaway redis-server on a free loopback port, no persistence."""
 
     def __init__(self, *extra: str) -> None:
-        import shutil
-
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed (.ci/run installs it: apt-get install "
-                        "redis-server)")
-        self.binary = binary
+        self.binary = require_program("redis-server", "redis-server")
         self.extra = extra
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None

@@ -2,7 +2,7 @@
 
 The tools (helm, hadolint, kubernetes-validate, the docker-compose plugin) are
 installed under .venv/tools by scripts/install-deploy-tools.sh, which `make test`
-runs first. A test whose tool is missing is skipped with a reason saying so.
+runs first. A test whose tool is missing fails, saying how to install it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def find_tool(name: str) -> str | None:
 def require_tool(name: str) -> str:
     path = find_tool(name)
     if path is None:
-        pytest.skip(f"{name} is not installed; {INSTALL_HINT}")
+        pytest.fail(f"{name} is not installed; {INSTALL_HINT}", pytrace=False)
     return path
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import require_program
 from tests.deploy.conftest import INSTALL_HINT, REPO, TOOLS
 
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
@@ -31,7 +32,7 @@ def _compose_command() -> tuple[list[str], dict[str, str]]:
     standalone = plugin_dir / "cli-plugins" / "docker-compose"
     if standalone.is_file():
         return [str(standalone)], env
-    pytest.skip(f"docker compose is not available; {INSTALL_HINT}")
+    pytest.fail(f"docker compose is not available; {INSTALL_HINT}", pytrace=False)
 
 
 def _config(*files: str, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -129,9 +130,7 @@ def test_prometheus_scrapes_specserve(compose: dict[str, Any]) -> None:
 
 
 def test_prometheus_config_passes_promtool() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (it comes with the prometheus package)")
+    promtool = require_program("promtool", "prometheus")
     result = subprocess.run([promtool, "check", "config", "--syntax-only",
                              str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -343,6 +343,7 @@ def test_configmap_carries_the_settings(full_render: Rendered) -> None:
     assert data["SPECSERVE_MAX_TOKENS"] == "1024"
     assert data["SPECSERVE_REQUEST_TIMEOUT"] == "120"
     assert data["SPECSERVE_CORS_ORIGINS"] == "https://app.example.com"
+    assert data["SPECSERVE_PLAYGROUND"] == "false"
     assert data["SPECSERVE_SHUTDOWN_TIMEOUT"] == "30"
     assert data["SPECSERVE_EXAMPLE_FLAG"] == "1"
     assert data["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger-collector.tracing:4318"
@@ -354,6 +355,7 @@ def test_configmap_carries_the_settings(full_render: Rendered) -> None:
 
 def test_unset_limits_keep_server_defaults(default_render: Rendered) -> None:
     data = default_render.get("ConfigMap")["data"]
+    assert data["SPECSERVE_PLAYGROUND"] == "true"  # the page is on unless turned off
     for key in ("SPECSERVE_MAX_QUEUE", "SPECSERVE_MAX_ACTIVE", "SPECSERVE_MAX_TOKENS",
                 "SPECSERVE_PREFILL_CHUNK", "SPECSERVE_KV_CACHE_BYTES",
                 "SPECSERVE_BATCH_SPECULATION", "SPECSERVE_REDIS_URL", "SPECSERVE_CORS_ORIGINS",

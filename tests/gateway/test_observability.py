@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import re
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -24,7 +23,7 @@ from gateway.server import create_app
 from observability.metrics import Metrics, start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import build_tracer_provider
-from tests.conftest import free_port
+from tests.conftest import free_port, require_program
 from tests.gateway.conftest import TINY, in_process, live_server, openai_client, tiny_settings
 
 REPEAT = [{"role": "user", "content": "a b a b a b a b a b"}]  # the tiny model repeats here
@@ -185,11 +184,7 @@ def test_metrics_port_serves_a_scrape(tiny_engine: Engine) -> None:
 
 @pytest.fixture()
 def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("the prometheus binary is not installed (.ci/run installs Debian's "
-                    "'prometheus' package)")
-    return binary
+    return require_program("prometheus", "prometheus")
 
 
 @pytest.fixture()

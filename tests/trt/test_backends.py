@@ -71,7 +71,7 @@ def test_a_combined_spec_runs_its_model_on_the_backend(tiny_target: CausalLM,
     drafter, backend = load_draft(f"ngram+{tiny_draft_export}", tiny_target, "onnx")
     assert backend == "onnx" and isinstance(drafter, CombinedDrafter)
     assert isinstance(drafter.cheap[0], NgramDrafter) and isinstance(drafter.model, KVDrafter)
-    assert drafter.name == "ngram+draft"
+    assert drafter.name == f"ngram+{tiny_draft_export}"  # as typed: requests use it
 
 
 def test_onnx_exports_once_then_reuses(tiny_target: CausalLM, tiny_draft_dir: Path,

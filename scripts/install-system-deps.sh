@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install the system programs the test suite runs for real, from Debian's packages:
+#   redis-server           throwaway Redis servers (prefix cache over Redis)
+#   prometheus, promtool   a real Prometheus scraping the metrics port; config checks
+#   the linter shellcheck  for the image's entrypoint script
+#   chromium, chromedriver the playground page in a headless browser
+# Idempotent and quick: when every program is on PATH it returns at once. As root with
+# apt-get it installs what is missing; otherwise it fails, naming the command to run.
+#
+# usage: scripts/install-system-deps.sh
+set -euo pipefail
+
+# program -> the Debian package that provides it
+declare -A PACKAGE=(
+    [redis-server]=redis-server
+    [prometheus]=prometheus
+    [promtool]=prometheus
+    [shellcheck]=shellcheck
+    [chromium]=chromium
+    [chromedriver]=chromium-driver
+)
+
+missing_packages() {
+    local program
+    for program in "${!PACKAGE[@]}"; do
+        command -v "$program" >/dev/null 2>&1 || echo "${PACKAGE[$program]}"
+    done | sort -u
+}
+
+mapfile -t missing < <(missing_packages)
+if [ "${#missing[@]}" -eq 0 ]; then
+    exit 0
+fi
+
+how="apt-get install -y --no-install-recommends ${missing[*]}"
+if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "error: the tests need ${missing[*]}, which are not installed, and this script can" \
+         "only install them as root on a Debian-based system. Install them (as root: $how)," \
+         "or put the programs on PATH, then run make test again." >&2
+    exit 1
+fi
+
+echo "installing ${missing[*]} (apt-get)" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get -o DPkg::Lock::Timeout=300 update -qq
+apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing[@]}" \
+    >/dev/null
+
+mapfile -t still < <(missing_packages)
+if [ "${#still[@]}" -gt 0 ]; then
+    echo "error: apt-get ran but ${still[*]} still provide no program on PATH" >&2
+    exit 1
+fi
