@@ -39,7 +39,7 @@ from torch.nn import functional as F
 
 from decoding.layout import Layout
 from decoding.target import BatchItem, CausalLM, head_subset
-from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Matrix
+from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Matrix, Product, drop_weight
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +77,29 @@ def supports(model: Any) -> str | None:
 class BatchedLM(CausalLM):
     """A Llama-family causal LM whose sequences can share one forward pass."""
 
-    def __init__(self, model: Any, tokenizer: Any, name: str = "model") -> None:
+    def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
+                 quantize: str = "none", weights: Sequence[LayerWeights] | None = None,
+                 head: Product | None = None, weights_format: str | None = None) -> None:
+        """``quantize`` (int4, int8) quantizes the model's matrices here, at load; or
+        ``weights`` and ``head`` give them ready-made (a GGUF file's own), the model's
+        own linear weights then being unused (on the meta device)."""
         super().__init__(model, tokenizer, name)
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"{name}: cannot run batched: {reason}")
+        if quantize != "none" and self.device.type != "cpu":
+            raise ValueError(f"{name}: --quantize {quantize} runs on a CPU only")
         self._inner = model.model
         self._layers = list(self._inner.layers)
         self.scaling = float(self._layers[0].self_attn.scaling)
         self._qkv_sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim,
                            self.kv_heads * self.head_dim]
-        self._weights = [LayerWeights.of(layer) for layer in self._layers]
-        head = model.get_output_embeddings()
-        bias = getattr(head, "bias", None)
-        self._head = Matrix(head.weight.detach(), bias.detach() if bias is not None else None)
+        self._weights = (list(weights) if weights is not None
+                         else [LayerWeights.of(layer, quantize) for layer in self._layers])
+        self._head = head if head is not None else self._head_matrix(model, quantize)
+        # what the matrices hold: float32, bfloat16, int8, int4 or gguf-<type>
+        self.weights_format = weights_format or (
+            quantize if quantize != "none" else str(self.dtype).removeprefix("torch."))
         self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
         # see _folds
         self._fold_single = self.device.type != "cpu" or self.dtype != torch.float32
@@ -99,6 +108,43 @@ class BatchedLM(CausalLM):
         self._rows: list[BatchedState | None] = []
         self._capacity = 0
         self._allocate(_INITIAL_ROWS, _INITIAL_CAPACITY)
+
+    @staticmethod
+    def _head_matrix(model: Any, quantize: str) -> Product:
+        head = model.get_output_embeddings()
+        weight = head.weight.detach()
+        bias = getattr(head, "bias", None)
+        bias = bias.detach() if bias is not None else None
+        if quantize == "none":
+            return Matrix(weight, bias)
+        from decoding.quantized import quantized
+
+        matrix = quantized(weight, bias, quantize)
+        drop_weight(head)  # a tied input embedding keeps its own reference
+        return matrix
+
+    @classmethod
+    def load(cls, path: str, dtype: str = "float32", device: str = "cpu",
+             quantize: str = "auto") -> CausalLM:
+        """A model directory in ``dtype``, or quantized at load (int4, int8: bfloat16
+        activations); or a GGUF file (``decoding.gguf_weights``: its own quantized
+        weights unless ``quantize`` is none, which dequantizes it to ``dtype``)."""
+        if str(path).endswith(".gguf"):
+            from decoding import gguf_weights
+
+            return gguf_weights.load(path, dtype, device, quantize)
+        if quantize in ("none", "auto"):
+            return super().load(path, dtype, device)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from decoding.quantized import ACTIVATIONS, METHODS
+
+        if quantize not in METHODS:
+            raise ValueError(f"unknown quantization {quantize!r}; choose one of "
+                             f"{['auto', *METHODS]}")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=ACTIVATIONS)
+        return cls(model.to(device), tokenizer, name=str(path), quantize=quantize)
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:
