@@ -144,7 +144,8 @@ class BatchedLM(CausalLM):
                              f"{['auto', *METHODS]}")
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=ACTIVATIONS)
-        return cls(model.to(device), tokenizer, name=str(path), quantize=quantize)
+        model = model.to(device)  # type: ignore[arg-type]
+        return cls(model, tokenizer, name=str(path), quantize=quantize)
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:

@@ -157,7 +157,7 @@ class GGUFModel:
         heads = int(config.num_attention_heads if part == "attn_q"
                     else config.num_key_value_heads)
         rows = int(self.tensors[name + ".weight"].shape[-1])
-        return torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+        return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def int4_rows(kind: str, data: np.ndarray, inputs: int) -> Int4Rows:
@@ -213,7 +213,8 @@ def _dequantized(file: Path, dtype: str, device: str) -> CausalLM:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-    return BatchedLM.wrap(model.to(device), tokenizer, name=str(file))
+    model = model.to(device)  # type: ignore[arg-type]
+    return BatchedLM.wrap(model, tokenizer, name=str(file))
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
