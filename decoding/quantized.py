@@ -11,6 +11,7 @@ ordinary product, which is far faster there. Method and figures: docs/quantizati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -154,3 +155,16 @@ def quantized(weight: torch.Tensor, bias: torch.Tensor | None,
     if method == "int8":
         return Int8Matrix(*quantize_int8(weight), bias)
     raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
+
+
+def load_quantized(path: str, method: str, device: str = "cpu") -> tuple[Any, Any]:
+    """A model directory's model in bfloat16 (its matrices to be quantized by ``method``)
+    and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of "
+                         f"{['auto', *METHODS]}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=ACTIVATIONS)
+    return model.to(device), tokenizer  # type: ignore[arg-type]

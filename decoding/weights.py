@@ -176,3 +176,18 @@ def fuse_quantized(linears: Sequence[Any], method: str) -> Product:
 def drop_weight(module: Any) -> None:
     """Replace ``module``'s weight by a meta tensor of its shape (its memory is freed)."""
     module.weight = torch.nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
+
+
+def head_product(model: Any, quantize: str = "none") -> Product:
+    """The output head as a matrix, quantized by ``quantize`` unless ``none``."""
+    head = model.get_output_embeddings()
+    weight = head.weight.detach()
+    bias = getattr(head, "bias", None)
+    bias = bias.detach() if bias is not None else None
+    if quantize == "none":
+        return Matrix(weight, bias)
+    from decoding.quantized import quantized
+
+    matrix = quantized(weight, bias, quantize)
+    drop_weight(head)  # a tied input embedding keeps its own reference
+    return matrix

@@ -170,7 +170,29 @@ def serve_rss(quantize: str, dtype: str, timeout: float = 600) -> float:
         return int(rss.split()[1]) / 1024
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def draft_costs(steps: int) -> list[dict[str, Any]]:
+    """The shipped draft's one-token step per draft dtype beside the GGUF target's step
+    (the cost of a draft token as a fraction of a target step)."""
+    from decoding.factory import load_model_drafter
+
+    target = load_target("default", "bfloat16", quantize="auto")
+    target_step = step_time(target, steps)
+    rows = []
+    for draft_dtype in ("bfloat16", "int8", "int4"):
+        runner: Any = load_model_drafter("default-draft", target, draft_dtype=draft_dtype).model
+        draft_step = step_time(runner, steps)
+        rows.append({"draft_dtype": draft_dtype, "draft_step_ms": round(draft_step * MS, 2),
+                     "target_step_ms": round(target_step * MS, 2),
+                     "draft_over_target": round(draft_step / target_step, 3)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -206,6 +228,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del target
         gc.collect()
     report["gguf"] = scale_error(model_store.default_gguf())
+    if args.draft_cost:
+        report["draft_cost"] = draft_costs(args.steps)
     if args.rss:
         for name in precisions:
             dtype, quantize = PRECISIONS[name]
@@ -220,6 +244,9 @@ def write_table(report: dict[str, Any]) -> None:
     print(" | ".join(cols))
     for row in report["rows"]:
         print(" | ".join(str(row.get(c, "")) for c in cols))
+    for row in report.get("draft_cost", []):
+        print(f"draft {row['draft_dtype']}: {row['draft_step_ms']} ms a token, "
+              f"{row['draft_over_target']} of the GGUF target's {row['target_step_ms']} ms")
     print(f"bandwidth {report['bandwidth_gb_s']} GB/s, context {report['context']}, "
           f"threads {report['threads']}; GGUF int4 weights vs gguf's dequantization: "
           f"{report['gguf']}")
@@ -234,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rss", action="store_true", help="also a served process's RSS")
+    parser.add_argument("--draft-cost", action="store_true",
+                        help="also the shipped draft's step per draft dtype")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="4 prompts per set and 64 new tokens (a few minutes on a CPU)")
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--dtypes", default="float32,bfloat16",
-                       help="comma-separated dtypes to measure (used instead of --dtype)")
+                       help="comma-separated precisions to measure: float32, bfloat16, int8, "
+                            "int4 (quantized at load), gguf (the file's own weights)")
     bench.add_argument("--max-tokens", type=int, default=None,
                        help="new tokens per prompt (default 64 with --quick, else 192)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
