@@ -159,7 +159,7 @@ def serve_rss(quantize: str, dtype: str, timeout: float = 600) -> float:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and process.poll() is None:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
                     if r.status == 200:
                         break
             except OSError:
