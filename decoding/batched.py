@@ -1,11 +1,11 @@
 """The target as a batched runner: many sequences' tokens in one forward pass.
 
-``BatchedLM`` runs Llama-family models (Llama, Mistral without a sliding
-window, Qwen2) with its own forward over the model's own modules, so that
-several sequences, each adding a different number of tokens at a different
-position, share one pass over the weights. On a CPU or a GPU at small batch a
-decoding step is bound by reading the weights, so verifying eight streams'
-drafts costs little more than verifying one.
+``BatchedLM`` runs Llama-family models (Llama, Mistral without a sliding window,
+Qwen2) with its own forward over the model's modules and its own weight matrices
+(``decoding.weights``; quantized: ``decoding.quantized``), so that several sequences,
+each adding a different number of tokens at a different position, share one pass
+over the weights. At small batch a step is bound by reading the weights, so
+verifying eight streams' drafts costs little more than verifying one.
 
 The KV cache is preallocated: one tensor per layer for keys and one for values,
 ``[rows, kv_heads, capacity, head_dim]``, where every sequence owns a row and a
@@ -21,9 +21,8 @@ products (a ragged batch costs its real tokens, not the longest row times the
 rows) and pads them to ``[rows, width]`` only for attention, where the mask
 lets each query see its own row's cached keys and the new keys up to itself.
 
-For one sequence it offers the same calls as ``CausalLM`` (``new_state``,
-``prefill``, ``score``, ``rollback``, ``load_kv``, ``kv``), so everything that
-drives a single sequence keeps working; ``forward_batch`` is the batched call.
+For one sequence it offers ``CausalLM``'s calls (``new_state``, ``prefill``, ``score``,
+``rollback``, ``load_kv``, ``kv``); ``forward_batch`` is the batched call.
 """
 
 from __future__ import annotations
@@ -37,8 +36,9 @@ import torch
 from torch.nn import functional as F
 
 from decoding.layout import Layout
+from decoding.quantized import load_quantized
 from decoding.target import BatchItem, CausalLM, TargetCapabilities, head_subset
-from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Matrix
+from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +78,26 @@ class BatchedLM(CausalLM):
 
     capabilities = TargetCapabilities(batched=True, branches=True)
 
-    def __init__(self, model: Any, tokenizer: Any, name: str = "model") -> None:
+    def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
+                 quantize: str = "none", weights: Sequence[LayerWeights] | None = None,
+                 head: Product | None = None, weights_format: str | None = None) -> None:
+        """``quantize`` (int4, int8) quantizes the matrices at load; or ``weights`` and
+        ``head`` come ready-made (a GGUF file's; the model's own linears unused)."""
         super().__init__(model, tokenizer, name)
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"{name}: cannot run batched: {reason}")
+        if quantize != "none" and self.device.type != "cpu":  # the kernels are CPU ones
+            raise ValueError(f"{name}: --quantize {quantize} runs on a CPU only")
         self._inner = model.model
         self._layers = list(self._inner.layers)
         self.scaling = float(self._layers[0].self_attn.scaling)
         self._qkv_sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim,
                            self.kv_heads * self.head_dim]
-        self._weights = [LayerWeights.of(layer) for layer in self._layers]
-        head = model.get_output_embeddings()
-        bias = getattr(head, "bias", None)
-        self._head = Matrix(head.weight.detach(), bias.detach() if bias is not None else None)
+        self._weights = list(weights or [LayerWeights.of(x, quantize) for x in self._layers])
+        self._head = head if head is not None else head_product(model, quantize)
+        dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
+        self.weights_format = weights_format or (quantize if quantize != "none" else dtype_name)
         self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
         # see _folds
         self._fold_single = self.device.type != "cpu" or self.dtype != torch.float32
@@ -100,6 +106,18 @@ class BatchedLM(CausalLM):
         self._rows: list[BatchedState | None] = []
         self._capacity = 0
         self._allocate(_INITIAL_ROWS, _INITIAL_CAPACITY)
+
+    @classmethod
+    def load(cls, path: str, dtype: str = "float32", device: str = "cpu",
+             quantize: str = "auto") -> CausalLM:
+        """A model directory in ``dtype`` or quantized (int4, int8), or a GGUF file."""
+        if str(path).endswith(".gguf"):
+            from decoding import gguf_weights
+
+            return gguf_weights.load(path, dtype, device, quantize)
+        if quantize in ("none", "auto"):
+            return super().load(path, dtype, device)
+        return cls(*load_quantized(path, quantize, device), name=str(path), quantize=quantize)
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:

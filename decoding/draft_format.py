@@ -238,7 +238,11 @@ def load_model(directory: Path, target_model: Any, dtype: str = "float32") -> An
     return draft.to(device).eval()
 
 
-def load_causal_lm(directory: Path, target: CausalLM, dtype: str = "float32") -> CausalLM:
-    """The draft as the runner the model drafter uses (tokenizer shared with the target)."""
+def load_causal_lm(directory: Path, target: CausalLM, dtype: str = "float32",
+                   quantize: str = "none") -> CausalLM:
+    """The draft as the runner the model drafter uses (tokenizer shared with the target);
+    ``quantize`` (int8, int4) quantizes its matrices and head, in ``dtype`` bfloat16."""
     model = load_model(directory, target.model, dtype)
+    if quantize != "none":
+        return BatchedLM(model, target.tokenizer, name=str(directory), quantize=quantize)
     return BatchedLM.wrap(model, target.tokenizer, name=str(directory))

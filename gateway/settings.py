@@ -37,7 +37,8 @@ class Settings(BaseSettings):
     draft: str = "auto"
     draft_backend: Literal["auto", "torch", "onnx", "tensorrt"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    quantize: Literal["auto", "none", "int8", "int4"] = "auto"
+    draft_dtype: Literal["auto", "float32", "bfloat16", "int8", "int4"] = "auto"
     threads: int | None = Field(default=None, ge=1)
     api_keys: CommaList = Field(default_factory=list)
     max_queue: int = Field(default=64, ge=1)
@@ -133,9 +134,16 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                  "Runtime when an export exists, else PyTorch) "
                                  "(SPECSERVE_DRAFT_BACKEND, default auto)"}),
     ("--dtype", {"choices": ["float32", "bfloat16"], "help": "SPECSERVE_DTYPE, default float32"}),
-    ("--draft-dtype", {"choices": ["auto", "float32", "bfloat16"],
-                       "help": "dtype of a draft model on PyTorch: auto (bfloat16 beside a "
-                               "float32 target on a CPU with native bfloat16, else --dtype); "
+    ("--quantize", {"choices": ["auto", "none", "int8", "int4"],
+                    "help": "target weights: auto (a GGUF file's own quantized weights; for "
+                            "the default model its Q4_1 GGUF, bfloat16 activations), none (a "
+                            "model directory as it is in --dtype; the default model "
+                            "dequantized), int8/int4 (a model directory quantized at load) "
+                            "(SPECSERVE_QUANTIZE, default auto; docs/quantization.md)"}),
+    ("--draft-dtype", {"choices": ["auto", "float32", "bfloat16", "int8", "int4"],
+                       "help": "dtype of a draft model on PyTorch: auto (int4 beside a "
+                               "quantized target; bfloat16 beside a float32 target on a CPU "
+                               "with native bfloat16; else --dtype); int8/int4 quantize it; "
                                "output is the same either way (SPECSERVE_DRAFT_DTYPE)"}),
     ("--threads", {"type": int, "help": "CPU threads for PyTorch (SPECSERVE_THREADS)"}),
     ("--api-key", {"dest": "api_keys", "action": "append",

@@ -25,9 +25,16 @@ from typing import Any
 
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import NGRAM, NO_DRAFT, load_drafter, load_target, torch_draft_dtype
+from decoding.factory import (
+    NGRAM,
+    NO_DRAFT,
+    PRECISIONS,
+    load_drafter,
+    load_target,
+    torch_draft_dtype,
+)
 from decoding.prompting import encode_chat
-from decoding.target import DTYPES, CausalLM
+from decoding.target import CausalLM
 from specbench.methods import (
     ALL_METHODS,
     DRAFT_METHODS,
@@ -79,9 +86,9 @@ class BenchConfig:
             QUICK_PROMPTS if args.quick else None)
         max_tokens = args.max_tokens or (QUICK_MAX_TOKENS if args.quick else FULL_MAX_TOKENS)
         dtypes = split_list(args.dtypes)
-        unknown = [d for d in dtypes if d not in DTYPES]
+        unknown = [d for d in dtypes if d not in PRECISIONS]
         if unknown or not dtypes:
-            raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
+            raise ValueError(f"unknown dtype(s) {unknown}; choose from {sorted(PRECISIONS)}")
         return cls(
             target=args.target,
             draft=draft,
@@ -258,12 +265,15 @@ def _run_dtype(
     draft_loader: DraftLoader | None = None,
 ) -> list[dict[str, Any]]:
     log.info("loading %s in %s", config.target, dtype)
-    target = load_target(config.target, dtype)
+    torch_dtype, quantize = PRECISIONS[dtype]  # gguf: the file's own; int8/int4: at load
+    target = load_target(config.target, torch_dtype, quantize=quantize)
     draft = _load_draft(config, target, dtype)
     spec_draft: Drafter | None = draft
     if draft is not None and draft_loader is not None and config.draft is not None:
         spec_draft = draft_loader(config.draft, target, dtype)
-    runners = build_runners(config.methods, target, draft, spec_draft)
+    # transformers' generate runs the model's own modules, which a quantized target lacks
+    methods = [m for m in config.methods if quantize == "none" or m not in HF_METHODS]
+    runners = build_runners(methods, target, draft, spec_draft)
     first = next(p for prompts in prompt_sets.values() for p in prompts)
     _warm_up(runners, _encode(target, first))
     runs: list[dict[str, Any]] = []

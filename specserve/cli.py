@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from decoding import model_store
 from decoding.draft_format import DraftFormatError
 from decoding.drafters.base import Drafter
-from decoding.factory import DRAFT_DTYPES, DraftSpecError, load_target
+from decoding.factory import DRAFT_DTYPES, QUANTIZE, DraftSpecError, load_target
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
 from decoding.target import CausalLM, TokenizerMismatchError
@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="4 prompts per set and 64 new tokens (a few minutes on a CPU)")
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--dtypes", default="float32,bfloat16",
-                       help="comma-separated dtypes to measure (used instead of --dtype)")
+                       help="comma-separated precisions to measure: float32, bfloat16, int8, "
+                            "int4 (quantized at load), gguf (the file's own weights)")
     bench.add_argument("--max-tokens", type=int, default=None,
                        help="new tokens per prompt (default 64 with --quick, else 192)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
@@ -151,6 +152,9 @@ def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto")
                    help="where a draft model runs: auto (TensorRT with a GPU, else ONNX "
                         "Runtime when an export exists, else PyTorch), torch, onnx, tensorrt")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantize", default="auto", choices=list(QUANTIZE),
+                   help="target weights: auto (a GGUF file's own; the default model's Q4_1 "
+                        "GGUF), none (as stored, in --dtype), int8/int4 (quantized at load)")
     _draft_dtype_flag(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -158,8 +162,9 @@ def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto")
 
 def _draft_dtype_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default="auto", choices=list(DRAFT_DTYPES),
-                   help="dtype of a draft model on PyTorch: auto (bfloat16 beside a float32 "
-                        "target on a CPU with native bfloat16, else the target's)")
+                   help="dtype of a draft model on PyTorch: auto (int4 beside a quantized "
+                        "target; bfloat16 beside a float32 target on a CPU with native "
+                        "bfloat16; else the target's); int8/int4 quantize it")
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -171,7 +176,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target, args.dtype)
+    target = load_target(args.target, args.dtype, quantize=args.quantize)
     try:
         drafter, _ = load_draft(args.draft, target, args.draft_backend, args.dtype,
                                 draft_dtype=args.draft_dtype)

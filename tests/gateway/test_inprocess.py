@@ -287,3 +287,23 @@ async def test_cors(tiny_engine: Engine) -> None:
     async with in_process(create_app(tiny_settings(), engine=tiny_engine)) as client:
         off = await client.get("/health", headers={"Origin": "https://app.example"})
         assert "access-control-allow-origin" not in off.headers
+
+
+async def test_models_report_quantized_weights(tiny_target_dir: Path,
+                                               tiny_draft_dir: Path) -> None:
+    """A target quantized at load: /v1/models says what its matrices hold and that the
+    activations are bfloat16; a draft model beside it follows it into int4."""
+    settings = tiny_settings(target=str(tiny_target_dir), draft=str(tiny_draft_dir),
+                             draft_backend="torch", quantize="int4", prefix_cache=False)
+    engine = build_engine(settings)
+    try:
+        async with in_process(create_app(settings, engine=engine)) as c:
+            (card,) = (await c.get("/v1/models")).json()["data"]
+            reply = await c.post("/v1/completions", json={
+                "model": TINY, "prompt": "One, two, three,", "max_tokens": 8, "temperature": 0})
+        assert card["metadata"]["weights"] == "int4"
+        assert card["metadata"]["dtype"] == "bfloat16"
+        assert card["metadata"]["draft_dtype"] == "bfloat16"  # int4 codes, bf16 activations
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+    finally:
+        engine.shutdown()

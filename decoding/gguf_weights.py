@@ -1,0 +1,221 @@
+"""A GGUF file's own quantized weights, served without a float32 copy of the model.
+
+The model is built on the meta device from its config, then only what the batched
+runner reads is filled: the input embedding, the norms and the rotary tables in
+bfloat16, and every matrix in a weight-only format (``decoding.quantized``).
+Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32 weights over 4-bit codes,
+so their codes go unchanged into the int4 kernel's groups of 32 (only the scales round
+to bfloat16). Q8_0, Q6_K and float tensors are dequantized to bfloat16 (no weight-only
+kernel takes their groups of 32 and 16). Any other type is refused, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from decoding.batched import BatchedLM
+from decoding.quantized import ACTIVATIONS, Int4Matrix, Int4Rows
+from decoding.target import CausalLM
+from decoding.weights import LayerWeights, Matrix, Product, Stacked
+
+log = logging.getLogger(__name__)
+
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # codes kept, as int4 groups of 32
+WIDE_TYPES = frozenset({"Q8_0", "Q6_K", "F32", "F16", "BF16"})  # dequantized to bfloat16
+SUPPORTED_TYPES = INT4_TYPES | WIDE_TYPES
+# GGUF tensor names of one layer, by the part of the fused matrices they make
+QKV = ("attn_q", "attn_k", "attn_v")
+GATE_UP = ("ffn_gate", "ffn_up")
+PERMUTED_ARCHS = frozenset({"llama", "mistral"})  # q and k rows stored in rotary order
+
+
+class GGUFTypeError(ValueError):
+    """A GGUF tensor in a type this server cannot run."""
+
+
+def load(path: str, dtype: str = "float32", device: str = "cpu",
+         quantize: str = "auto") -> CausalLM:
+    """The runner for a GGUF file: its own weights (``quantize`` auto), or dequantized
+    to ``dtype`` by transformers (``none``, the float model it stands for)."""
+    file = Path(path)
+    if quantize == "none":
+        return _dequantized(file, dtype, device)
+    if quantize != "auto":
+        raise ValueError(f"{file.name} is quantized already: --quantize {quantize} applies to "
+                         "model directories (use auto for the file's own weights, or none)")
+    if device != "cpu":
+        raise ValueError("a GGUF file's own weights run on a CPU only (--quantize none "
+                         "dequantizes it)")
+    return GGUFModel(file).runner()
+
+
+class GGUFModel:
+    """One GGUF file: its config, tokenizer and tensors."""
+
+    def __init__(self, file: Path) -> None:
+        import gguf
+
+        self.file = file
+        self.reader = gguf.GGUFReader(str(file))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.arch = str(self.field("general.architecture"))
+        self.config, self.tokenizer = config_and_tokenizer(file)
+        self.check_types()
+
+    def field(self, key: str) -> Any:
+        value = self.reader.get_field(key)
+        if value is None:
+            raise ValueError(f"{self.file.name}: no {key} in its metadata")
+        return value.contents()
+
+    def check_types(self) -> None:
+        for name, tensor in self.tensors.items():
+            kind = tensor.tensor_type.name
+            if kind not in SUPPORTED_TYPES:
+                raise GGUFTypeError(
+                    f"{self.file.name}: tensor {name!r} is of GGUF type {kind}, which this "
+                    f"server cannot run; supported: {', '.join(sorted(SUPPORTED_TYPES))}")
+
+    def runner(self) -> BatchedLM:
+        from transformers import AutoModelForCausalLM
+
+        config = self.config
+        with torch.device("meta"):
+            model: Any = AutoModelForCausalLM.from_config(config, dtype=ACTIVATIONS)
+        inner = model.model
+        embedding = self.wide("token_embd.weight")  # [vocab, hidden]
+        inner.embed_tokens = nn.Embedding.from_pretrained(embedding, freeze=True)
+        inner.norm.weight = _param(self.wide("output_norm.weight"))
+        inner.rotary_emb = type(inner.rotary_emb)(config=config)
+        layers = []
+        for index, layer in enumerate(inner.layers):
+            layer.input_layernorm.weight = _param(self.wide(f"blk.{index}.attn_norm.weight"))
+            layer.post_attention_layernorm.weight = _param(
+                self.wide(f"blk.{index}.ffn_norm.weight"))
+            block = f"blk.{index}."
+            layers.append(LayerWeights(
+                input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
+                act=layer.mlp.act_fn, qkv=self.product([block + n for n in QKV]),
+                o=self.product([block + "attn_output"]),
+                gate_up=self.product([block + n for n in GATE_UP]),
+                down=self.product([block + "ffn_down"])))
+        tied = "output.weight" not in self.tensors
+        if tied:  # the head is the input embedding
+            model.lm_head.weight = inner.embed_tokens.weight
+            head: Product = self.product(["token_embd"], rows=embedding)
+        else:
+            head = self.product(["output"])
+        kinds = sorted({t.tensor_type.name for t in self.tensors.values()
+                        if t.tensor_type.name in INT4_TYPES or len(t.shape) > 1})
+        fmt = "gguf-" + "+".join(k.lower() for k in kinds)
+        log.info("%s: %s, %d layers", self.file.name, fmt, len(layers))
+        return BatchedLM(model, self.tokenizer, name=str(self.file), weights=layers,
+                         head=head, weights_format=fmt)
+
+    def product(self, names: list[str], rows: torch.Tensor | None = None) -> Product:
+        """The matrices ``names`` (GGUF names without ``.weight``) as one product over
+        their stacked rows: int4 where every part is int4, else bfloat16, else both."""
+        tensors = [self.tensors[n + ".weight"] for n in names]
+        kinds = [t.tensor_type.name in INT4_TYPES for t in tensors]
+        if all(kinds):
+            return Int4Matrix(Int4Rows.cat([self.int4(n) for n in names]))
+        if not any(kinds):
+            if rows is None:
+                rows = torch.cat([self.wide(n + ".weight") for n in names])
+            return Matrix(rows, None)
+        return Stacked([self.product([n]) for n in names])
+
+    def int4(self, name: str) -> Int4Rows:
+        tensor = self.tensors[name + ".weight"]
+        rows = int4_rows(tensor.tensor_type.name, np.asarray(tensor.data), int(tensor.shape[0]))
+        order = self.row_order(name)
+        return rows.take(order) if order is not None else rows
+
+    def wide(self, key: str) -> torch.Tensor:  # the tensor in bfloat16, q/k rows reordered
+        import gguf
+
+        tensor = self.tensors[key]
+        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        shape = [int(n) for n in reversed(tensor.shape.tolist())]
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+        order = self.row_order(key.removesuffix(".weight"))
+        return (out[order] if order is not None else out).to(ACTIVATIONS)
+
+    def row_order(self, name: str) -> torch.Tensor | None:  # [out]
+        """The Hugging Face row order of a q or k matrix (llama.cpp stores their rows
+        interleaved per head for its rotary embedding)."""
+        part = name.rsplit(".", 1)[-1]
+        if self.arch not in PERMUTED_ARCHS or part not in ("attn_q", "attn_k"):
+            return None
+        config = self.config
+        heads = int(config.num_attention_heads if part == "attn_q"
+                    else config.num_key_value_heads)
+        rows = int(self.tensors[name + ".weight"].shape[-1])
+        return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def int4_rows(kind: str, data: np.ndarray, inputs: int) -> Int4Rows:
+    """The 4-bit codes, scales and minimums of a Q4_0, Q4_1 or Q4_K tensor's blocks
+    (``data``: ``[out, bytes per row]``), one scale and minimum per 32 inputs."""
+    import gguf
+
+    out = data.shape[0]
+    if kind == "Q4_K":
+        blocks = data.reshape(-1, 144)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each
+        scale, low = d * sc.astype(np.float32), -dmin * mn.astype(np.float32)
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 4 x 32 bytes: sub-blocks 2j and 2j + 1
+        codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+    elif kind in ("Q4_0", "Q4_1"):
+        size = 18 if kind == "Q4_0" else 20
+        blocks = data.reshape(-1, size)
+        scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+        low = (-8 * scale if kind == "Q4_0"
+               else blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
+        qs = blocks[:, size - 16:]  # byte i: element i (low nibble) and 16 + i (high)
+        codes = np.concatenate([qs & 15, qs >> 4], axis=1)
+    else:
+        raise GGUFTypeError(f"GGUF type {kind} has no int4 codes")
+    groups = inputs // 32
+    return Int4Rows(torch.from_numpy(np.ascontiguousarray(codes).reshape(out, inputs)),
+                    torch.from_numpy(np.ascontiguousarray(scale).reshape(out, groups)),
+                    torch.from_numpy(np.ascontiguousarray(low).reshape(out, groups)), 32)
+
+
+def config_and_tokenizer(file: Path) -> tuple[Any, Any]:
+    """The model's config and tokenizer: from a model directory holding the file (the
+    default model keeps its GGUF beside its converted directory's), else from the file."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    beside = file.parent
+    if (beside / "config.json").is_file() and (beside / "tokenizer.json").is_file():
+        return AutoConfig.from_pretrained(beside), AutoTokenizer.from_pretrained(beside)
+    return (AutoConfig.from_pretrained(beside, gguf_file=file.name),
+            AutoTokenizer.from_pretrained(beside, gguf_file=file.name))
+
+
+def _dequantized(file: Path, dtype: str, device: str) -> CausalLM:
+    from transformers import AutoModelForCausalLM
+
+    from decoding.target import DTYPES
+
+    _, tokenizer = config_and_tokenizer(file)
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name,
+                                                 dtype=DTYPES[dtype])
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    model = model.to(device)  # type: ignore[arg-type]
+    return BatchedLM.wrap(model, tokenizer, name=str(file))
+
+
+def _param(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)

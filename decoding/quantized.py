@@ -1,0 +1,170 @@
+"""Weight-only quantized matrices: int4 in groups along the input, int8 per output channel.
+
+Both are called like ``weights.Matrix`` (``m(x)``, ``x`` ``[T, in]`` -> ``[T, out]``) and
+run PyTorch's CPU weight-only kernels with bfloat16 activations (their float32 paths are
+slow fallbacks). Each row of a product is computed on its own, so a token's logits do
+not depend on what else shares the pass. Products of more than ``KERNEL_MAX_TOKENS``
+tokens (prefill chunks) dequantize the matrix to bfloat16 once per call and take the
+ordinary product, which is far faster there. Method and figures: docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+INT4_GROUP = 32  # weights sharing a scale and a zero along the input dimension
+INT4_TILES = 2  # the kernel's inner K tiles (K must be a multiple of 16 x this)
+PACK_ROWS = 64  # the CPU packing interleaves blocks of 64 output rows
+KERNEL_MAX_TOKENS = 32  # up to here the kernels; beyond, dequantize and multiply
+ACTIVATIONS = torch.bfloat16
+METHODS = ("none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Int4Rows:
+    """An int4 matrix before packing: ``codes * scale + low`` per group of ``group``
+    inputs (``low`` the group's minimum), as Q4_0/Q4_1/Q4_K and ``quantize_int4`` give."""
+
+    codes: torch.Tensor  # [out, in] uint8 in 0..15
+    scale: torch.Tensor  # [out, in / group] float32
+    low: torch.Tensor  # [out, in / group] float32
+    group: int = INT4_GROUP
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32
+        g = self.group
+        return (self.codes.float() * self.scale.repeat_interleave(g, 1)
+                + self.low.repeat_interleave(g, 1))
+
+    @staticmethod
+    def cat(parts: list[Int4Rows]) -> Int4Rows:
+        """The rows of ``parts`` stacked (a fused q/k/v or gate/up)."""
+        if len({p.group for p in parts}) != 1:
+            raise ValueError("int4 parts with different group sizes cannot be fused")
+        return Int4Rows(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.low for p in parts]), parts[0].group)
+
+    def take(self, rows: torch.Tensor) -> Int4Rows:  # rows: [n] indices
+        return Int4Rows(self.codes[rows], self.scale[rows], self.low[rows], self.group)
+
+
+class Int4Matrix:
+    """A matrix of 4-bit codes with a bfloat16 scale and zero per group of inputs, in
+    the CPU kernel's packed layout (``(q - 8) * scale + zero``: zero = low + 8 scale)."""
+
+    def __init__(self, rows: Int4Rows, bias: torch.Tensor | None = None) -> None:
+        out, inputs = rows.codes.shape
+        if inputs % (16 * INT4_TILES) or inputs % rows.group:
+            raise ValueError(f"int4 needs an input size divisible by {16 * INT4_TILES} and "
+                             f"the group {rows.group}; got {inputs}")
+        self.out_features, self.in_features, self.group = out, inputs, rows.group
+        padded = -(-out // PACK_ROWS) * PACK_ROWS  # the packing wants whole row blocks
+        codes = F.pad(rows.codes.to(torch.int32), (0, 0, 0, padded - out))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INT4_TILES)
+        zero = rows.low + 8 * rows.scale
+        pairs = torch.stack([rows.scale, zero], dim=-1)  # [out, groups, 2]
+        pairs = F.pad(pairs, (0, 0, 0, 0, 0, padded - out))
+        self.scales_zeros = pairs.transpose(0, 1).contiguous().to(ACTIVATIONS)  # [groups, out, 2]
+        self.bias = bias.to(ACTIVATIONS) if bias is not None else None
+        self._padded = padded
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        x = x.to(ACTIVATIONS)
+        if x.shape[0] > KERNEL_MAX_TOKENS:
+            return F.linear(x, self.dequantize(), self.bias)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                       self.scales_zeros)
+        if self._padded != self.out_features:
+            y = y[:, : self.out_features]
+        return y + self.bias if self.bias is not None else y
+
+    def codes(self) -> torch.Tensor:  # [out, in] uint8: the 4-bit codes, unpacked
+        # the layout: [out / 64, in, 32] bytes; the low nibble holds row d of each block
+        # of 64, the high nibble row 32 + d
+        blocks = self.packed.view(self._padded // PACK_ROWS, self.in_features, PACK_ROWS // 2)
+        halves = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [out / 64, in, 64]
+        return halves.transpose(1, 2).reshape(self._padded, self.in_features)[
+            : self.out_features]
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] in bfloat16, what the kernel multiplies
+        pairs = self.scales_zeros[:, : self.out_features].transpose(0, 1)  # [out, groups, 2]
+        scale = pairs[..., 0].repeat_interleave(self.group, 1)
+        zero = pairs[..., 1].repeat_interleave(self.group, 1)
+        return ((self.codes().to(ACTIVATIONS) - 8) * scale + zero).to(ACTIVATIONS)
+
+
+class Int8Matrix:
+    """A matrix of int8 codes with a bfloat16 scale per output row (symmetric)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        self.weight = codes.to(torch.int8).contiguous()  # [out, in]
+        self.scales = scales.to(ACTIVATIONS).contiguous()  # [out]
+        self.bias = bias.to(ACTIVATIONS) if bias is not None else None
+        self.out_features, self.in_features = self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        x = x.to(ACTIVATIONS)
+        if x.shape[0] > KERNEL_MAX_TOKENS:
+            return F.linear(x, self.dequantize(), self.bias)
+        y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return y + self.bias if self.bias is not None else y
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] bfloat16
+        return self.weight.to(ACTIVATIONS) * self.scales[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Rows:
+    """Asymmetric round-to-nearest: each group of ``group`` inputs of a row maps its
+    [min, max] onto the codes 0..15 (scale = (max - min) / 15)."""
+    out, inputs = weight.shape  # [out, in]
+    w = weight.detach().float().view(out, inputs // group, group)
+    low = w.amin(dim=-1)
+    high = w.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    # the scale as the kernel will hold it, so the codes are chosen for what runs
+    scale = scale.to(ACTIVATIONS).float()
+    codes = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15)
+    return Int4Rows(codes.to(torch.uint8).view(out, inputs), scale, low, group)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest per output row: codes -127..127 and scale = max|w| / 127."""
+    w = weight.detach().float()  # [out, in]
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(ACTIVATIONS).float()
+    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def quantized(weight: torch.Tensor, bias: torch.Tensor | None,
+              method: str) -> Int4Matrix | Int8Matrix:
+    """``weight`` (``[out, in]``) quantized by ``method`` (int4 or int8)."""
+    if method == "int4":
+        return Int4Matrix(quantize_int4(weight), bias)
+    if method == "int8":
+        return Int8Matrix(*quantize_int8(weight), bias)
+    raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
+
+
+def load_quantized(path: str, method: str, device: str = "cpu") -> tuple[Any, Any]:
+    """A model directory's model in bfloat16 (its matrices to be quantized by ``method``)
+    and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of "
+                         f"{['auto', *METHODS]}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=ACTIVATIONS)
+    return model.to(device), tokenizer  # type: ignore[arg-type]

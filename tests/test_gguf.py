@@ -1,0 +1,226 @@
+"""GGUF targets: the file's own 4-bit codes, served as int4; other types refused."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GT
+
+from decoding import model_store
+from decoding.batched import BatchedLM
+from decoding.factory import load_target
+from decoding.gguf_weights import GGUFTypeError, int4_rows
+from decoding.quantized import Int4Matrix
+from decoding.weights import Matrix, Stacked
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # Q4_K/Q6_K need rows of 256
+NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def k_blocks(kind: GT, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random Q4_K or Q6_K blocks (gguf has no quantizer for them) with sane scales."""
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    if kind == GT.Q4_K:
+        blocks[:, 0:2] = np.full((len(blocks), 1), 0.002, np.float16).view(np.uint8)
+        blocks[:, 2:4] = np.full((len(blocks), 1), 0.001, np.float16).view(np.uint8)
+    else:  # Q6_K: d is the last two bytes; int8 scales before it
+        blocks[:, -2:] = np.full((len(blocks), 1), 0.0005, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def encode(weight: np.ndarray, kind: GT, seed: int) -> np.ndarray:
+    if kind in (GT.Q4_K, GT.Q6_K):
+        return k_blocks(kind, *weight.shape, seed)
+    if kind == GT.F32:
+        return weight.astype(np.float32)
+    return gguf.quants.quantize(weight.astype(np.float32), kind)
+
+
+def llama_order(rows: int, heads: int) -> np.ndarray:
+    """The row order llama.cpp stores q and k in (its rotary layout)."""
+    return np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(-1)
+
+
+def write_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT]) -> Path:
+    """The tiny model of ``model_dir`` as a GGUF file, each matrix in ``kinds[part]``
+    (default Q4_1; ``embed`` for the tied embedding); its config and tokenizer beside."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, directory / name)
+    path = directory / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+
+    def add(name: str, tensor: torch.Tensor, kind: GT, seed: int) -> None:
+        data = encode(tensor.float().numpy(), kind, seed)
+        writer.add_tensor(name, data, raw_dtype=kind if kind != GT.F32 else None)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"], kinds.get("embed", GT.Q8_0), 0)
+    add("output_norm.weight", state["model.norm.weight"], GT.F32, 0)
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", state[prefix + "input_layernorm.weight"], GT.F32, 0)
+        add(f"blk.{i}.ffn_norm.weight", state[prefix + "post_attention_layernorm.weight"],
+            GT.F32, 0)
+        for hf, part in NAMES.items():
+            weight = state[prefix + hf + ".weight"]
+            if part in ("attn_q", "attn_k"):
+                weight = weight[llama_order(weight.shape[0],
+                                            HEADS if part == "attn_q" else KV_HEADS)]
+            add(f"blk.{i}.{part}.weight", weight, kinds.get(part, GT.Q4_1), 10 * i + len(part))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-256")
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN,
+                         intermediate_size=INTER, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def dense(product: Any) -> torch.Tensor:  # [out, in]: what a product multiplies by
+    if isinstance(product, Stacked):
+        return torch.cat([dense(p) for p in product.parts])
+    if isinstance(product, Matrix):
+        return product.rows
+    return product.dequantize()
+
+
+def file_weights(path: Path) -> dict[str, torch.Tensor]:
+    """gguf's own dequantization of every tensor, q and k rows in Hugging Face order."""
+    out = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        values = torch.from_numpy(gguf.quants.dequantize(np.asarray(tensor.data),
+                                                         tensor.tensor_type).copy())
+        part = tensor.name.split(".")[-2]
+        if part in ("attn_q", "attn_k"):
+            order = np.argsort(llama_order(values.shape[0],
+                                           HEADS if part == "attn_q" else KV_HEADS))
+            values = values[torch.from_numpy(order)]
+        out[tensor.name] = values.float()
+    return out
+
+
+@pytest.mark.parametrize("kind", [GT.Q4_0, GT.Q4_1, GT.Q4_K])
+def test_int4_codes_are_the_files(kind: GT) -> None:
+    """The codes, scales and minimums read from the blocks give back gguf's own
+    dequantization; packed for the kernel, the codes are unchanged and only the bfloat16
+    scale and zero move the weights."""
+    weight = np.random.default_rng(1).normal(0, 0.1, (192, 512)).astype(np.float32)
+    data = encode(weight, kind, seed=3)
+    want = torch.from_numpy(gguf.quants.dequantize(data, kind).copy())
+    rows = int4_rows(kind.name, data, 512)
+    assert torch.allclose(rows.dequantize(), want, rtol=1e-6, atol=1e-7)
+    matrix = Int4Matrix(rows)
+    assert torch.equal(matrix.codes(), rows.codes)
+    error = (matrix.dequantize().float() - want).abs().max() / want.abs().max()
+    assert 0 < error < 2 ** -7
+
+
+@pytest.mark.parametrize("kinds", [
+    {}, {"attn_q": GT.Q4_0, "attn_k": GT.Q4_0, "ffn_up": GT.Q4_0},
+    {part: GT.Q8_0 for part in NAMES.values()},
+    {"attn_q": GT.Q4_K, "attn_k": GT.Q4_K, "attn_v": GT.Q6_K, "attn_output": GT.Q4_K,
+     "ffn_gate": GT.Q4_K, "ffn_up": GT.Q4_K, "ffn_down": GT.Q6_K, "embed": GT.Q6_K},
+], ids=["q4_1", "q4_0-mixed", "q8_0", "q4_k_m"])
+def test_gguf_target_serves_the_files_weights(tmp_path: Path, tiny_dir: Path,
+                                              kinds: dict[str, GT]) -> None:
+    path = write_gguf(tmp_path, tiny_dir, kinds)
+    target = load_target(str(path), quantize="auto")
+    assert isinstance(target, BatchedLM)
+    assert target.dtype == torch.bfloat16 and target.weights_format.startswith("gguf-")
+    assert all(p.device.type == "meta" for p in target.model.model.layers[0].mlp.parameters())
+    want = file_weights(path)
+    layer = target._weights[1]
+    for product, names in ((layer.qkv, ("attn_q", "attn_k", "attn_v")),
+                           (layer.down, ("ffn_down",))):
+        expected = torch.cat([want[f"blk.1.{n}.weight"] for n in names])
+        got = dense(product).float()
+        scale = expected.abs().max()
+        assert (got - expected).abs().max() <= 2 ** -7 * scale, (names, kinds)
+    # the whole model against the same model made of gguf's dequantized weights, both
+    # with bfloat16 activations: only the kernel's bfloat16 scales differ
+    reference = BatchedLM.load(str(tiny_dir), dtype="bfloat16")
+    with torch.no_grad():
+        for name, module in reference.model.named_modules():
+            for hf, part in NAMES.items():
+                if name.endswith(hf):
+                    i = int(name.split(".")[2])
+                    module.weight.copy_(want[f"blk.{i}.{part}.weight"])
+        reference.model.model.embed_tokens.weight.copy_(want["token_embd.weight"])
+    reference = BatchedLM(reference.model, reference.tokenizer)
+    ids = list(range(500, 540))
+    got_logits = target.score(target.new_state(), ids).float()
+    ref_logits = reference.score(reference.new_state(), ids).float()
+    agree = (got_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
+    if all(kind == GT.Q8_0 for kind in kinds.values()) and kinds:
+        assert torch.equal(got_logits, ref_logits)  # bfloat16 both ways: the same product
+    else:  # a random model's near-ties flip under the scales' rounding now and then
+        assert agree >= 0.85, agree
+
+
+def test_unsupported_type_is_refused_naming_it(tmp_path: Path, tiny_dir: Path) -> None:
+    path = write_gguf(tmp_path, tiny_dir, {"ffn_up": GT.Q5_0})
+    with pytest.raises(GGUFTypeError, match=r"blk\.0\.ffn_up\.weight.*Q5_0"):
+        load_target(str(path), quantize="auto")
+
+
+def test_a_gguf_file_is_a_target_path(tmp_path: Path, tiny_dir: Path) -> None:
+    path = write_gguf(tmp_path, tiny_dir, {})
+    assert model_store.resolve(str(path)) == str(path)
+    with pytest.raises(ValueError, match="quantized already"):
+        load_target(str(path), quantize="int4")
+    with pytest.raises(FileNotFoundError, match=r"nor a \.gguf file"):
+        model_store.resolve(str(tmp_path / "tokenizer.json"))
+
+
+def test_default_gguf_codes_are_the_files(default_model_dir: Path) -> None:
+    """The real default model's Q4_1 file: every int4 tensor's codes reproduce gguf's own
+    dequantization (float32 scales), and the kernel's bfloat16 scales move no weight by
+    more than 2^-7 of the tensor's largest."""
+    path = model_store.default_gguf()
+    reader = gguf.GGUFReader(str(path))
+    tensors = [t for t in reader.tensors if t.tensor_type.name == "Q4_1"][:14]
+    assert tensors
+    for tensor in tensors:
+        data = np.asarray(tensor.data)
+        want = torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type).copy())
+        rows = int4_rows("Q4_1", data, int(tensor.shape[0]))
+        assert torch.allclose(rows.dequantize(), want, rtol=1e-6, atol=1e-6), tensor.name
+        got = Int4Matrix(rows).dequantize().float()
+        assert (got - want).abs().max() / want.abs().max() < 2 ** -7, tensor.name
