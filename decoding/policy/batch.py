@@ -40,6 +40,7 @@ class SpeculationPrior:
         self._weight = 0.0
         self._rates = [0.0] * MAX_DRAFT_TOKENS
         self._draft_s = 0.0
+        self._verify = VERIFY_COST_PER_TOKEN  # a verified token's cost, in target steps
         self._expected = 0.0  # accepted drafts the policies' rates promised (recent rounds)
         self._confident = False  # the drafter reports confidences (see AdaptiveSpeculation)
         self._calibration = _bin_midpoints()
@@ -86,11 +87,12 @@ class SpeculationPrior:
                                   + share * policy.alternative_calibration)
         if policy.draft_s_per_token > 0:
             self._draft_s = _ema(self._draft_s, policy.draft_s_per_token)
+        self._verify = (1 - share) * self._verify + share * policy.verify.per_token
 
     def new_policy(self) -> AdaptiveSpeculation:
         policy = AdaptiveSpeculation()
         if self.known:
-            policy.start_from(self._rates, self._draft_s)
+            policy.start_from(self._rates, self._draft_s, self._verify)
         if self._confident:
             policy.start_confident(self._calibration, self._gain, self._alternatives)
         return policy

@@ -6,9 +6,11 @@ tends to stay right). From those rates and the relative cost of drafting and ver
 it picks the k that maximises expected committed tokens per unit of time:
 
     tokens(k) = 1 + sum_{j<k} prod_{i<=j} p_i    (the 1 is the recovered or bonus token)
-    cost(k)   = 1 + (VERIFY_COST_PER_TOKEN + draft_cost_per_token) * k
+    cost(k)   = 1 + (verify_cost_per_token + draft_cost_per_token) * k
 
-With equal p_i this is Leviathan et al. (2023), eq. 1. k grows while drafts are
+With equal p_i this is Leviathan et al. (2023), eq. 1. The verify cost per token is
+measured from the sequence's own rounds (``VerifyCost``), starting from
+VERIFY_COST_PER_TOKEN or what earlier requests measured. k grows while drafts are
 accepted, shrinks after early rejections, and falls back to plain decoding (k = 0)
 when speculation stops paying; it probes again every PROBE_INTERVAL rounds.
 
@@ -70,6 +72,63 @@ def confidence_bin(confidence: float) -> int:
     return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
 
 
+VERIFY_FIT_DECAY = 0.95  # weight of older rounds in the verify-cost fit
+
+
+@dataclass
+class VerifyCost:
+    """What verifying costs, fitted from a sequence's own rounds: seconds of a pass as
+    ``step_s * (1 + per_token * verified)``. A target whose products cost little more for
+    a few tokens than for one (packed float weights) keeps about VERIFY_COST_PER_TOKEN;
+    one whose kernel's time grows with the tokens (the CPU's int4 kernel) measures far
+    more, and speculation must then be surer to pay. Starts on the ``prior`` line."""
+
+    prior: float = VERIFY_COST_PER_TOKEN
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def observe(self, verified: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self._w == 0:  # the prior line through the first round, worth one round
+            step = seconds / (1 + self.prior * verified)
+            for x in (0, MAX_DRAFT_TOKENS):
+                self._add(x, step * (1 + self.prior * x), 0.5)
+        d = VERIFY_FIT_DECAY
+        self._w, self._x, self._y, self._xx, self._xy = (
+            d * self._w, d * self._x, d * self._y, d * self._xx, d * self._xy)
+        self._add(verified, seconds, 1.0)
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self._w += w
+        self._x += w * x
+        self._y += w * y
+        self._xx += w * x * x
+        self._xy += w * x * y
+
+    def _line(self) -> tuple[float, float]:
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        slope = (self._xy / self._w - mean_x * mean_y) / var if var > 1e-9 else 0.0
+        return max(mean_y - slope * mean_x, 1e-9), max(slope, 0.0)
+
+    @property
+    def step_s(self) -> float:
+        """A pass verifying nothing (0 until a round was seen)."""
+        return self._line()[0] if self._w else 0.0
+
+    @property
+    def per_token(self) -> float:
+        """One more verified token, in target steps."""
+        if not self._w:
+            return self.prior
+        step, slope = self._line()
+        return min(slope / step, 2.0)
+
+
 @dataclass
 class AdaptiveSpeculation:
     max_tokens: int = MAX_DRAFT_TOKENS
@@ -78,7 +137,7 @@ class AdaptiveSpeculation:
     _tries: list[float] = field(default_factory=_initial_tries)  # i drafted, all before kept
     _hits: list[float] = field(default_factory=_initial_hits)  # ... and i accepted too
     _plain_rounds: int = 0
-    _step_s: float = 0.0  # measured plain target step time
+    verify: VerifyCost = field(default_factory=VerifyCost)  # measured verify cost
     draft_s_per_token: float = 0.0  # measured drafting time per draft token, seconds
     drafted_rounds: int = 0  # rounds that verified at least one draft token
     informed: bool = False  # started from rates earlier requests measured (a prior)
@@ -141,7 +200,7 @@ class AdaptiveSpeculation:
             return True
         run, tokens, cost = self._round_so_far(confidences[:-1])
         chance = run * self.accept_chance(confidences[-1])
-        return chance * cost >= VERIFY_COST_PER_TOKEN * tokens
+        return chance * cost >= self.verify.per_token * tokens
 
     def worth_continuing(self, confidences: Sequence[float]) -> bool:
         """Whether to draft another token after ``confidences`` (all proposed), before
@@ -150,7 +209,7 @@ class AdaptiveSpeculation:
         far already says would be withheld."""
         run, tokens, cost = self._round_so_far(confidences)
         chance = run * self.mean_acceptance()
-        return chance * cost >= (VERIFY_COST_PER_TOKEN + self.draft_cost_per_token) * tokens
+        return chance * cost >= (self.verify.per_token + self.draft_cost_per_token) * tokens
 
     @property
     def alternative_calibration(self) -> float:
@@ -168,12 +227,12 @@ class AdaptiveSpeculation:
         token to the verify pass, so it must beat that token's cost at the rate the round
         promises (as ``worth_proposing``; its drafting cost is already paid)."""
         _, tokens, cost = self._round_so_far(confidences)
-        return self.alternative_chance(confidence) * cost >= VERIFY_COST_PER_TOKEN * tokens
+        return self.alternative_chance(confidence) * cost >= self.verify.per_token * tokens
 
     def _round_so_far(self, confidences: Sequence[float]) -> tuple[float, float, float]:
         """(chance that every draft so far is accepted, expected committed tokens, cost
         in target steps) of a round whose proposed drafts had ``confidences``."""
-        per_token = VERIFY_COST_PER_TOKEN + self.draft_cost_per_token
+        per_token = self.verify.per_token + self.draft_cost_per_token
         run = tokens = cost = 1.0
         for confidence in confidences:
             run *= self.accept_chance(confidence)
@@ -212,8 +271,7 @@ class AdaptiveSpeculation:
         the drafter's probability of the alternative verified beside the draft (None:
         there was none); ``accepted`` counts the draft's tokens, not the alternative."""
         verified = drafted + (alternative is not None)
-        if verify_s > 0:  # a verify of k drafts costs about (1 + VERIFY_COST_PER_TOKEN * k) steps
-            self._step_s = _ema(self._step_s, verify_s / (1 + VERIFY_COST_PER_TOKEN * verified))
+        self.verify.observe(verified, verify_s)
         if alternative is not None:
             self._alt_promised = HISTORY_DECAY * self._alt_promised + alternative
             self._alt_taken = HISTORY_DECAY * self._alt_taken + alternative_taken
@@ -233,8 +291,8 @@ class AdaptiveSpeculation:
         self._draft_steps_seen += steps
         if draft_s > 0 and not first:
             self.draft_s_per_token = _ema(self.draft_s_per_token, draft_s / steps)
-        if draft_s > 0 and self._step_s > 0 and not first:
-            per_token = draft_s / steps / self._step_s
+        if draft_s > 0 and self.verify.step_s > 0 and not first:
+            per_token = draft_s / steps / self.verify.step_s
             self.draft_cost_per_token = _ema(self.draft_cost_per_token, per_token)
         if confidences:
             self._calibrate(drafted, accepted, confidences, steps)
@@ -250,7 +308,7 @@ class AdaptiveSpeculation:
         self.confident = True
         self.confident_rounds += 1
         _, tokens, _ = self._round_so_far(confidences[:drafted])
-        cost = 1 + VERIFY_COST_PER_TOKEN * drafted + self.draft_cost_per_token * steps
+        cost = 1 + self.verify.per_token * drafted + self.draft_cost_per_token * steps
         self._gain_tokens = HISTORY_DECAY * self._gain_tokens + tokens
         self._gain_cost = HISTORY_DECAY * self._gain_cost + cost
         self._bin_tries = [HISTORY_DECAY * t for t in self._bin_tries]
@@ -276,17 +334,19 @@ class AdaptiveSpeculation:
     def best_k(self) -> int:
         best_k, best_rate = 0, 1.0
         for k, tokens in enumerate(self.expected_tokens(self.max_tokens), start=1):
-            cost = 1 + (VERIFY_COST_PER_TOKEN + self.draft_cost_per_token) * k
+            cost = 1 + (self.verify.per_token + self.draft_cost_per_token) * k
             if tokens / cost > best_rate * (MIN_GAIN if best_k == 0 else 1.0):
                 best_k, best_rate = k, tokens / cost
         return best_k
 
-    def start_from(self, rates: Sequence[float], draft_s_per_token: float) -> None:
+    def start_from(self, rates: Sequence[float], draft_s_per_token: float,
+                   verify_per_token: float = VERIFY_COST_PER_TOKEN) -> None:
         """Start from the per-position acceptance rates earlier requests measured (worth
         INITIAL_WEIGHT rounds, so this request's own rounds soon dominate)."""
         self._tries = [INITIAL_WEIGHT] * MAX_DRAFT_TOKENS
         self._hits = [INITIAL_WEIGHT * rate for rate in rates]
         self.draft_s_per_token = draft_s_per_token
+        self.verify = VerifyCost(prior=verify_per_token)
         self.k = max(self.best_k(), MIN_DRAFT_TOKENS)  # one token to measure itself
         self.informed = True
 
