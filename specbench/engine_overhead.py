@@ -60,7 +60,7 @@ def _step_ms(target: Target, prompt: Sequence[int], steps: int) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target, args.dtype)
+    target = load_target(args.target, args.dtype, quantize=args.quantize)
     drafter = load_drafter(args.draft, target) if args.draft != "none" else None
     engine = Engine(target, {"d": drafter} if drafter else {}, "d" if drafter else None)
     engine.warmup()
@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
     medians = {name: round(statistics.median(values), 3) for name, values in rows.items()}
-    return {"target": args.target, "dtype": args.dtype, "draft": args.draft,
+    return {"target": args.target, "dtype": args.dtype, "quantize": args.quantize,
+            "draft": args.draft,
             "threads": torch.get_num_threads(), "ms_per_token": medians,
             "engine_over_step": round(medians["engine"] / medians["step"], 3),
             "decode_over_step": round(medians["decode"] / medians["step"], 3),
@@ -91,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="default")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", default="none", help="auto (a GGUF's own weights), "
+                        "none, int8, int4")
     parser.add_argument("--draft", default="none", help="a draft spec, or none (plain)")
     parser.add_argument("--prompt-set", default="chat")
     parser.add_argument("--prompts", type=int, default=4)
