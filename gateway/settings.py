@@ -185,8 +185,10 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                           "default 3600)"}),
     ("--prefix-block-tokens", {"type": int, "help": "tokens per cached KV block "
                                                     "(SPECSERVE_PREFIX_BLOCK_TOKENS, default 64)"}),
-    ("--redis-timeout", {"type": float, "help": "seconds per Redis call before it counts as a "
-                                                "miss (SPECSERVE_REDIS_TIMEOUT, default 0.05)"}),
+    ("--redis-timeout", {"type": float, "help": "seconds without a byte from Redis before it "
+                                                "counts as down: a miss, and skipped for a second; "
+                                                "long reads get more time by their size "
+                                                "(SPECSERVE_REDIS_TIMEOUT, default 0.05)"}),
     ("--otlp-endpoint", {"help": "OTLP/HTTP endpoint for traces (SPECSERVE_OTLP_ENDPOINT; the "
                                  "standard OTEL_EXPORTER_OTLP_* variables work too)"}),
     ("--log-format", {"choices": ["json", "text"], "help": "SPECSERVE_LOG_FORMAT, default json"}),
