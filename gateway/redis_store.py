@@ -2,14 +2,15 @@
 
 Redis is an accelerator, never a dependency. Reads are bounded by progress,
 not by one fixed time for the whole payload: the keys go out in pipelined
-batches of GETs, every socket read must make progress within ``timeout_s``,
-and the whole read may take ``timeout_s`` plus the bytes received at
-``min_rate``; a read past that is cut at a block boundary and the blocks
-already read are returned (a cut is counted, not an error). A Redis that is
-down or sends nothing at all within ``timeout_s`` is an error and opens a
-short circuit, so that a dead or hanging Redis does not cost every request a
-timeout. Writes go through a background thread, off the model thread, with a
-timeout that allows for their size. The client reconnects by itself.
+batches of GETs, the first reply must come within ``timeout_s`` and every
+later socket read make progress within ``MID_READ_STALL_S``, and the whole
+read may take ``timeout_s`` plus the bytes received at ``min_rate``; a read
+past that is cut at a block boundary and the blocks already read are returned
+(a cut is counted, not an error). A Redis that is down or sends nothing at
+all within ``timeout_s`` is an error and opens a short circuit, so that a
+dead or hanging Redis does not cost every request a timeout. Writes go
+through a background thread, off the model thread, with a timeout that
+allows for their size. The client reconnects by itself.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CIRCUIT_OPEN_S = 1.0  # after a failure, skip Redis for this long
 KEY_PREFIX = b"specserve:"
 BATCH_KEYS = 4  # GETs per pipelined batch (one KV block each)
 WINDOW = 2  # batches in flight: Redis builds the next while this one is read
+MID_READ_STALL_S = 0.25  # once Redis has answered, a pause this long cuts the read
 WRITE_TIMEOUT_S = 2.0  # per socket write in the background writer
 MAX_PENDING_BYTES = 1 << 30  # queued writes beyond this are dropped
 
@@ -121,9 +123,12 @@ class RedisStore:
 
         for batch in batches[:WINDOW]:
             send(batch)
+        alive = max(self.timeout_s, MID_READ_STALL_S)
         for index, batch in enumerate(batches):
-            for _ in batch:
-                yield conn.read_response(disable_decoding=True)
+            for position in range(len(batch)):
+                first = index == 0 and position == 0
+                yield conn.read_response(disable_decoding=True,
+                                         timeout=self.timeout_s if first else alive)
             if index + WINDOW < len(batches):
                 send(batches[index + WINDOW])
 
