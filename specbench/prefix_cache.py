@@ -75,40 +75,51 @@ def busy(engine: Engine, streams: int) -> Iterator[None]:
 
 def engine_rows(target: CausalLM, stores: dict[str, PrefixStore], sizes: list[int],
                 loads: list[str]) -> list[dict[str, Any]]:
+    """Per prefix size and load: one uncached request (a miss costs the same whatever
+    the store), its blocks copied to every store, then one cached request per store."""
+    namespace = f"bench-{uuid.uuid4().hex}"
+    caches = {name: PrefixCache(store, namespace) for name, store in stores.items()}
+    engine = Engine(target, max_active=BUSY_STREAMS + 1)
+    engine.warmup()  # as a server does: no first-use kernel setup inside a measurement
+    engine.start()
     rows = []
-    for name, store in stores.items():
-        cache = PrefixCache(store, f"bench-{uuid.uuid4().hex}")
-        engine = Engine(target, prefix_cache=cache, max_active=BUSY_STREAMS + 1)
-        engine.warmup()  # as a server does: no first-use kernel setup inside a measurement
-        engine.start()
-        try:
-            for size in sizes:
-                for load in loads:
-                    rows.append(_pair(engine, cache, name, size, load))
-                    print(_line(rows[-1]), file=sys.stderr, flush=True)
-        finally:
-            engine.shutdown()
+    try:
+        for size in sizes:
+            for load in loads:
+                with busy(engine, BUSY_STREAMS if load == "busy" else 0):
+                    rows += _pairs(engine, caches, size, load)
+                for row in rows[-len(caches):]:
+                    print(_line(row), file=sys.stderr, flush=True)
+    finally:
+        engine.shutdown()
     return rows
 
 
-def _pair(engine: Engine, cache: PrefixCache, store: str, size: int, load: str
-          ) -> dict[str, Any]:
-    """Uncached, then cached TTFT for one prefix size under one load."""
+def _pairs(engine: Engine, caches: dict[str, PrefixCache], size: int, load: str
+           ) -> list[dict[str, Any]]:
     tokenizer = engine.target.tokenizer
     system = rules(size, uuid.uuid4().hex[:8], tokenizer)
-    before = _counts(cache)
-    with busy(engine, BUSY_STREAMS if load == "busy" else 0):
-        uncached, reused_cold = _ttft(engine, tuple(encode_chat(
-            tokenizer, chat(system, "Which floor is breakfast on for room 142?"))))
+    first = next(iter(caches.values()))
+    engine.prefix_cache = first  # read when a request is admitted
+    uncached, _ = _ttft(engine, tuple(encode_chat(
+        tokenizer, chat(system, "Which floor is breakfast on for room 142?"))))
+    prompt = tuple(encode_chat(tokenizer, chat(system, "When can room 117 check out?")))
+    keys = first.block_keys(prompt[:-1])
+    blocks = [(k, v) for k, v in zip(keys, first.store.get_many(keys), strict=True) if v]
+    rows = []
+    for name, cache in caches.items():
+        if cache is not first:
+            cache.store.put_many(blocks)
         cache.store.flush()
-        prompt = tuple(encode_chat(tokenizer, chat(system, "When can room 117 check out?")))
+        before = _counts(cache)
+        engine.prefix_cache = cache
         cached, reused = _ttft(engine, prompt)
-    after = _counts(cache)
-    return {"case": "engine", "store": store, "load": load, "prefix_tokens": size,
-            "prompt_tokens": len(prompt), "cached_tokens": reused,
-            "uncached_cached_tokens": reused_cold, "uncached_s": uncached, "cached_s": cached,
-            "ratio": cached / uncached,
-            **{k: after[k] - before[k] for k in after}}
+        after = _counts(cache)
+        rows.append({"case": "engine", "store": name, "load": load, "prefix_tokens": size,
+                     "prompt_tokens": len(prompt), "cached_tokens": reused,
+                     "uncached_s": uncached, "cached_s": cached, "ratio": cached / uncached,
+                     **{k: after[k] - before[k] for k in after}})
+    return rows
 
 
 def _counts(cache: PrefixCache) -> dict[str, int]:
