@@ -26,14 +26,14 @@ from decoding.prefix_cache import CacheStats
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 0.05  # no byte for this long: Redis is down or hung
+DEFAULT_TIMEOUT_S = 0.2  # no first reply for this long: Redis is down or hung
 DEFAULT_TTL_S = 3600
-DEFAULT_MIN_RATE = 50e6  # bytes/s a long read must keep up (prefill on CPU is slower)
+DEFAULT_MIN_RATE = 10e6  # bytes/s a long read must keep up, on a machine short of CPU too
 CIRCUIT_OPEN_S = 1.0  # after a failure, skip Redis for this long
 KEY_PREFIX = b"specserve:"
 BATCH_KEYS = 4  # GETs per pipelined batch (one KV block each)
 WINDOW = 2  # batches in flight: Redis builds the next while this one is read
-MID_READ_STALL_S = 0.25  # once Redis has answered, a pause this long cuts the read
+MID_READ_STALL_S = 1.0  # once Redis has answered, a pause this long cuts the read
 WRITE_TIMEOUT_S = 2.0  # per socket write in the background writer
 MAX_PENDING_BYTES = 1 << 30  # queued writes beyond this are dropped
 
@@ -115,7 +115,8 @@ class RedisStore:
 
     def _replies(self, conn: Any, keys: Sequence[bytes]) -> Iterator[object]:
         """Each GET's reply in order, keeping ``WINDOW`` batches in flight."""
-        batches = [keys[i : i + BATCH_KEYS] for i in range(0, len(keys), BATCH_KEYS)]
+        # the first batch is one value, so the first reply comes as soon as Redis can
+        batches = [keys[:1]] + [keys[i : i + BATCH_KEYS] for i in range(1, len(keys), BATCH_KEYS)]
 
         def send(batch: Sequence[bytes]) -> None:
             commands = [("GET", KEY_PREFIX + key) for key in batch]
