@@ -4,8 +4,11 @@ A prompt is cut into fixed-size token blocks. Block i's key hashes block
 i-1's key with block i's tokens, under a namespace naming the model, its
 revision, the KV dtype and this format's version, so the longest cached
 prefix is found block by block and a key can never be reused by another model.
-The value is the target's KV for that block in a compact binary layout with a
-checksum; anything that does not check out is a miss.
+The value is the target's KV for that block, in the dtype it was computed in
+(nothing is rounded, so a hit gives exactly the output a miss would), in a
+compact binary layout with a CRC-32; anything that does not check out is a
+miss. A store may return only the first blocks of a long read (the rest None);
+what it returned is used and the rest of the prompt is prefilled.
 
 The same store remembers which tokens followed a context (keyed by a hash of
 the last ``CONTEXT_TOKENS`` tokens), which feeds the continuation drafter.
@@ -21,6 +24,8 @@ import hashlib
 import struct
 import threading
 import time
+import warnings
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_BLOCK_TOKENS = 64
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 CONTEXT_TOKENS = 8  # tokens hashed to key a remembered continuation
@@ -36,21 +41,29 @@ CONTINUATION_TOKENS = 16  # tokens remembered after each context
 _MAGIC = b"SSKV"
 # magic, format version, layers, kv heads, head dim, tokens, block index, dtype code
 _HEADER = struct.Struct("<4sHHHHHHB")
-_DIGEST = 16
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_BODY = 32  # the header padded, so that the tensors start aligned
+_CRC = struct.Struct("<I")
+# every dtype a KV may be kept in; codes are part of the format
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
+           torch.uint8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 _DTYPE_BY_CODE = {v: k for k, v in _DTYPES.items()}
 _TOKENS = struct.Struct("<I")
 
 
 class PrefixStore(Protocol):
     """A byte store. Implementations swallow their own failures: a failed get is
-    a miss, a failed put is dropped, and both are counted in ``stats``."""
+    a miss, a failed put is dropped, and both are counted in ``stats``. A get may
+    stop early (a slow read): the values it did read come first, the rest None."""
 
     stats: CacheStats
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None: ...
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the writes made so far are readable (False: ``timeout_s`` passed)."""
+        ...
 
 
 @dataclass
@@ -60,6 +73,10 @@ class CacheStats:
     lookups: int = 0  # prefix lookups (one per request)
     hits: int = 0  # lookups that reused at least one block
     hit_tokens: int = 0  # prompt tokens whose KV was reused
+    partial_hits: int = 0  # hits that reused only some of the prompt's full blocks
+    fetched_bytes: int = 0  # bytes of KV blocks read from the store
+    reads_cut: int = 0  # store reads cut short at a block boundary (slow, not failed)
+    puts_dropped: int = 0  # writes dropped because too much was waiting to be written
     continuation_lookups: int = 0
     continuation_hits: int = 0
     errors: int = 0  # store failures and rejected (corrupt) values
@@ -112,6 +129,9 @@ class InProcessStore:
                 self._bytes += len(value) + len(key)
                 while self._bytes > self.max_bytes:
                     self._drop(next(iter(self._items)))
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True  # writes are readable at once
 
     def _drop(self, key: bytes) -> None:
         value, _ = self._items.pop(key)
@@ -168,23 +188,26 @@ class PrefixCache:
             return None
         values = self.store.get_many(keys)
         blocks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        fetched = 0
         for index, value in enumerate(values):
             if value is None:
                 break
+            fetched += len(value)
             kv = _decode_block(value, index, layers, self.block_tokens)
             if kv is None:
                 self.stats.add(errors=1)
                 break
             blocks.append(kv)
+        self.stats.add(fetched_bytes=fetched)
         if not blocks:
             return None
-        merged = [
+        merged = [  # one copy out of the fetched bytes
             (torch.cat([b[layer][0] for b in blocks], dim=2),
              torch.cat([b[layer][1] for b in blocks], dim=2))
             for layer in range(layers)
         ]
         tokens = len(blocks) * self.block_tokens
-        self.stats.add(hits=1, hit_tokens=tokens)
+        self.stats.add(hits=1, hit_tokens=tokens, partial_hits=int(len(blocks) < len(keys)))
         return PrefixHit(tokens=tokens, kv=merged)
 
     def store_prefix(
@@ -197,10 +220,11 @@ class PrefixCache:
         keys = self.block_keys(prompt_ids[:-1])
         size = self.block_tokens
         items = []
+        staging = torch.empty(block_bytes(kv, size), dtype=torch.uint8) if kv else None
         for index in range(skip_blocks, len(keys)):
             start = index * size
             block = [(k[:, :, start : start + size], v[:, :, start : start + size]) for k, v in kv]
-            items.append((keys[index], _encode_block(block, index)))
+            items.append((keys[index], _encode_block(block, index, staging)))
         if items:
             self.store.put_many(items)
 
@@ -234,27 +258,46 @@ class PrefixCache:
             self.store.put_many(items)
 
 
-def _encode_block(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], index: int) -> bytes:
+def _encode_block(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], index: int,
+                  staging: torch.Tensor | None = None) -> bytes:
+    """Header, each layer's keys then values as they are in memory, CRC-32.
+    ``staging``: a uint8 buffer of the value's size to reuse (fresh memory is slow)."""
     first = kv[0][0]  # [1, heads, tokens, head_dim]
     _, heads, tokens, head_dim = first.shape
     header = _HEADER.pack(_MAGIC, FORMAT_VERSION, len(kv), heads, head_dim, tokens, index,
                           _DTYPES[first.dtype])
-    parts = [header]
+    per_tensor = first.numel() * first.element_size()
+    size = _BODY + 2 * len(kv) * per_tensor
+    buffer = staging if staging is not None else torch.zeros(size + _CRC.size, dtype=torch.uint8)
+    raw = buffer.numpy()
+    raw[:_BODY] = 0
+    raw[: _HEADER.size] = memoryview(header)
+    offset = _BODY
     for k, v in kv:
-        for t in (k, v):
-            parts.append(t.contiguous().view(torch.uint8).numpy().tobytes())
-    payload = b"".join(parts)
-    return payload + hashlib.blake2b(payload, digest_size=_DIGEST).digest()
+        for t in (k, v):  # one copy from the (strided) cache into the value
+            buffer[offset : offset + per_tensor].view(t.dtype).view(t.shape).copy_(t)
+            offset += per_tensor
+    view = memoryview(raw.data)
+    _CRC.pack_into(view, size, zlib.crc32(view[:size]))
+    return raw.tobytes()
+
+
+def block_bytes(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: int) -> int:
+    """The size of one encoded block of ``tokens`` positions of this KV."""
+    first = kv[0][0]  # [1, heads, length, head_dim]
+    return _BODY + 2 * len(kv) * first.shape[1] * tokens * first.shape[3] * first.element_size() \
+        + _CRC.size
 
 
 def _decode_block(
     value: bytes, index: int, layers: int, block_tokens: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Parse and check one block; None if anything is off (a corrupt value is a miss)."""
-    if len(value) < _HEADER.size + _DIGEST:
+    """Parse and check one block into read-only views of ``value``; None if anything
+    is off (a corrupt value is a miss)."""
+    if len(value) < _BODY + _CRC.size:
         return None
-    payload, digest = value[:-_DIGEST], value[-_DIGEST:]
-    if hashlib.blake2b(payload, digest_size=_DIGEST).digest() != digest:
+    payload = memoryview(value)[: -_CRC.size]
+    if zlib.crc32(payload) != _CRC.unpack_from(value, len(payload))[0]:
         return None
     magic, version, n_layers, heads, head_dim, tokens, stored_index, code = _HEADER.unpack_from(
         payload)
@@ -263,9 +306,11 @@ def _decode_block(
             or tokens != block_tokens or stored_index != index):
         return None
     per_tensor = heads * tokens * head_dim * torch.empty((), dtype=dtype).element_size()
-    if len(payload) != _HEADER.size + 2 * layers * per_tensor:
+    if len(payload) != _BODY + 2 * layers * per_tensor:
         return None
-    flat = torch.frombuffer(bytearray(payload[_HEADER.size :]), dtype=torch.uint8)
+    with warnings.catch_warnings():  # the views are only read (copied out by the caller)
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(payload, dtype=torch.uint8, offset=_BODY)
     out = []
     for layer in range(layers):
         tensors = []

@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int = Field(default=512 * MIB, ge=0)
     cache_ttl: int = Field(default=3600, ge=1)
     prefix_block_tokens: int = Field(default=64, ge=1, le=4096)
-    redis_timeout: float = Field(default=0.05, gt=0)
+    redis_timeout: float = Field(default=0.2, gt=0)
     # -- observability -----------------------------------------------------------------
     otlp_endpoint: str | None = None
     log_format: Literal["json", "text"] = "json"
@@ -197,8 +197,10 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                           "default 3600)"}),
     ("--prefix-block-tokens", {"type": int, "help": "tokens per cached KV block "
                                                     "(SPECSERVE_PREFIX_BLOCK_TOKENS, default 64)"}),
-    ("--redis-timeout", {"type": float, "help": "seconds per Redis call before it counts as a "
-                                                "miss (SPECSERVE_REDIS_TIMEOUT, default 0.05)"}),
+    ("--redis-timeout", {"type": float, "help": "seconds without a byte from Redis before it "
+                                                "counts as down: a miss, and skipped for a second; "
+                                                "long reads get more time by their size "
+                                                "(SPECSERVE_REDIS_TIMEOUT, default 0.2)"}),
     ("--otlp-endpoint", {"help": "OTLP/HTTP endpoint for traces (SPECSERVE_OTLP_ENDPOINT; the "
                                  "standard OTEL_EXPORTER_OTLP_* variables work too)"}),
     ("--log-format", {"choices": ["json", "text"], "help": "SPECSERVE_LOG_FORMAT, default json"}),

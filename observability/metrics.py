@@ -135,6 +135,14 @@ class _CacheCollector(Collector):
             "prefix_cache_lookups": ("lookups", "Prefix cache lookups (one per request)."),
             "prefix_cache_hits": ("hits", "Lookups that reused at least one cached block."),
             "prefix_cache_hit_tokens": ("hit_tokens", "Prompt tokens whose KV was reused."),
+            "prefix_cache_partial_hits": ("partial_hits", "Hits that reused only some of the "
+                                          "prompt's full blocks (the rest was prefilled)."),
+            "prefix_cache_fetched_bytes": ("fetched_bytes", "Bytes of KV blocks read from "
+                                           "the store."),
+            "prefix_cache_reads_cut": ("reads_cut", "Store reads cut short at a block boundary "
+                                       "because they were too slow (blocks read were used)."),
+            "prefix_cache_puts_dropped": ("puts_dropped", "Writes dropped because too much was "
+                                          "waiting to be written."),
             "continuation_cache_lookups": ("continuation_lookups",
                                            "Continuation drafter lookups."),
             "continuation_cache_hits": ("continuation_hits",

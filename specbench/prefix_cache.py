@@ -1,137 +1,232 @@
-"""Time to first token with a cached prompt prefix, and repeated requests with
-continuation drafts, against the default model; in process and through Redis.
+"""Time to first token with a cached prompt prefix, against the default model:
+2k- and 8k-token prefixes, cached in process and through Redis, on a quiet
+engine and with two other streams decoding; then two ``specserve serve``
+replicas sharing one Redis (the second on a prefix the first cached).
 
-    python specbench/prefix_cache.py [--redis-url URL] [--prefix-tokens 2000] [--json PATH]
+    python -m specbench.prefix_cache [--redis-url URL] [--prefix-tokens 2048,7900]
+        [--loads quiet,busy] [--cases engine,replicas,compression] [--json PATH]
 
-Prints a table and writes JSON. Ratios are measured side by side in one run.
+Without ``--redis-url`` a throwaway redis-server is started (if installed).
+Every cached TTFT is divided by the uncached TTFT measured right before it
+under the same conditions (same engine, same load); a fresh nonce at the start
+of the system prompt makes the uncached request share no block with anything
+cached. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from decoding import model_store
-from decoding.drafters.combined import CombinedDrafter
-from decoding.drafters.continuation import ContinuationDrafter
-from decoding.drafters.ngram import NgramDrafter
+from decoding.engine import Engine
 from decoding.factory import load_target
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from specbench.prefix_replicas import chat, redis_url_or_local, replica_rows, rules
 
-SYSTEM = (
-    "You are the support assistant of a company that rents out bicycles in a coastal town. "
-    "Answer briefly and politely. Policies: rentals start at nine in the morning and end at "
-    "seven in the evening; helmets are free; electric bicycles need a deposit; children under "
-    "twelve ride with an adult; a flat tyre is repaired free of charge during the rental. "
-)
+GREEDY = SamplingParams(temperature=0.0)
+BUSY_STREAMS = 2
 
 
-def _prompt(target: CausalLM, prefix_tokens: int, question: str) -> tuple[int, ...]:
-    system = SYSTEM
-    while len(target.tokenizer.encode(system)) < prefix_tokens:
-        system += SYSTEM
-    return tuple(encode_chat(target.tokenizer, [{"role": "system", "content": system},
-                                                {"role": "user", "content": question}]))
-
-
-def _ttft(target: CausalLM, prompt: tuple[int, ...], cache: PrefixCache | None) -> float:
-    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=1,
-                                sampling=SamplingParams(temperature=0.0))
+def _ttft(engine: Engine, prompt: tuple[int, ...]) -> tuple[float, int]:
+    """Seconds from submit to the first token, and the prompt tokens reused."""
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=2, sampling=GREEDY)
     start = time.perf_counter()
-    for _ in decode(target, None, request, prefix_cache=cache):
+    stream = engine.submit(request)
+    events = iter(stream)
+    first = next(events)
+    seconds = time.perf_counter() - start
+    for _ in events:
         pass
-    return time.perf_counter() - start
+    return seconds, first.cached_tokens
 
 
-def _median(fn: Callable[[], float], repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
+@contextmanager
+def busy(engine: Engine, streams: int) -> Iterator[None]:
+    """``streams`` long greedy generations decoding on the engine meanwhile."""
+    prompt = tuple(encode_chat(engine.target.tokenizer, [
+        {"role": "user", "content": "Tell a very long story about a lighthouse keeper."}]))
+    running = [engine.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=6000,
+                                               sampling=GREEDY)) for _ in range(streams)]
+    threads = [threading.Thread(target=lambda s=s: [None for _ in s], daemon=True)
+               for s in running]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.0)  # they are past their prefill and decoding
+        yield
+    finally:
+        for stream in running:
+            stream.cancel()
+        for thread in threads:
+            thread.join(timeout=60)
 
 
-def _stores(redis_url: str | None) -> dict[str, PrefixStore]:
-    stores: dict[str, PrefixStore] = {"in-process": InProcessStore(max_bytes=2 << 30)}
-    if redis_url:
-        from gateway.redis_store import RedisStore
-
-        stores["redis"] = RedisStore(redis_url, timeout_s=2.0)
-    return stores
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--redis-url", default=None)
-    parser.add_argument("--prefix-tokens", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default="bench-results/prefix_cache.json")
-    args = parser.parse_args()
-    target = load_target("default")
-    namespace = f"{model_store.revision(model_store.resolve('default'))}-{uuid.uuid4().hex}"
+def engine_rows(target: CausalLM, stores: dict[str, PrefixStore], sizes: list[int],
+                loads: list[str]) -> list[dict[str, Any]]:
+    """Per prefix size and load: one uncached request (a miss costs the same whatever
+    the store), its blocks copied to every store, then one cached request per store."""
+    namespace = f"bench-{uuid.uuid4().hex}"
+    caches = {name: PrefixCache(store, namespace) for name, store in stores.items()}
+    engine = Engine(target, max_active=BUSY_STREAMS + 1)
+    engine.warmup()  # as a server does: no first-use kernel setup inside a measurement
+    engine.start()
     rows = []
-    questions = iter(f"Question {i}: can I rent a bike at eight in the morning?" for i in range(99))
-    uncached = _median(lambda: _ttft(target, _prompt(target, args.prefix_tokens, next(questions)),
-                                     None), args.repeats)
-    prompt_len = len(_prompt(target, args.prefix_tokens, "x"))
-    rows.append({"case": "ttft", "store": "none", "prompt_tokens": prompt_len,
-                 "seconds": uncached, "ratio": 1.0})
-    for name, store in _stores(args.redis_url).items():
-        cache = PrefixCache(store, namespace + name, block_tokens=64)
-        _ttft(target, _prompt(target, args.prefix_tokens, "warm the shared prefix"), cache)
-        hit = _median(lambda c=cache: _ttft(  # type: ignore[misc]
-            target, _prompt(target, args.prefix_tokens, next(questions)), c), args.repeats)
-        rows.append({"case": "ttft", "store": name, "prompt_tokens": prompt_len,
-                     "seconds": hit, "ratio": hit / uncached})
-    rows.extend(_continuation_rows(target, namespace))
-    _print(rows)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"prefix_tokens": args.prefix_tokens, "rows": rows}, indent=2))
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
-
-
-def _continuation_rows(target: CausalLM, namespace: str) -> list[dict[str, object]]:
-    cache = PrefixCache(InProcessStore(), namespace + "continuation", block_tokens=64)
-    prompt = tuple(encode_chat(target.tokenizer, [
-        {"role": "user", "content": "Write a short story about a lighthouse keeper."}]))
-    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=128,
-                                sampling=SamplingParams(temperature=0.0))
-    rows: list[dict[str, object]] = []
-    drafters = {
-        "plain": None,
-        "ngram": NgramDrafter(),
-        "ngram+cache (repeat)": CombinedDrafter(
-            [NgramDrafter(), ContinuationDrafter(cache, target.vocab_size)]),
-    }
-    for _ in decode(target, None, request, prefix_cache=cache):  # first run fills the cache
-        pass
-    base = 0.0
-    for name, drafter in drafters.items():
-        start = time.perf_counter()
-        tokens = sum(len(e.token_ids) for e in decode(target, drafter, request))
-        rate = tokens / (time.perf_counter() - start)
-        base = base or rate
-        rows.append({"case": "repeat-request", "store": name, "tokens_per_s": rate,
-                     "ratio": rate / base})
+    try:
+        for size in sizes:
+            for load in loads:
+                with busy(engine, BUSY_STREAMS if load == "busy" else 0):
+                    rows += _pairs(engine, caches, size, load)
+                for row in rows[-len(caches):]:
+                    print(_line(row), file=sys.stderr, flush=True)
+    finally:
+        engine.shutdown()
     return rows
 
 
-def _print(rows: list[dict[str, object]]) -> None:
-    print(f"{'case':<16}{'store/drafter':<24}{'value':>12}{'ratio':>8}")
+def _pairs(engine: Engine, caches: dict[str, PrefixCache], size: int, load: str
+           ) -> list[dict[str, Any]]:
+    tokenizer = engine.target.tokenizer
+    system = rules(size, uuid.uuid4().hex[:8], tokenizer)
+    first = next(iter(caches.values()))
+    engine.prefix_cache = first  # read when a request is admitted
+    uncached, _ = _ttft(engine, tuple(encode_chat(
+        tokenizer, chat(system, "Which floor is breakfast on for room 142?"))))
+    prompt = tuple(encode_chat(tokenizer, chat(system, "When can room 117 check out?")))
+    keys = first.block_keys(prompt[:-1])
+    blocks = [(k, v) for k, v in zip(keys, first.store.get_many(keys), strict=True) if v]
+    rows = []
+    for name, cache in caches.items():
+        if cache is not first:
+            cache.store.put_many(blocks)
+        cache.store.flush()
+        before = _counts(cache)
+        engine.prefix_cache = cache
+        cached, reused = _ttft(engine, prompt)
+        after = _counts(cache)
+        rows.append({"case": "engine", "store": name, "load": load, "prefix_tokens": size,
+                     "prompt_tokens": len(prompt), "cached_tokens": reused,
+                     "uncached_s": uncached, "cached_s": cached, "ratio": cached / uncached,
+                     **{k: after[k] - before[k] for k in after}})
+    return rows
+
+
+def _counts(cache: PrefixCache) -> dict[str, int]:
+    s = cache.stats
+    return {"cache_errors": s.errors, "reads_cut": s.reads_cut, "fetched_bytes": s.fetched_bytes}
+
+
+def _line(row: dict[str, Any]) -> str:
+    where = f"{row['case']}/{row['store']}/{row.get('load', 'quiet')}"
+    return (f"{where:<26}{row['prefix_tokens']:>8}{row['cached_tokens']:>8}"
+            f"{row['uncached_s'] * 1000:>11.0f}{row['cached_s'] * 1000:>10.0f}"
+            f"{row['ratio']:>7.3f}{row['cache_errors']:>7}{row['reads_cut']:>5}"
+            f"{row['fetched_bytes'] / 1e6:>9.0f}")
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    print(f"{'case/store/load':<26}{'prefix':>8}{'reused':>8}{'uncached':>11}{'cached':>10}"
+          f"{'ratio':>7}{'errors':>7}{'cut':>5}{'MB read':>9}")
     for row in rows:
-        if "seconds" in row:
-            value = f"{float(row['seconds']) * 1000:.0f} ms"  # type: ignore[arg-type]
-        else:
-            value = f"{float(row['tokens_per_s']):.1f} t/s"  # type: ignore[arg-type]
-        print(f"{row['case']!s:<16}{row['store']!s:<24}{value:>12}{float(row['ratio']):>8.2f}")  # type: ignore[arg-type]
+        if row["case"] != "compression":
+            print(_line(row))
+    print(f"\n{'codec':<12}{'MB stored':>10}{'encode':>9}{'fetch':>9}{'ratio':>7}")
+    for row in rows:
+        if row["case"] == "compression":
+            print(f"{row['codec']:<12}{row['bytes'] / 1e6:>10.1f}{row['encode_s'] * 1000:>7.0f}ms"
+                  f"{row['fetch_s'] * 1000:>7.0f}ms{row['ratio']:>7.2f}")
+
+
+def compression_rows(target: CausalLM, redis_url: str, tokens: int = 2048
+                     ) -> list[dict[str, Any]]:
+    """The fetch of a prefix's real KV blocks from Redis, raw against zlib-compressed
+    (decompression included): lossless compression pays only if this is faster."""
+    import zlib
+
+    from gateway.redis_store import RedisStore
+
+    store = InProcessStore(max_bytes=4 << 30)
+    cache = PrefixCache(store, f"zlib-{uuid.uuid4().hex}")
+    prompt = tuple(encode_chat(target.tokenizer, chat(rules(tokens, "z", target.tokenizer), "?")))
+    engine = Engine(target, prefix_cache=cache)
+    engine.start()
+    try:
+        _ttft(engine, prompt)
+    finally:
+        engine.shutdown()
+    keys = cache.block_keys(prompt[:-1])
+    raw = [v for v in store.get_many(keys) if v is not None]
+    redis = RedisStore(redis_url)
+    rows: list[dict[str, Any]] = []
+    for level in (None, 1, 6):
+        start = time.perf_counter()
+        values = raw if level is None else [zlib.compress(v, level) for v in raw]
+        encode_s = time.perf_counter() - start
+        names = [f"zlib{level}-{uuid.uuid4().hex}".encode() for _ in values]
+        redis.put_many(list(zip(names, values, strict=True)))
+        redis.flush()
+        start = time.perf_counter()
+        got = redis.get_many(names)
+        if level is not None:
+            got = [zlib.decompress(v) for v in got if v is not None]
+        fetch_s = time.perf_counter() - start
+        assert got == raw, "the round trip changed the blocks"
+        rows.append({"case": "compression", "codec": "none" if level is None else f"zlib-{level}",
+                     "bytes": sum(len(v) for v in values), "raw_bytes": sum(len(v) for v in raw),
+                     "encode_s": encode_s, "fetch_s": fetch_s})
+    for row in rows:
+        row["ratio"] = row["fetch_s"] / rows[0]["fetch_s"]
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--prefix-tokens", default="2048,7900",
+                        help="prefix sizes, comma separated (the model's context is 8192)")
+    parser.add_argument("--loads", default="quiet,busy")
+    parser.add_argument("--stores", default="in-process,redis")
+    parser.add_argument("--cases", default="engine,replicas,compression")
+    parser.add_argument("--json", default="bench-results/prefix_cache.json")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.prefix_tokens.split(",")]
+    loads = args.loads.split(",")
+    wanted = args.stores.split(",")
+    with redis_url_or_local(args.redis_url) as redis_url:
+        from gateway.redis_store import RedisStore
+
+        stores: dict[str, PrefixStore] = {}
+        if "in-process" in wanted:
+            stores["in-process"] = InProcessStore(max_bytes=4 << 30)
+        if "redis" in wanted:
+            stores["redis"] = RedisStore(redis_url)  # the server's defaults
+        cases = args.cases.split(",")
+        rows = []
+        if "replicas" in cases:
+            rows += replica_rows(model_store.resolve("default"), redis_url, sizes)
+        target = load_target("default")
+        if "engine" in cases:
+            rows += engine_rows(target, stores, sizes, loads)
+        if "compression" in cases:
+            rows += compression_rows(target, redis_url)
+    _print(rows)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"prefix_tokens": sizes, "rows": rows}, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
