@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from decoding.constrained import ConstrainedDecoding, ConstrainedDraft
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal, draft_source
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
@@ -54,6 +55,7 @@ class RoundPlan:
     started: float = 0.0
     draft_s: float = 0.0
     policy: AdaptiveSpeculation | None = None  # the draft source's policy, told the outcome
+    constrained: ConstrainedDraft | None = None  # the draft as the grammar left it
 
 
 class ContextOverflowError(ValueError):
@@ -104,6 +106,10 @@ class SequenceDecoder:
         self._prefilled: int | None = None  # prompt tokens in the cache during round 0
         self._prefill_s = 0.0
         self._round_start = 0.0
+        # Grammar hook: the output must match the request's grammar (decoding/constrained.py).
+        spec = request.speculation
+        self.grammar = None if request.grammar is None else ConstrainedDecoding(
+            request.grammar, self.stop_ids, spec.enabled and spec.drafter != "none")
 
     @property
     def finished(self) -> bool:
@@ -169,6 +175,11 @@ class SequenceDecoder:
         else:
             proposal, draft_s = drafted
         remaining = self.max_new - len(self.output)
+        constrained = None
+        if self.grammar is not None:  # grammar hook: forced drafts lead, forbidden ones cut
+            constrained = self.grammar.draft(proposal, len(self.output), max(0, remaining - 1),
+                                             sampled=self.generator is not None)
+            proposal = constrained.proposal
         draft = list(proposal.tokens[: max(0, remaining - 1)])
         alternative = (proposal.alternative  # a draft token too: within the round's cap
                        if draft and len(draft) < self.policy.max_tokens
@@ -179,7 +190,8 @@ class SequenceDecoder:
         return RoundPlan(BatchItem(self.state, tokens, len(tokens),
                                    alternative=alternative is not None),
                          draft=draft, alternative=alternative, proposal=proposal,
-                         started=start, draft_s=draft_s, policy=self.policy)
+                         started=start, draft_s=draft_s, policy=self.policy,
+                         constrained=constrained)
 
     def draft_length(self, k: int | None = None) -> int:
         """How many tokens to draft next round: ``k`` (``None``: the policy's choice),
@@ -193,7 +205,9 @@ class SequenceDecoder:
         return max(0, min(k, remaining - 1))
 
     def draft_context(self) -> DraftContext:
-        return DraftContext(self.tokens, self.params, self.generator, judge=self)
+        tokens = (self.tokens if self.grammar is None  # grammar hook: after the forced tokens
+                  else self.grammar.context(self.tokens, len(self.output)))
+        return DraftContext(tokens, self.params, self.generator, judge=self)
 
     # How far a round drafts, as the drafting source's policy judges (``DraftJudge``).
     def worth_proposing(self, confidences: Sequence[float]) -> bool:
@@ -212,7 +226,7 @@ class SequenceDecoder:
         would need counts and a distribution of their own), on a target that runs
         token trees."""
         return (self.generator is None and not self.params.has_penalties
-                and self.target.branches)
+                and self.target.branches and self.grammar is None)
 
     def complete(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float
                  ) -> RoundEvent | None:
@@ -233,6 +247,9 @@ class SequenceDecoder:
         draft_probs = probs[: len(draft)] if probs is not None else None
         verify_start = time.perf_counter()
         verdict = verify(draft, draft_probs, scores, self.generator)
+        if self.grammar is not None:  # grammar hook: a cut sampled draft's residual
+            verdict = self.grammar.verified(verdict, draft, scores, plan.constrained,
+                                            self.generator)
         taken = (plan.alternative is not None and verdict.accepted == 0
                  and verdict.next_token == plan.alternative)
         if taken:  # greedy, unpenalised: the target's choice after the alternative is its argmax
@@ -247,18 +264,22 @@ class SequenceDecoder:
             self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
         verify_s = forward_s + time.perf_counter() - verify_start
         timing = RoundTiming(plan.draft_s, verify_s, 0.0)
-        if plan.policy is not None:
+        forced = plan.constrained.forced if plan.constrained is not None else 0
+        if plan.policy is not None:  # told about its own drafts, not the grammar's
             proposal = plan.proposal
-            confidences = proposal.confidence if proposal is not None else ()
+            confidences = proposal.confidence[forced:] if proposal is not None else ()
             plan.policy.update(
-                len(draft), verdict.accepted, timing.draft_s, timing.verify_s,
-                confidences[: len(draft) + 1],
+                len(draft) - forced, max(0, verdict.accepted - forced), timing.draft_s,
+                timing.verify_s, confidences[: len(draft) - forced + 1],
                 alternative=(proposal.alternative_confidence
                              if plan.alternative is not None and proposal is not None else None),
                 alternative_taken=taken)
         drafted = len(draft) + (plan.alternative is not None)
-        return self._commit(committed, drafted, 1 if taken else verdict.accepted, behind,
-                            timing, plan.started)
+        event = self._commit(committed, drafted, 1 if taken else verdict.accepted, behind,
+                             timing, plan.started)
+        if self.grammar is not None:
+            event = self.grammar.annotate(event, min(forced, verdict.accepted))
+        return event
 
     def undo(self, plan: RoundPlan) -> None:
         """Forget a planned round whose forward pass failed: the cache as it was."""
@@ -317,7 +338,10 @@ class SequenceDecoder:
         return self.drafter.propose(self.draft_state, self.draft_context(), k)
 
     def _process(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:  # [n, V]
-        """Penalties, then (when sampling) temperature/top-k/top-p into probabilities."""
+        """The grammar's mask, penalties, then (when sampling) temperature/top-k/top-p
+        into probabilities."""
+        if self.grammar is not None:  # grammar hook: mask every verified position
+            logits = self.grammar.mask(logits, draft)
         if self.params.has_penalties:
             if self._counts is None:
                 self._counts = output_counts(self.output, logits.shape[-1], logits.device)
@@ -348,6 +372,8 @@ class SequenceDecoder:
             new, finish = new[: update.tokens_used], FinishReason.STOP
         self.tokens.extend(new)
         self.output.extend(new)
+        if self.grammar is not None:  # grammar hook: keep the committed, drop the rejected
+            self.grammar.sync(self.output)
         if self._counts is not None:
             for token in new:
                 self._counts[token] += 1

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from decoding.constraints import Grammar
 
 
 class FinishReason(StrEnum):
@@ -71,6 +75,7 @@ class GenerationRequest:
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     timeout_s: float | None = None
     request_id: str = ""
+    grammar: Grammar | None = None  # the output must match it (structured outputs, tools)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -122,6 +127,9 @@ class RoundEvent:
     batch_size: int = 1  # sequences in the forward pass that verified this round
     draft_source: str = ""  # which of a combined drafter's sources drafted ("lookup", "model")
     error: str | None = None  # set only with FinishReason.ERROR; safe to show
+    constraint_s: float = 0.0  # seconds spent on grammar masks and matching this round
+    forced_tokens: int = 0  # grammar-forced draft tokens verified this round
+    forced_accepted: int = 0  # ... of which accepted
 
     @property
     def finished(self) -> bool:
