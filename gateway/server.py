@@ -46,6 +46,7 @@ from gateway.errors import install_error_handlers
 from gateway.middleware import RequestMetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.redis_store import RedisStore
+from gateway.responses_api import router as responses_router
 from gateway.routes import router
 from gateway.settings import Settings, add_settings_flags, settings_from_args
 from gateway.state import GatewayState
@@ -167,6 +168,7 @@ def create_app(
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)
     install_openapi(app, bearer=bool(settings.api_keys))
     app.add_middleware(RequestMetricsMiddleware, metrics=telemetry.metrics)
     if settings.cors_origins:
