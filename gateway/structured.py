@@ -57,6 +57,10 @@ async def request_grammar(state: GatewayState, engine: Engine, response_format: 
     if schema is None and plan is None:
         return None
     grammars = compiler(state, engine)
+    if state.telemetry is not None:
+        kind = "tools" if plan is not None else (
+            "json_object" if isinstance(response_format, JsonObjectFormat) else "json_schema")
+        state.telemetry.metrics.constrained_requests.labels(state.telemetry.model, kind).inc()
     where = "tools" if plan is not None else param
     try:
         return await asyncio.wait_for(asyncio.to_thread(_build, grammars, schema, plan),
