@@ -240,3 +240,22 @@ def test_masks_forbid_and_allow(tiny_target: CausalLM, compiler: GrammarCompiler
         compiler.eos_id]
     matcher.rollback(len(tok.encode("true")))
     assert not matcher.is_terminated() and matcher.allowed()[tok.encode("false")[0]]
+
+
+@pytest.mark.real_model
+def test_default_model_constrained_speculation_is_plain_constrained(
+        default_target: CausalLM) -> None:
+    """The real model, its shipped draft's architecture stood in by the target itself and
+    by lookup: constrained greedy output is token-identical to plain constrained."""
+    compiler = GrammarCompiler(default_target.tokenizer, default_target.vocab_size)
+    grammar = compiler.json_schema(PERSON)
+    prompt = "Alice is 30, likes green, and her tags are a and b. Her record as JSON:"
+    plain, _ = _run(default_target, None, _request(default_target, prompt, grammar,
+                                                   max_new=40, enabled=False), k=None)
+    for drafter in (None, NgramDrafter(),
+                    CombinedDrafter([NgramDrafter()], ModelDrafter(default_target,
+                                                                   default_target))):
+        out, events = _run(default_target, drafter,
+                           _request(default_target, prompt, grammar, max_new=40), k=None)
+        assert out == plain
+        assert sum(e.forced_accepted for e in events) > 0
