@@ -10,12 +10,15 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """Apply the model's chat template and open the assistant's turn."""
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """Apply the model's chat template and open the assistant's turn (``tools`` go to
+    a template that takes them)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use the completions endpoint")
+    extra = {"tools": [dict(t) for t in tools]} if tools else {}
     ids = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=True, tokenize=True,
+        [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, **extra,
     )
     if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding
         ids = ids["input_ids"]

@@ -90,6 +90,9 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
     if draft.alternative is not None:  # greedy, unpenalised: its row as the target gave it
         scores = torch.cat([scores, logits[-1:]])  # [k + 2, vocab]
     verdict = verify(draft.tokens, draft.probs, scores, seq.generator, draft.alternative)
+    if seq.grammar is not None:  # a sampled draft cut by the grammar: its residual
+        verdict = seq.grammar.verified(verdict, list(draft.tokens), scores, draft.constrained,
+                                       seq.generator)
     seq.keep(verdict, len(draft.tokens) + 1 + (draft.alternative is not None))
     timing = RoundTiming(draft.seconds, forward_s + time.perf_counter() - start, 0.0)
     seq.learn(draft, verdict, timing)
@@ -97,8 +100,12 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
               else logits)  # the logits each committed token came from
     drafted = k + (draft.alternative is not None)
     accepted = 1 if verdict.alternative_taken else verdict.accepted
-    return seq.commit(verdict.committed(draft.tokens), drafted, accepted, behind, timing,
-                      draft.started)
+    event = seq.commit(verdict.committed(draft.tokens), drafted, accepted, behind, timing,
+                       draft.started)
+    if seq.grammar is not None:
+        forced = draft.constrained.forced if draft.constrained is not None else 0
+        event = seq.grammar.annotate(event, min(forced, verdict.accepted))
+    return event
 
 
 def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: list[Outcome]

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from decoding.constrained import ConstrainedDecoding
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal
 from decoding.logprobs import token_logprobs
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
+from decoding.prefix_use import load_prefix, remember_continuation, store_prefix
 from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
 from decoding.target import BatchItem, Target
 from decoding.text import TextStream
@@ -86,6 +88,9 @@ class SequenceDecoder:
         self._prefilled: int | None = None  # prompt tokens in the cache during round 0
         self._prefill_s = 0.0
         self._round_start = 0.0
+        spec = request.speculation  # a grammar the output must match (decoding/constrained.py)
+        self.grammar = None if request.grammar is None else ConstrainedDecoding(
+            request.grammar, self.stop_ids, spec.enabled and spec.drafter != "none")
 
     @property
     def finished(self) -> bool:
@@ -138,7 +143,8 @@ class SequenceDecoder:
             raise RuntimeError("the prompt has been prefilled")
         if self._prefilled is None:
             self._round_start = time.perf_counter()
-            self.cached_tokens = self._load_prefix()
+            self.cached_tokens = load_prefix(self.prefix_cache, self.target, self.state,
+                                             self.request.prompt_ids)
             self._prefilled = self.cached_tokens
         rest = self.request.prompt_ids[self._prefilled :]
         chunk = rest[:limit] if limit else rest
@@ -151,13 +157,18 @@ class SequenceDecoder:
             raise RuntimeError("the sequence has already finished")
         start = time.perf_counter()
         if self._store_prefix_pending:  # after the first token went out, not before
-            self._store_prefix()
+            self._store_prefix_now()
         if made is None:
             drafting = time.perf_counter()
             proposal = self._propose(k)
             made = (proposal, time.perf_counter() - drafting)
         proposal, seconds = made
         remaining = self.max_new - len(self.output)
+        constrained = None
+        if self.grammar is not None:  # forced drafts lead, forbidden ones are cut
+            constrained = self.grammar.draft(proposal, len(self.output), max(0, remaining - 1),
+                                             sampled=self.generator is not None)
+            proposal = constrained.proposal
         tokens = tuple(proposal.tokens[: max(0, remaining - 1)])
         alternative = (proposal.alternative  # a draft token too: within the round's cap
                        if tokens and len(tokens) < self.policy.max_tokens
@@ -166,7 +177,7 @@ class SequenceDecoder:
         policy = self.policy if self.drafter is not None else None
         expected = policy.expected_tokens(len(tokens)) if policy is not None and tokens else []
         return Draft(tokens, probs, alternative, proposal, seconds, start, policy,
-                     expected[-1] - 1.0 if expected else None)
+                     expected[-1] - 1.0 if expected else None, constrained)
 
     def pass_item(self, part: PromptChunk | Draft) -> BatchItem:
         """What the target runs for this sequence: a prompt chunk, or the pending token,
@@ -202,10 +213,11 @@ class SequenceDecoder:
         """Tell the draft source's policy how the round went."""
         if draft.policy is None:
             return
-        proposal = draft.proposal
+        proposal = draft.proposal  # the policy is told of its own drafts, not the grammar's
+        forced = draft.constrained.forced if draft.constrained is not None else 0
         draft.policy.update(
-            len(draft.tokens), verdict.accepted, timing.draft_s, timing.verify_s,
-            proposal.confidence[: len(draft.tokens) + 1],
+            len(draft.tokens) - forced, max(0, verdict.accepted - forced), timing.draft_s,
+            timing.verify_s, proposal.confidence[forced : len(draft.tokens) + 1],
             alternative=(proposal.alternative_confidence if draft.alternative is not None
                          else None),
             alternative_taken=verdict.alternative_taken)
@@ -244,7 +256,9 @@ class SequenceDecoder:
         return max(0, min(k, remaining - 1))
 
     def draft_context(self) -> DraftContext:
-        return DraftContext(self.tokens, self.params, self.generator, judge=self)
+        tokens = (self.tokens if self.grammar is None  # after the grammar's forced tokens
+                  else self.grammar.context(self.tokens, len(self.output)))
+        return DraftContext(tokens, self.params, self.generator, judge=self)
 
     # How far a round drafts, as the drafting source's policy judges (``DraftJudge``).
     def worth_proposing(self, confidences: Sequence[float]) -> bool:
@@ -263,7 +277,7 @@ class SequenceDecoder:
         would need counts and a distribution of their own), on a target that runs
         token trees."""
         return (self.generator is None and not self.params.has_penalties
-                and self.target.capabilities.branches)
+                and self.target.capabilities.branches and self.grammar is None)
 
     def close(self) -> None:
         """Free the KV caches (idempotent)."""
@@ -274,40 +288,11 @@ class SequenceDecoder:
             self.drafter.release(self.draft_state)
             self.draft_state = None
 
-    def _load_prefix(self) -> int:
-        """Reuse the KV of the longest cached prompt prefix; a failure is a miss."""
-        if self.prefix_cache is None:
-            return 0
-        try:
-            hit = self.prefix_cache.lookup(self.request.prompt_ids, self.target.num_layers)
-            if hit is None:
-                return 0
-            self.target.load_kv(self.state, hit.kv)
-            return hit.tokens
-        except Exception:
-            log.exception("prefix cache lookup failed; prefilling the whole prompt")
-            self.prefix_cache.stats.add(errors=1)
-            self.target.rollback(self.state, 0)
-            return 0
-
-    def _store_prefix(self) -> None:
+    def _store_prefix_now(self) -> None:
         self._store_prefix_pending = False
         assert self.prefix_cache is not None
-        try:
-            skip = self.cached_tokens // self.prefix_cache.block_tokens
-            self.prefix_cache.store_prefix(self.request.prompt_ids, self.target.kv(self.state),
-                                           skip_blocks=skip)
-        except Exception:
-            log.exception("storing the prompt's KV failed")
-            self.prefix_cache.stats.add(errors=1)
-
-    def _remember_continuation(self) -> None:
-        assert self.prefix_cache is not None
-        try:
-            self.prefix_cache.remember(self.tokens, start=len(self.request.prompt_ids))
-        except Exception:
-            log.exception("remembering the continuation failed")
-            self.prefix_cache.stats.add(errors=1)
+        store_prefix(self.prefix_cache, self.target, self.state, self.request.prompt_ids,
+                     self.cached_tokens)
 
     def _propose(self, k: int) -> DraftProposal:
         if self.drafter is None or k <= 0:
@@ -315,7 +300,10 @@ class SequenceDecoder:
         return self.drafter.propose(self.draft_state, self.draft_context(), k)
 
     def process(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor:  # [n, V]
-        """Penalties, then (when sampling) temperature/top-k/top-p into probabilities."""
+        """The grammar's mask, penalties, then (when sampling) temperature/top-k/top-p
+        into probabilities."""
+        if self.grammar is not None:  # the mask at every verified position
+            logits = self.grammar.mask(logits, draft)
         if self.params.has_penalties:
             if self._counts is None:
                 self._counts = output_counts(self.output, logits.shape[-1], logits.device)
@@ -346,6 +334,8 @@ class SequenceDecoder:
             new, finish = new[: update.tokens_used], FinishReason.STOP
         self.tokens.extend(new)
         self.output.extend(new)
+        if self.grammar is not None:  # keep the committed, drop the rejected
+            self.grammar.sync(self.output)
         if self._counts is not None:
             for token in new:
                 self._counts[token] += 1
@@ -361,9 +351,10 @@ class SequenceDecoder:
         self.rounds += 1
         if finish is not None:
             if self._store_prefix_pending:  # finished in its first round
-                self._store_prefix()
+                self._store_prefix_now()
             if self.prefix_cache is not None and finish in _REMEMBERED:
-                self._remember_continuation()
+                remember_continuation(self.prefix_cache, self.tokens,
+                                      len(self.request.prompt_ids))
             self.close()
         bookkeeping = time.perf_counter() - start - timing.draft_s - timing.verify_s
         return RoundEvent(

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from decoding.constrained import ConstrainedDraft
+    from decoding.constraints import Grammar
     from decoding.drafters.base import DraftProposal
     from decoding.policy import AdaptiveSpeculation
 
@@ -80,6 +82,7 @@ class GenerationRequest:
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     timeout_s: float | None = None
     request_id: str = ""
+    grammar: Grammar | None = None  # the output must match it (structured outputs, tools)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -131,6 +134,9 @@ class RoundEvent:
     batch_size: int = 1  # sequences in the forward pass that verified this round
     draft_source: str = ""  # which of a combined drafter's sources drafted ("lookup", "model")
     error: str | None = None  # set only with FinishReason.ERROR; safe to show
+    constraint_s: float = 0.0  # seconds spent on grammar masks and matching this round
+    forced_tokens: int = 0  # grammar-forced draft tokens verified this round
+    forced_accepted: int = 0  # ... of which accepted
 
     @property
     def finished(self) -> bool:
@@ -157,3 +163,4 @@ class Draft:
     started: float  # when the round began
     policy: AdaptiveSpeculation | None  # the draft source's policy, told the outcome
     expected: float | None  # accepted drafts the policy expects of it (before the outcome)
+    constrained: ConstrainedDraft | None = None  # the draft as a request's grammar left it

@@ -21,11 +21,13 @@ from pydantic.json_schema import JsonSchemaMode
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import ChatCompletionChunk, Completion, ErrorResponse
+from gateway.responses_protocol import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 BEARER = "bearerAuth"
 # Models the handlers use without FastAPI seeing them: request bodies and stream events.
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest,
+                                               ResponsesRequest)
 EVENT_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, Completion, ErrorResponse)
 
 ERROR_DESCRIPTIONS = {

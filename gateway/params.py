@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from decoding.constraints import Grammar
 from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from gateway.errors import InvalidRequestError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.tools import ToolPlan, render_messages, tool_plan
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
 SEED_MODULUS = 1 << 64
@@ -91,10 +93,14 @@ def logprob_options(request: AnyRequest) -> tuple[bool, int]:
 # -- prompts --------------------------------------------------------------------------
 
 
+def request_tools(request: ChatCompletionRequest) -> ToolPlan | None:
+    return tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
+
+
 def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> Prompt:
-    messages = [{"role": m.template_role(), "content": m.text()} for m in request.messages]
+    messages, tools = render_messages(request.messages, request_tools(request), tokenizer)
     try:
-        ids = encode_chat(tokenizer, messages)
+        ids = encode_chat(tokenizer, messages, tools)
     except Exception as exc:  # a template that refuses the conversation (role order, ...)
         raise InvalidRequestError(f"The messages could not be formatted: {exc}",
                                   param="messages") from exc
@@ -168,7 +174,8 @@ def max_new_tokens(request: AnyRequest, prompt_len: int, limits: Limits) -> int:
 
 
 def generation_requests(
-    request: AnyRequest, prompts: Sequence[Prompt], limits: Limits, request_id: str
+    request: AnyRequest, prompts: Sequence[Prompt], limits: Limits, request_id: str,
+    grammar: Grammar | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per choice, in choice-index order."""
     param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
@@ -191,5 +198,6 @@ def generation_requests(
                 speculation=speculation,
                 timeout_s=limits.timeout_s,
                 request_id=f"{request_id}-{len(out)}",
+                grammar=grammar,
             ))
     return out

@@ -27,6 +27,8 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 from pydantic_core.core_schema import ValidationInfo
 
+from gateway.tool_protocol import MAX_TOOLS, ChatTool, ResponseFormat, ToolCall, ToolChoice
+
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16  # n per prompt
@@ -96,7 +98,7 @@ class TextPart(_Strict):
 
 def _content(value: Any) -> Any:
     """String content or an array of text parts; other part types are refused."""
-    if isinstance(value, str):
+    if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise PydanticCustomError("invalid_content", "content must be a string or an array "
@@ -113,19 +115,52 @@ def _content(value: Any) -> Any:
 
 
 class ChatMessage(_Strict):
-    """A system, developer, user or assistant message (tool messages are not supported)."""
+    """A system, developer, user, assistant or tool message. ``content`` may be null
+    only on an assistant message that carries ``tool_calls``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str | list[TextPart], BeforeValidator(_content)]
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, json_schema_extra={
+        "allOf": [  # the role rules ``_check_roles`` enforces, for /openapi.json
+            {"if": {"properties": {"role": {"const": "tool"}}},
+             "then": {"required": ["tool_call_id"],
+                      "properties": {"tool_call_id": {"type": "string"}}},
+             "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+            {"if": {"properties": {"content": {"type": "null"}}},
+             "then": {"properties": {"role": {"const": "assistant"},
+                                     "tool_calls": {"type": "array", "minItems": 1}},
+                      "required": ["tool_calls"]}},
+            {"if": {"properties": {"tool_calls": {"type": "array", "minItems": 1}},
+                    "required": ["tool_calls"]},
+             "then": {"properties": {"role": {"const": "assistant"}}}},
+        ]})
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_content)]
     name: Annotated[Any, refuse()] = None
     # Assistant-message fields a client may echo back from an earlier response.
     audio: Annotated[Any, refuse()] = None
     function_call: Annotated[Any, refuse()] = None
     refusal: Annotated[Any, refuse()] = None
-    tool_calls: Annotated[Any, refuse([])] = None
+    tool_calls: list[ToolCall] | None = None
     annotations: Annotated[Any, refuse([])] = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError(
+                "invalid_value", "content may be null only on an assistant message with "
+                "tool_calls", {"param": "content"})
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages carry "
+                                      "tool_calls", {"param": "tool_calls"})
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("invalid_value", "tool_call_id is required on tool "
+                                      "messages and only there", {"param": "tool_call_id"})
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
@@ -177,12 +212,12 @@ class ChatCompletionRequest(_Strict):
     metadata: Annotated[Any, refuse({})] = None
     modalities: Annotated[Any, refuse(["text"])] = None
     n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
-    parallel_tool_calls: Annotated[Any, refuse()] = None
+    parallel_tool_calls: bool | None = None
     prediction: Annotated[Any, refuse()] = None
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     prompt_cache_key: Annotated[Any, refuse()] = None
     reasoning_effort: Annotated[Any, refuse()] = None
-    response_format: Annotated[Any, refuse({"type": "text"})] = None
+    response_format: ResponseFormat | None = None
     safety_identifier: Annotated[Any, refuse()] = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     service_tier: Annotated[Any, refuse("auto", "default")] = None
@@ -191,8 +226,8 @@ class ChatCompletionRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
-    tool_choice: Annotated[Any, refuse("none")] = None
-    tools: Annotated[Any, refuse([])] = None
+    tool_choice: ToolChoice | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     top_p: float | None = Field(default=1.0, ge=0.0, le=1.0)
     user: str | None = None
@@ -205,6 +240,18 @@ class ChatCompletionRequest(_Strict):
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         _check_common(self)
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("invalid_value", "tool function names must be unique",
+                                      {"param": "tools"})
+        choice = self.tool_choice
+        if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
+            raise PydanticCustomError(
+                "invalid_value", "tool_choice names a function that is not in tools",
+                {"param": "tool_choice"})
+        if choice == "required" and not names:
+            raise PydanticCustomError("invalid_value", "tool_choice 'required' needs tools",
+                                      {"param": "tool_choice"})
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError(
                 "invalid_value", "top_logprobs requires logprobs to be true",
@@ -280,6 +327,7 @@ class CompletionRequest(_Strict):
     # -- extras (not in OpenAI's API) ----------------------------------------------------
     top_k: int | None = Field(default=None, ge=0)
     speculation: SpeculationOptions | None = None
+    response_format: ResponseFormat | None = None  # as on chat completions
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from decoding.constraints import Grammar
 from decoding.engine import Engine
 from gateway.errors import (
     AuthenticationError,
@@ -35,6 +36,7 @@ from gateway.params import (
     completion_prompts,
     generation_requests,
     logprob_options,
+    request_tools,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import (
@@ -50,6 +52,9 @@ from gateway.responses import (
 )
 from gateway.state import GatewayState
 from gateway.streaming import ResponseRun
+from gateway.structured import request_grammar
+from gateway.tool_calls import ToolChatFormat
+from gateway.tools import ToolPlan
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +171,9 @@ async def chat_completions(request: Request) -> Response:
     api_request = await _parse(request, state, ChatCompletionRequest)
     engine = state.require_engine()
     prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, api_request)
-    return await _run(request, state, engine, api_request, [prompt], "chatcmpl")
+    plan = request_tools(api_request)
+    grammar = await request_grammar(state, engine, api_request.response_format, plan)
+    return await _run(request, state, engine, api_request, [prompt], "chatcmpl", grammar, plan)
 
 
 @v1.post("/completions", **completion_route(CompletionRequest, Completion, Completion))
@@ -176,13 +183,15 @@ async def completions(request: Request) -> Response:
     engine = state.require_engine()
     prompts = await asyncio.to_thread(completion_prompts, engine.target.tokenizer, api_request,
                                       engine.target.vocab_size)
-    return await _run(request, state, engine, api_request, prompts, "cmpl")
+    grammar = await request_grammar(state, engine, api_request.response_format, None)
+    return await _run(request, state, engine, api_request, prompts, "cmpl", grammar)
 
 
 async def _run(request: Request, state: GatewayState, engine: Engine, api_request: AnyRequest,
-               prompts: list[Prompt], prefix: str) -> Response:
+               prompts: list[Prompt], prefix: str, grammar: Grammar | None = None,
+               tools: ToolPlan | None = None) -> Response:
     job_id = f"{prefix}-{uuid.uuid4().hex}"
-    requests = generation_requests(api_request, prompts, state.limits(), job_id)
+    requests = generation_requests(api_request, prompts, state.limits(), job_id, grammar)
     job = Job(
         id=job_id, created=int(time.time()), model=state.settings.model_name, prompts=prompts,
         per_prompt=choices_per_prompt(api_request), logprobs=logprob_options(api_request)[0],
@@ -192,6 +201,8 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
     fmt: Format = (ChatFormat(job, state.token_texts(), hidden)
                    if isinstance(api_request, ChatCompletionRequest)
                    else CompletionFormat(job, state.token_texts(), hidden))
+    if tools is not None:
+        fmt = ToolChatFormat(job, state.token_texts(), hidden, tools)
     trace = None
     if state.telemetry is not None:
         first = requests[0]

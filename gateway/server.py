@@ -49,6 +49,7 @@ from gateway.errors import install_error_handlers
 from gateway.middleware import RequestMetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.redis_store import RedisStore
+from gateway.responses_api import router as responses_router
 from gateway.routes import router
 from gateway.settings import Settings, add_settings_flags, settings_from_args
 from gateway.startup import CONFIG_ERRORS, StartupError, check_settings, fail, one_line
@@ -174,6 +175,7 @@ def create_app(
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)
     if settings.playground:
         app.include_router(pages.router)
     install_openapi(app, bearer=bool(settings.api_keys))

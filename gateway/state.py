@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine, RequestStream
 from gateway.errors import ServiceUnavailableError
 from gateway.params import Limits
@@ -33,6 +34,7 @@ class GatewayState:
     created: int = field(default_factory=lambda: int(time.time()))
     texts: TokenTexts | None = None
     telemetry: Telemetry | None = None
+    grammars: GrammarCompiler | None = None  # built on the first structured request
     _inflight: int = 0
     _streams: dict[int, RequestStream] = field(default_factory=dict)  # by id()
     _idle: asyncio.Event | None = None

@@ -100,6 +100,18 @@ class Metrics:
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft (0-based).",
                                         ("model", "drafter", "position"))
+        self.constrained_requests = counter(
+            "constrained_requests", "Requests whose output a grammar constrains, by kind "
+            "(json_object, json_schema, tools).", ("model", "kind"))
+        self.grammar_mask_time = histogram(
+            "grammar_mask_seconds", "Time per round on grammar masks and matching.",
+            ("model",), ROUND_BUCKETS)
+        self.grammar_forced_tokens = counter(
+            "grammar_forced_draft_tokens", "Grammar-forced tokens proposed as drafts.",
+            ("model",))
+        self.grammar_forced_accepted = counter(
+            "grammar_forced_accepted_tokens", "Grammar-forced draft tokens accepted.",
+            ("model",))
         self.running = Gauge(f"{PREFIX}_num_requests_running", "Requests being decoded.",
                              registry=r)
         self.waiting = Gauge(f"{PREFIX}_num_requests_waiting", "Requests queued.", registry=r)

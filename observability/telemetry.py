@@ -82,6 +82,11 @@ class RequestTelemetry:
             m.record_round(model, drafter or "none", event.draft_tokens, event.accepted_tokens,
                            event.timing.draft_s, event.timing.verify_s)
             m.batch_size.labels(model).observe(event.batch_size)
+            if event.constraint_s > 0:
+                m.grammar_mask_time.labels(model).observe(event.constraint_s)
+            if event.forced_tokens:
+                m.grammar_forced_tokens.labels(model).inc(event.forced_tokens)
+                m.grammar_forced_accepted.labels(model).inc(event.forced_accepted)
         self.drafted += event.draft_tokens
         self.accepted += event.accepted_tokens
         if event.finish_reason is not None:

@@ -170,8 +170,8 @@ async def test_bad_requests(client: httpx.AsyncClient) -> None:
                                             "temperature": "hot"})
     assert "temperature" in assert_error(bad_type, 400, param="temperature")["message"]
     tools = await client.post(url, json={"model": TINY, "messages": CHAT, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]})
-    assert "tools" in assert_error(tools, 400, param="tools")["message"]
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]})
+    assert "schema" in assert_error(tools, 400, param="tools")["message"]
     unknown = await client.post(url, json={"model": TINY, "messages": CHAT, "best_of": 2})
     assert_error(unknown, 400, param="best_of", code="unknown_parameter")
     drafter = await client.post(url, json={"model": TINY, "messages": CHAT,

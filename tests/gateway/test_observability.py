@@ -254,3 +254,21 @@ def test_real_prometheus_computes_the_acceptance_rate(
             assert value == pytest.approx(expected, rel=1e-9)
     finally:
         server.shutdown()
+
+
+async def test_constrained_requests_and_grammar_drafts_are_counted(tiny_engine: Engine) -> None:
+    telemetry, _ = _telemetry()
+    app = create_app(tiny_settings(), engine=tiny_engine, telemetry=telemetry)
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    async with in_process(app) as client:
+        r = await client.post("/v1/chat/completions", json={
+            "model": TINY, "messages": REPEAT, "max_tokens": 20, "temperature": 0,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "a", "schema": schema}}})
+        assert r.status_code == 200 and json.loads(r.json()["choices"][0]["message"]["content"])
+    s = _samples(telemetry.metrics)
+    assert _total(s, "specserve_constrained_requests_total", kind="json_schema") == 1
+    forced = _total(s, "specserve_grammar_forced_draft_tokens_total")
+    assert 0 < _total(s, "specserve_grammar_forced_accepted_tokens_total") <= forced
+    assert _total(s, "specserve_grammar_mask_seconds_count") > 0

@@ -180,11 +180,11 @@ def test_speculation_per_request(client: openai.OpenAI) -> None:
 def test_errors_through_the_sdk(client: openai.OpenAI, tiny_url: str) -> None:
     with pytest.raises(openai.BadRequestError) as tools:
         client.chat.completions.create(model=TINY, messages=CHAT, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {}}}])
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}])
     assert tools.value.param == "tools"
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=TINY, messages=CHAT,
-                                       response_format={"type": "json_object"})
+                                       response_format={"type": "yaml"})  # type: ignore[typeddict-item]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
     with pytest.raises(openai.BadRequestError, match="top_k"):

@@ -140,8 +140,8 @@ CASES: dict[str, Hostile] = {
     "non-string stop": bad(TEXT_PATH, text(stop=[1, 2]), param="stop[0]"),
     # -- messages --------------------------------------------------------------------------
     "no messages": bad(CHAT_PATH, chat(messages=[]), param="messages"),
-    "tool role": bad(CHAT_PATH, chat(messages=[{"role": "tool", "content": "x"}]),
-                     param="messages[0].role"),
+    "tool role without a call id": bad(
+        CHAT_PATH, chat(messages=[{"role": "tool", "content": "x"}]), param="messages[0]"),
     "made-up role": bad(CHAT_PATH, chat(messages=[{"role": "robot", "content": "x"}]),
                         param="messages[0].role"),
     "null role": bad(CHAT_PATH, chat(messages=[{"role": None, "content": "x"}]),
@@ -184,6 +184,54 @@ def hostile_url(tiny_engine: Engine) -> Iterator[str]:
     settings = tiny_settings(max_tokens=MAX_TOKENS, max_body_bytes=BODY_LIMIT)
     with live_server(create_app(settings, engine=tiny_engine)) as url:
         yield url
+
+RESPONSES_PATH = "/v1/responses"
+
+
+def schema_chat(schema: Any) -> bytes:
+    return chat(response_format={"type": "json_schema",
+                                 "json_schema": {"name": "s", "schema": schema}})
+
+
+def tool_chat(parameters: Any, **fields: Any) -> bytes:
+    return chat(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+                **fields)
+
+
+CASES.update({
+    # -- structured outputs and tools: refused in bounded time, never a stall or a 5xx -----
+    "pathological pattern": bad(CHAT_PATH, schema_chat(
+        {"type": "string", "pattern": "(" * 200 + "a|b" + ")*" * 200}), "invalid_schema",
+        "response_format"),
+    "large enum (compiles, bounded)": ok(CHAT_PATH, schema_chat(
+        {"enum": [f"v{i}" + "x" * 8 for i in range(12000)]})),
+    "unknown schema type": bad(CHAT_PATH, schema_chat({"type": "bogus"}), "invalid_schema",
+                               "response_format"),
+    "dangling $ref": bad(CHAT_PATH, schema_chat({"$ref": "#/definitions/nope"}),
+                         "invalid_schema", "response_format"),
+    "schema not an object": bad(CHAT_PATH, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": [1]}}),
+        param="response_format.json_schema.json_schema.schema"),
+    "bad tool parameters": bad(CHAT_PATH, tool_chat({"type": "bogus"}), "invalid_schema",
+                               "tools"),
+    "named tool that is not offered": bad(CHAT_PATH, tool_chat(
+        {}, tool_choice={"type": "function", "function": {"name": "g"}}), param="tool_choice"),
+    "duplicate tool names": bad(CHAT_PATH, chat(tools=[
+        {"type": "function", "function": {"name": "f"}}] * 2), param="tools"),
+    "tool message without a call id": bad(CHAT_PATH, json.dumps(
+        {"model": TINY, "messages": [{"role": "tool", "content": "x"}]}).encode(),
+        param="messages[0]"),
+    "responses: store": bad(RESPONSES_PATH, json.dumps(
+        {"model": TINY, "input": "x", "store": True}).encode(), "unsupported_parameter", "store"),
+    "responses: previous_response_id": bad(RESPONSES_PATH, json.dumps(
+        {"model": TINY, "input": "x", "previous_response_id": "resp_1"}).encode(),
+        "unsupported_parameter", "previous_response_id"),
+    "responses: pathological text format": bad(RESPONSES_PATH, json.dumps(
+        {"model": TINY, "input": "x", "text": {"format": {
+            "type": "json_schema", "name": "s",
+            "schema": {"type": "string", "pattern": "(" * 200 + "a" + ")*" * 200}}}}).encode(),
+        "invalid_schema", "text.format"),
+})
 
 
 def assert_good_completion(response: httpx.Response) -> None:

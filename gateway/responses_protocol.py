@@ -1,0 +1,180 @@
+"""``POST /v1/responses`` request body (stateless), and its conversion to the chat
+request the rest of the gateway already serves.
+
+Stateless: ``store: true`` and ``previous_response_id`` are refused with a 400 (no
+response is kept, so none can be continued); the client sends the whole
+conversation as ``input`` items instead.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from gateway.protocol import ChatCompletionRequest, SpeculationOptions, refuse
+from gateway.tool_protocol import NAME_PATTERN, _Strict
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: Annotated[Any, refuse([])] = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem,
+                      Field(discriminator="type")]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormatSpec(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(_Strict):
+    format: TextFormatSpec | None = None
+    verbosity: Annotated[Any, refuse("medium")] = None
+
+
+def _input(value: Any) -> Any:
+    """A message without ``type`` is a message item (as OpenAI accepts)."""
+    if isinstance(value, list):
+        return [dict(v, type="message") if isinstance(v, dict) and "type" not in v else v
+                for v in value]
+    return value
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``."""
+
+    model: str
+    input: Annotated[str | list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    parallel_tool_calls: bool | None = None
+    previous_response_id: Annotated[Any, refuse()] = None
+    store: Annotated[Any, refuse(False)] = None
+    stream: bool | None = False
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    text: TextOptions | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
+    top_p: float | None = Field(default=1.0, ge=0.0, le=1.0)
+    user: str | None = None
+    metadata: Annotated[Any, refuse({})] = None
+    include: Annotated[Any, refuse([])] = None
+    reasoning: Annotated[Any, refuse()] = None
+    truncation: Annotated[Any, refuse("disabled")] = None
+    background: Annotated[Any, refuse(False)] = None
+    # -- extras (not in OpenAI's API) ----------------------------------------------------
+    speculation: SpeculationOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_items(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "input" in data:
+            return {**data, "input": _input(data["input"])}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponsesRequest:
+        spec = self.text.format if self.text is not None else None
+        if spec is not None and spec.type == "json_schema" and (
+                spec.name is None or spec.schema_ is None):
+            raise PydanticCustomError("invalid_value", "a json_schema format needs a name "
+                                      "and a schema", {"param": "text.format"})
+        return self
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same request as a chat completion (validated as one)."""
+        body: dict[str, Any] = {
+            "model": self.model, "messages": self._messages(),
+            "max_completion_tokens": self.max_output_tokens, "stream": bool(self.stream),
+            "temperature": self.temperature, "top_p": self.top_p, "user": self.user,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(
+                exclude={"type"}, exclude_none=True)} for t in self.tools]
+        choice = self.tool_choice
+        if choice is not None:
+            body["tool_choice"] = choice if isinstance(choice, str) else {
+                "type": "function", "function": {"name": choice.name}}
+        spec = self.text.format if self.text is not None else None
+        if spec is not None and spec.type == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": spec.name, "schema": spec.schema_, "strict": bool(spec.strict)}}
+        elif spec is not None:
+            body["response_format"] = {"type": spec.type}
+        if self.speculation is not None:
+            body["speculation"] = self.speculation.model_dump()
+        return ChatCompletionRequest.model_validate(body)
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [MessageItem(role="user", content=self.input)] if isinstance(
+            self.input, str) else self.input
+        for item in items:
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": item.output})
+            else:
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        return messages

@@ -1,0 +1,75 @@
+"""Structured outputs: the grammar a request's ``response_format`` and tools ask for,
+compiled off the model thread with a time limit, and cached.
+
+``json_schema`` constrains the answer to the schema whether or not ``strict`` is set
+(constraining is exact and cheap, so there is nothing to gain from leaving it loose);
+``json_object`` to any JSON object; ``text`` constrains nothing. An invalid, unsupported
+or too costly schema is a 400 naming the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from decoding.constraints import Grammar, GrammarCompiler, GrammarError
+from decoding.engine import Engine
+from gateway.errors import InvalidRequestError
+from gateway.state import GatewayState
+from gateway.tool_protocol import JsonObjectFormat, JsonSchemaFormat
+from gateway.tools import ToolPlan, tool_grammar
+
+COMPILE_TIMEOUT_S = 10.0  # one grammar's compilation; the engine's fuel limits bound it too
+
+
+def compiler(state: GatewayState, engine: Engine) -> GrammarCompiler:
+    if state.grammars is None:
+        target = engine.target
+        eos = getattr(target.tokenizer, "eos_token_id", None)
+        state.grammars = GrammarCompiler(target.tokenizer, target.vocab_size, eos)
+    return state.grammars
+
+
+def format_schema(response_format: Any) -> dict[str, Any] | None:
+    """The JSON schema a ``response_format`` asks for (None: plain text)."""
+    if isinstance(response_format, JsonSchemaFormat):
+        schema = response_format.json_schema.schema_
+        return schema if schema is not None else {}
+    if isinstance(response_format, JsonObjectFormat):
+        return {"type": "object"}
+    return None
+
+
+def _build(grammars: GrammarCompiler, schema: dict[str, Any] | None,
+           plan: ToolPlan | None) -> Grammar | None:
+    if plan is not None:
+        return grammars.lark(tool_grammar(plan, schema))
+    if schema is not None:
+        return grammars.json_schema(schema)
+    return None
+
+
+async def request_grammar(state: GatewayState, engine: Engine, response_format: Any,
+                          plan: ToolPlan | None, param: str = "response_format"
+                          ) -> Grammar | None:
+    """The request's grammar, compiled in a worker thread within ``COMPILE_TIMEOUT_S``."""
+    schema = format_schema(response_format)
+    if schema is None and plan is None:
+        return None
+    grammars = compiler(state, engine)
+    if state.telemetry is not None:
+        kind = "tools" if plan is not None else (
+            "json_object" if isinstance(response_format, JsonObjectFormat) else "json_schema")
+        state.telemetry.metrics.constrained_requests.labels(state.telemetry.model, kind).inc()
+    where = "tools" if plan is not None else param
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(_build, grammars, schema, plan),
+                                      COMPILE_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise InvalidRequestError(
+            f"The {'tools' if plan is not None else 'schema'} took longer than "
+            f"{COMPILE_TIMEOUT_S:.0f} s to compile; simplify it.", param=where,
+            code="invalid_schema") from exc
+    except GrammarError as exc:
+        raise InvalidRequestError(f"The schema cannot be used: {exc}", param=where,
+                                  code="invalid_schema") from exc

@@ -1,0 +1,162 @@
+"""Tools in the prompt and in the grammar.
+
+The model sees its tools through its chat template when the template takes
+``tools``; otherwise through the default format below, appended to the system
+prompt. Either way a call is written as ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` (compact JSON, name first), one per call, and nothing else:
+
+- ``required`` and a named choice: the output is constrained to one or more such
+  calls (one unless ``parallel_tool_calls``), each valid against its function's
+  JSON schema;
+- ``auto``: the output is either text (anything that does not start a call) or
+  calls, constrained as above once ``<tool_call>`` has begun;
+- ``none``: the tools are left out of the prompt and nothing is constrained.
+
+Assistant messages that carried ``tool_calls`` are rendered back in the same
+format; ``tool`` messages as ``<tool_response>...</tool_response>``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.tool_protocol import ChatTool, NamedToolChoice, ToolChoice
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HEAD = OPEN + '{"name":"'  # the grammar writes calls compactly, the name first
+MID = '","arguments":'
+TAIL = "}" + CLOSE
+SEPARATOR = "\n"  # between parallel calls
+
+DEFAULT_INSTRUCTIONS = (
+    "You may call functions to help with the user's request. The functions, as JSON "
+    "schemas:\n<tools>\n{tools}\n</tools>\nTo call functions, answer with one "
+    '<tool_call>{{"name": <function name>, "arguments": <arguments as a JSON object>}}'
+    "</tool_call> per call and nothing else. Function results come back as "
+    "<tool_response>...</tool_response>.")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """The tools a request offers and how the answer may use them."""
+
+    tools: tuple[ChatTool, ...]
+    mode: str  # "auto", "required" or "named"
+    parallel: bool
+
+    @property
+    def constrained(self) -> list[ChatTool]:
+        """The functions a call may name."""
+        return list(self.tools)
+
+
+def tool_plan(tools: Sequence[ChatTool] | None, choice: ToolChoice | None,
+              parallel: bool | None) -> ToolPlan | None:
+    """None when no tool can be called (no tools, or ``tool_choice: none``)."""
+    if not tools or choice == "none":
+        return None
+    offered = tuple(tools)
+    mode = "auto" if choice is None else choice if isinstance(choice, str) else "named"
+    if isinstance(choice, NamedToolChoice):
+        offered = tuple(t for t in tools if t.function.name == choice.function.name)
+    return ToolPlan(offered, mode, parallel is not False)
+
+
+# -- the prompt ---------------------------------------------------------------------
+
+
+def template_handles_tools(tokenizer: Any) -> bool:
+    return "tools" in str(getattr(tokenizer, "chat_template", "") or "")
+
+
+def tool_schema(tool: ChatTool) -> dict[str, Any]:
+    return tool.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def render_call(name: str, arguments: str) -> str:
+    """A call in the prompt format (``arguments`` is JSON text, kept when it parses)."""
+    try:
+        args = json.dumps(json.loads(arguments), ensure_ascii=False, separators=(",", ":"))
+    except ValueError:
+        args = json.dumps(arguments)
+    return f'{HEAD}{name}{MID}{args}{TAIL}'
+
+
+def with_instructions(messages: list[dict[str, Any]], plan: ToolPlan | None
+                      ) -> list[dict[str, Any]]:
+    """The default tool format: the tools described in the system prompt."""
+    if plan is None:
+        return messages
+    listing = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in plan.tools)
+    text = DEFAULT_INSTRUCTIONS.format(tools=listing)
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+# -- the grammar --------------------------------------------------------------------
+
+
+def _call_schema(tool: ChatTool) -> dict[str, Any]:
+    parameters = tool.function.parameters or {"type": "object", "properties": {},
+                                              "additionalProperties": False}
+    return {"type": "object",
+            "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _not_a_call() -> str:
+    """A regex for text that does not begin with ``<tool_call>``."""
+    alternatives = [re.escape(OPEN[:i]) + "[^" + re.escape(OPEN[i]) + "]"
+                    for i in range(len(OPEN))]
+    return "(" + "|".join(alternatives) + ")(?s:.*)"
+
+
+def tool_grammar(plan: ToolPlan, text_schema: dict[str, Any] | None = None) -> str:
+    """The Lark grammar (llguidance's dialect) an answer under ``plan`` must match;
+    ``text_schema``: with ``auto``, a non-call answer must match it (response_format)."""
+    schemas = [_call_schema(t) for t in plan.constrained]
+    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = {**body, "x-guidance": {"whitespace_flexible": False}}
+    calls = 'call ("\\n" call)*' if plan.parallel else "call"
+    lines = [f"calls: {calls}",
+             f"call: {json.dumps(OPEN)} body {json.dumps(CLOSE)}",
+             f"body: %json {json.dumps(body, ensure_ascii=False)}"]
+    if plan.mode != "auto":
+        return "\n".join(["start: calls", *lines]) + "\n"
+    if text_schema is not None:
+        text = {**text_schema, "x-guidance": {"whitespace_flexible": False}}
+        lines.append(f"text: %json {json.dumps(text, ensure_ascii=False)}")
+    else:
+        lines.append("text: TEXT")
+        lines.append(f"TEXT: /{_not_a_call()}/")
+    return "\n".join(["start: calls | text", *lines]) + "\n"
+
+
+def render_messages(messages: Sequence[Any], plan: ToolPlan | None, tokenizer: Any
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """Chat messages (``ChatMessage``s) as the template's dicts, and the tools to pass
+    the template (None: the default format is in the system prompt instead)."""
+    native = plan is not None and template_handles_tools(tokenizer)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        text = m.text()
+        if m.role == "tool":
+            out.append({"role": "tool", "content": f"<tool_response>\n{text}\n</tool_response>"}
+                       if not native else {"role": "tool", "content": text,
+                                           "tool_call_id": m.tool_call_id})
+        elif m.role == "assistant" and m.tool_calls:
+            calls = SEPARATOR.join(render_call(c.function.name, c.function.arguments)
+                                   for c in m.tool_calls)
+            out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
+        else:
+            out.append({"role": m.template_role(), "content": text})
+    if native:
+        assert plan is not None
+        return out, [tool_schema(t) for t in plan.tools]
+    return with_instructions(out, plan), None

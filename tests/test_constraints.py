@@ -1,0 +1,261 @@
+"""Grammar-constrained decoding under speculation: the output is exactly what plain
+constrained decoding of the target gives, greedy token for token and sampled in
+distribution; forbidden drafts are cut, rejected drafts rolled back, forced tokens
+drafted for free."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from decoding.constraints import GrammarCompiler, GrammarError
+from decoding.drafters import ModelDrafter, NgramDrafter
+from decoding.drafters.base import Drafter
+from decoding.drafters.combined import CombinedDrafter
+from decoding.policy import FixedSpeculation
+from decoding.prompting import encode_chat
+from decoding.sequence import decode
+from decoding.target import CausalLM
+from decoding.types import (
+    FinishReason,
+    GenerationRequest,
+    RoundEvent,
+    SamplingParams,
+    SpeculationParams,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    },
+    "required": ["name", "age", "colour", "tags"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Describe Alice, 30, who likes green, as JSON.",
+           "Return a JSON person: Bob, 41, blue, tags x and y.",
+           "{\"name\": \"Carol\", \"age\": 5"]
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_target: CausalLM) -> GrammarCompiler:
+    return GrammarCompiler(tiny_target.tokenizer, tiny_target.vocab_size)
+
+
+def _run(target: CausalLM, drafter: Drafter | None, request: GenerationRequest,
+         k: int | None = 4) -> tuple[list[int], list[RoundEvent]]:
+    events = list(decode(target, drafter, request, FixedSpeculation(k) if k else None))
+    return [t for e in events for t in e.token_ids], events
+
+
+def _request(target: CausalLM, prompt: str, grammar: Any, sampling: SamplingParams = GREEDY,
+             max_new: int = 60, enabled: bool = True) -> GenerationRequest:
+    ids = tuple(encode_chat(target.tokenizer, [{"role": "user", "content": prompt}]))
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=max_new, sampling=sampling,
+                             grammar=grammar, speculation=SpeculationParams(enabled=enabled))
+
+
+def _drafters(target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter | None]:
+    return {
+        "grammar-only": None,
+        "ngram": NgramDrafter(),
+        "model-poor": ModelDrafter(tiny_draft, target),
+        "model-self": ModelDrafter(target, target),
+        "ngram+model-poor": CombinedDrafter([NgramDrafter()], ModelDrafter(tiny_draft, target)),
+    }
+
+
+def test_constrained_greedy_speculation_is_plain_constrained_decoding(
+        tiny_target: CausalLM, tiny_draft: CausalLM, compiler: GrammarCompiler) -> None:
+    grammar = compiler.json_schema(PERSON)
+    drafters = _drafters(tiny_target, tiny_draft)
+    for prompt in PROMPTS:
+        plain, plain_events = _run(tiny_target, None, _request(
+            tiny_target, prompt, grammar, enabled=False), k=None)
+        assert all(e.draft_tokens == 0 for e in plain_events)
+        text = tiny_target.tokenizer.decode(plain, skip_special_tokens=True)
+        if plain_events[-1].finish_reason is FinishReason.STOP:
+            value = json.loads(text)
+            assert set(value) == set(PERSON["properties"]) and value["colour"] in (
+                "red", "green", "blue")
+        for name, drafter in drafters.items():
+            for k in (None, 1, 5):
+                out, events = _run(tiny_target, drafter, _request(tiny_target, prompt, grammar), k)
+                assert out == plain, (prompt, name, k)
+                assert events[-1].finish_reason == plain_events[-1].finish_reason
+
+
+def test_forced_tokens_are_free_drafts(tiny_target: CausalLM,
+                                       compiler: GrammarCompiler) -> None:
+    grammar = compiler.json_schema(PERSON)
+    out, events = _run(tiny_target, None, _request(tiny_target, PROMPTS[0], grammar), k=None)
+    forced = sum(e.forced_tokens for e in events)
+    assert forced > 0  # '{"name":"', '","age":', ... are proposed for free
+    assert sum(e.forced_accepted for e in events) > 0
+    plain, plain_events = _run(tiny_target, None, _request(
+        tiny_target, PROMPTS[0], grammar, enabled=False), k=None)
+    assert out == plain and len(events) < len(plain_events)
+
+
+def test_rejected_drafts_are_rolled_back(tiny_target: CausalLM, tiny_draft: CausalLM,
+                                         compiler: GrammarCompiler) -> None:
+    """A poor draft model: its tokens are cut or rejected round after round, and the
+    matcher must follow the committed output exactly every time."""
+    grammar = compiler.json_schema(PERSON)
+    drafter = ModelDrafter(tiny_draft, tiny_target)
+    plain, _ = _run(tiny_target, None, _request(tiny_target, PROMPTS[1], grammar,
+                                                enabled=False), k=None)
+    out, events = _run(tiny_target, CombinedDrafter([NgramDrafter()], drafter),
+                       _request(tiny_target, PROMPTS[1], grammar), k=6)
+    assert out == plain
+    assert any(e.accepted_tokens < e.draft_tokens for e in events)  # rejections happened
+
+
+def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(
+        tiny_target: CausalLM, compiler: GrammarCompiler) -> None:
+    grammar = compiler.json_schema(PERSON)
+    out, events = _run(tiny_target, NgramDrafter(),
+                       _request(tiny_target, PROMPTS[0], grammar, max_new=5))
+    assert len(out) == 5 and events[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_grammar_termination_inside_a_draft_window_stops(
+        tiny_target: CausalLM, compiler: GrammarCompiler) -> None:
+    """A grammar of one fixed string: every token is forced, the whole answer and its
+    end fit in one draft window, and the sequence stops at the grammar's EOS."""
+    grammar = compiler.json_schema({"const": {"ok": True}})
+    out, events = _run(tiny_target, None, _request(tiny_target, "hi", grammar), k=None)
+    text = tiny_target.tokenizer.decode(out, skip_special_tokens=True)
+    assert json.loads(text) == {"ok": True}
+    assert events[-1].finish_reason is FinishReason.STOP
+    assert len(events) <= 3
+
+
+def _word_probs(target: CausalLM, prompt_ids: tuple[int, ...], compiler: GrammarCompiler,
+                grammar: Any) -> dict[str, float]:
+    """The exact probability plain constrained sampling gives each answer: every token
+    path the grammar allows (any tokenization), each the product of the masked,
+    renormalised target distribution along it (paths under 1e-6 are left out)."""
+    eos = compiler.eos_id
+    result: dict[str, float] = {}
+
+    def walk(path: list[int], prob: float) -> None:
+        matcher = grammar.matcher()
+        assert matcher.advance(path)
+        state = target.new_state()
+        logits = target.prefill(state, [*prompt_ids, *path])  # [vocab] after the last
+        target.release(state)
+        allowed = matcher.allowed()
+        probs = logits.float().masked_fill(~allowed[: logits.shape[-1]], float("-inf"))
+        probs = probs.softmax(-1)
+        for token in allowed.nonzero().flatten().tolist():
+            p = prob * float(probs[token])
+            if p < 1e-6:
+                continue
+            if token == eos:
+                word = json.loads(target.tokenizer.decode(path))
+                result[word] = result.get(word, 0.0) + p
+            else:
+                walk([*path, token], p)
+
+    walk([], 1.0)
+    return result
+
+
+def test_constrained_sampling_under_speculation_has_the_masked_target_distribution(
+        tiny_target: CausalLM, tiny_draft: CausalLM, compiler: GrammarCompiler) -> None:
+    """A sampled poor draft model: its tokens are mostly forbidden and cut, where the
+    residual correction keeps the result exact."""
+    from scipy.stats import chisquare
+
+    words = ["cat", "dog", "bird", "fish"]
+    grammar = compiler.json_schema({"enum": words})
+    tok = tiny_target.tokenizer
+    prompt_ids = tuple(encode_chat(tok, [{"role": "user", "content": "An animal?"}]))
+    by_word = _word_probs(tiny_target, prompt_ids, compiler, grammar)
+    exact = [by_word.get(w, 0.0) for w in words]
+    assert abs(sum(exact) - 1.0) < 0.01  # every way to write every answer
+    drafter = ModelDrafter(tiny_draft, tiny_target)
+    counts = dict.fromkeys(words, 0)
+    samples = 300
+    for seed in range(samples):
+        request = GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=12, grammar=grammar,
+                                    sampling=SamplingParams(temperature=1.0, seed=seed))
+        out, _ = _run(tiny_target, drafter, request, k=3)
+        counts[json.loads(tok.decode(out, skip_special_tokens=True))] += 1
+    expected = [p / sum(exact) * samples for p in exact]
+    keep = [i for i, e in enumerate(expected) if e >= 5]
+    observed = [counts[words[i]] for i in keep]
+    scale = sum(observed) / sum(expected[i] for i in keep)
+    assert chisquare(observed, [expected[i] * scale for i in keep]).pvalue > 1e-3
+
+
+def test_hostile_schemas_are_refused_in_bounded_time(compiler: GrammarCompiler) -> None:
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(2000):
+        deep = {"type": "array", "items": deep}
+    hostile = [
+        {"type": "string", "pattern": "(a|aa)*" * 60 + "[" },  # invalid regex
+        {"type": "string", "pattern": "(" * 500 + "a" + ")*" * 500},
+        {"enum": [f"value-{i}-" + "x" * 50 for i in range(20000)]},
+        deep,
+        {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}},
+        {"type": "integer", "minimum": 5, "maximum": 1},
+    ]
+    for schema in hostile:
+        start = time.monotonic()
+        with pytest.raises(GrammarError):
+            compiler.json_schema(schema)
+        assert time.monotonic() - start < 20, schema  # bounded: no hang
+
+
+def test_compiled_grammars_are_cached_and_bounded(tiny_target: CausalLM) -> None:
+    compiler = GrammarCompiler(tiny_target.tokenizer, tiny_target.vocab_size, max_entries=3)
+    first = compiler.json_schema({"type": "integer"})
+    assert compiler.json_schema({"type": "integer"}) is first and compiler.hits == 1
+    for i in range(5):
+        compiler.json_schema({"type": "integer", "maximum": i})
+    assert compiler.cached == 3
+    matcher = first.matcher()  # an evicted grammar still works
+    assert matcher.valid_prefix(list(tiny_target.tokenizer.encode("42"))) > 0
+    assert not bool(matcher.allowed()[tiny_target.tokenizer.encode("a")[0]])
+
+
+def test_masks_forbid_and_allow(tiny_target: CausalLM, compiler: GrammarCompiler) -> None:
+    tok = tiny_target.tokenizer
+    matcher = compiler.json_schema({"type": "boolean"}).matcher()
+    allowed = matcher.allowed()
+    assert allowed.dtype == torch.bool and allowed.shape[0] == tiny_target.vocab_size
+    assert allowed[tok.encode("true")[0]] and not allowed[tok.encode("1")[0]]
+    assert matcher.advance(tok.encode("true"))
+    assert matcher.is_terminated() and matcher.allowed().nonzero().flatten().tolist() == [
+        compiler.eos_id]
+    matcher.rollback(len(tok.encode("true")))
+    assert not matcher.is_terminated() and matcher.allowed()[tok.encode("false")[0]]
+
+
+@pytest.mark.real_model
+def test_default_model_constrained_speculation_is_plain_constrained(
+        default_target: CausalLM) -> None:
+    """The real model, its shipped draft's architecture stood in by the target itself and
+    by lookup: constrained greedy output is token-identical to plain constrained."""
+    compiler = GrammarCompiler(default_target.tokenizer, default_target.vocab_size)
+    grammar = compiler.json_schema(PERSON)
+    prompt = "Alice is 30, likes green, and her tags are a and b. Her record as JSON:"
+    plain, _ = _run(default_target, None, _request(default_target, prompt, grammar,
+                                                   max_new=40, enabled=False), k=None)
+    for drafter in (None, NgramDrafter(),
+                    CombinedDrafter([NgramDrafter()], ModelDrafter(default_target,
+                                                                   default_target))):
+        out, events = _run(default_target, drafter,
+                           _request(default_target, prompt, grammar, max_new=40), k=None)
+        assert out == plain
+        assert sum(e.forced_accepted for e in events) > 0
