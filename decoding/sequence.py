@@ -23,7 +23,7 @@ import torch
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal, draft_source
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
-from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
+from decoding.sampling import apply_penalties, logits_to_probs, make_randomness, output_counts
 from decoding.target import BatchItem, CausalLM
 from decoding.text import TextStream
 from decoding.types import (
@@ -86,8 +86,9 @@ class SequenceDecoder:
         self.policies: dict[str, AdaptiveSpeculation] = {}  # by draft source
         self.source = ""  # the source that drafts the next round
         self._source_round = -1  # the round it was chosen for
-        self.generator = None if self.params.greedy else make_generator(
-            self.params.seed, target.device)
+        # Sampling randomness: keyed by (seed, choice, position), or rejection sampling's
+        # generator; verify() is told each round's first position.
+        self.generator = make_randomness(self.params, target.device)
         self.stop_ids = target.eos_token_ids | frozenset(request.stop_token_ids)
         self.max_new = min(request.max_new_tokens, target.max_context - prompt_len)
         self.tokens: list[int] = list(request.prompt_ids)
@@ -224,7 +225,7 @@ class SequenceDecoder:
             if not plan.final:
                 return None
             scores = self._process(logits, [])
-            token = verify((), None, scores, self.generator).next_token
+            token = verify((), None, scores, self.generator, len(self.tokens)).next_token
             timing = RoundTiming(0.0, self._prefill_s, 0.0)
             return self._commit([token], 0, 0, logits, timing, self._round_start)
         draft = plan.draft
@@ -232,7 +233,7 @@ class SequenceDecoder:
         probs = plan.proposal.probs if plan.proposal is not None else None
         draft_probs = probs[: len(draft)] if probs is not None else None
         verify_start = time.perf_counter()
-        verdict = verify(draft, draft_probs, scores, self.generator)
+        verdict = verify(draft, draft_probs, scores, self.generator, len(self.tokens))
         taken = (plan.alternative is not None and verdict.accepted == 0
                  and verdict.next_token == plan.alternative)
         if taken:  # greedy, unpenalised: the target's choice after the alternative is its argmax

@@ -6,6 +6,13 @@ a draft token is *accepted* or rejected; on rejection the next token is
 *recovered* by sampling the residual distribution; when every draft token is
 accepted the target contributes one *bonus* token. The acceptance length of a
 round therefore includes that final token.
+
+Sampling is keyed by default: the target's token at each position is drawn with
+noise fixed by (seed, choice, position) (``SamplingKey``), and a draft token is
+accepted exactly when it equals that draw. Each token is still an exact sample
+of the target's distribution given the prefix, and the text no longer depends on
+the drafter. Rejection sampling with a generator (Algorithm 1) remains for
+requests that ask for it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from decoding.sampling import Randomness, SamplingKey
 
 
 @dataclass(frozen=True)
@@ -31,7 +40,8 @@ def verify(
     draft_tokens: Sequence[int],  # [k]
     draft_probs: torch.Tensor | None,  # [k, vocab]; None for a deterministic drafter
     target_probs: torch.Tensor,  # [k + 1, vocab]
-    generator: torch.Generator | None,
+    generator: Randomness | None,
+    position: int = 0,  # the absolute position of target_probs[0]'s token (keyed only)
 ) -> Verdict:
     """Keep the longest acceptable prefix of the draft, plus one target token.
 
@@ -39,6 +49,12 @@ def verify(
     it equals the target's argmax, so any monotone transform of the target's
     probabilities (its processed logits) may be passed. The result is then
     exactly the token sequence plain greedy decoding produces.
+
+    With a ``SamplingKey`` the target's token at row i is its keyed draw at
+    ``position + i`` (argmax of target_probs[i] / E, E exponential noise fixed by the
+    key): a draft token is accepted while it equals that draw, and the first
+    mismatch, or the bonus, is the draw itself. ``draft_probs`` is not needed; the
+    tokens are those plain decoding with the same key produces, whatever was drafted.
 
     With a generator this is rejection sampling: draft token x at position i is
     accepted with probability min(1, target_probs[i, x] / draft_probs[i, x]);
@@ -52,6 +68,8 @@ def verify(
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens")
     if generator is None:
         return _verify_greedy(draft_tokens, target_probs)
+    if isinstance(generator, SamplingKey):
+        return _verify_keyed(draft_tokens, target_probs, generator, position)
     return _verify_sampled(draft_tokens, draft_probs, target_probs, generator)
 
 
@@ -62,6 +80,20 @@ def _verify_greedy(draft_tokens: Sequence[int], target_scores: torch.Tensor) -> 
             return Verdict(accepted=i, next_token=best[i], bonus=False)
     k = len(draft_tokens)
     return Verdict(accepted=k, next_token=best[k], bonus=True)
+
+
+def _verify_keyed(
+    draft_tokens: Sequence[int],  # [k]
+    target_probs: torch.Tensor,  # [k + 1, vocab]
+    key: SamplingKey,
+    position: int,
+) -> Verdict:
+    for i, token in enumerate(draft_tokens):  # draws made lazily: each costs a noise row
+        drawn = key.draw(target_probs[i], position + i)
+        if token != drawn:
+            return Verdict(accepted=i, next_token=drawn, bonus=False)
+    k = len(draft_tokens)
+    return Verdict(accepted=k, next_token=key.draw(target_probs[k], position + k), bonus=True)
 
 
 def _verify_sampled(
