@@ -35,6 +35,7 @@ from gateway.params import (
     completion_prompts,
     generation_requests,
     logprob_options,
+    request_seed,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import (
@@ -182,11 +183,13 @@ async def completions(request: Request) -> Response:
 async def _run(request: Request, state: GatewayState, engine: Engine, api_request: AnyRequest,
                prompts: list[Prompt], prefix: str) -> Response:
     job_id = f"{prefix}-{uuid.uuid4().hex}"
-    requests = generation_requests(api_request, prompts, state.limits(), job_id)
+    seed = request_seed(api_request)
+    requests = generation_requests(api_request, prompts, state.limits(), job_id, seed)
     job = Job(
         id=job_id, created=int(time.time()), model=state.settings.model_name, prompts=prompts,
         per_prompt=choices_per_prompt(api_request), logprobs=logprob_options(api_request)[0],
         echo=bool(getattr(api_request, "echo", False)),
+        seed=None if requests[0].sampling.greedy else seed,
     )
     hidden = engine.target.eos_token_ids
     fmt: Format = (ChatFormat(job, state.token_texts(), hidden)
