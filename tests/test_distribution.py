@@ -98,10 +98,11 @@ def _p_values(target: CausalLM, params: SamplingParams, samples: list[list[int]]
     expected: dict[str, dict[Any, float]] = defaultdict(lambda: defaultdict(float))
     for output in samples:  # one ended early by end-of-text counts where it reached
         probs = _target_probs(target, params, output)  # [n, vocab]
-        ranked, order = torch.sort(probs, dim=-1, descending=True)
-        ranks = [int((order[t] == token).nonzero()[0, 0]) for t, token in enumerate(output)]
+        # A token's rank: how many tokens are likelier (ties have probability zero).
+        ranks = [int((probs[t] > probs[t, token]).sum()) for t, token in enumerate(output)]
         for t in range(len(output)):
-            row = list(enumerate(ranked[t][ranked[t] > 1e-6].tolist()))
+            kept = probs[t][probs[t] > 1e-6]
+            row = list(enumerate(torch.sort(kept, descending=True).values.tolist()))
             cells = [(f"t{t}", None)]
             if t:
                 cells.append((f"t{t}|t{t - 1}", ranks[t - 1]))
@@ -165,7 +166,7 @@ def _bonus_from_the_wrong_row() -> Iterator[None]:
             module.verify = real  # type: ignore[attr-defined]
 
 
-SEEDS = 1200
+SEEDS = 300  # enough: each planted bug gives p < 1e-10 at 300 (docs/sampling.md)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,8 @@ def test_keyed_with_a_poor_draft_under_nucleus_and_penalties(
         == plain[:50]
 
 
-@pytest.mark.parametrize("draft", ["self", "poor"])
+@pytest.mark.parametrize("draft", [
+    "self", pytest.param("poor", marks=pytest.mark.slow)])  # poor: the long suite only
 def test_rejection_sampling_is_exact_and_the_test_sees_both_bugs(
         tiny_target: CausalLM, tiny_draft: CausalLM, draft: str) -> None:
     params = replace(TOP_K, keyed=False)
