@@ -191,6 +191,7 @@ def test_keyed_with_the_target_as_draft_is_plain_decoding_and_exact(
     assert p_values[f"t{NEW_TOKENS - 1}"] < ALPHA  # seen where it is: at the bonus
 
 
+@pytest.mark.slow  # top-p's wide support makes the reference sums long: the long suite only
 def test_keyed_with_a_poor_draft_under_nucleus_and_penalties(
         tiny_target: CausalLM, tiny_draft: CausalLM) -> None:
     params = NUCLEUS_PENALISED
