@@ -122,9 +122,11 @@ class ConstrainedDecoding:
         return masked
 
     def verified(self, verdict: Verdict, draft: Sequence[int], scores: torch.Tensor,
-                 cut: ConstrainedDraft | None, generator: torch.Generator | None) -> Verdict:
-        """The round's verdict, corrected where a sampled draft was cut (see above)."""
-        if cut is None or cut.cut_row is None or generator is None or not verdict.bonus:
+                 cut: ConstrainedDraft | None, generator: object) -> Verdict:
+        """The round's verdict, corrected where a rejection-sampled draft was cut (see
+        above; keyed sampling needs none: its tokens do not depend on the draft)."""
+        if (cut is None or cut.cut_row is None or not isinstance(generator, torch.Generator)
+                or not verdict.bonus):
             return verdict
         target = scores[len(draft)]  # [vocab] masked, renormalised target probabilities
         residual = (target - cut.cut_row.to(target.dtype)).clamp_min(0.0)

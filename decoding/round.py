@@ -89,7 +89,8 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
     scores = seq.process(logits[: k + 1], draft.tokens)  # [k + 1, vocab]
     if draft.alternative is not None:  # greedy, unpenalised: its row as the target gave it
         scores = torch.cat([scores, logits[-1:]])  # [k + 2, vocab]
-    verdict = verify(draft.tokens, draft.probs, scores, seq.generator, draft.alternative)
+    verdict = verify(draft.tokens, draft.probs, scores, seq.generator, len(seq.tokens),
+                     alternative=draft.alternative)
     if seq.grammar is not None:  # a sampled draft cut by the grammar: its residual
         verdict = seq.grammar.verified(verdict, list(draft.tokens), scores, draft.constrained,
                                        seq.generator)

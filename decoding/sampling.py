@@ -8,8 +8,10 @@ its distribution need not match the target's for the output to be exact.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from decoding.types import SamplingParams
@@ -74,5 +76,60 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed)
+        generator.manual_seed(seed % SEED_MODULUS)
     return generator
+
+
+SEED_MODULUS = 1 << 64
+CACHED_POSITIONS = 32  # noise rows a key keeps: a round's drafts, its verification, the next
+
+
+class SamplingKey:
+    """Randomness keyed by position: the noise behind the token at absolute position t
+    of choice c is a pure function of (seed, c, t), so nothing drafted or drawn before
+    can change it. One Exp(1) variate per vocabulary entry, from a generator seeded by
+    numpy's SeedSequence hash of (seed, c, t); recent rows are cached (drafts and their
+    verification ask for the same positions)."""
+
+    def __init__(self, seed: int | None = None, choice: int = 0) -> None:
+        self.seed = secrets.randbits(63) if seed is None else seed % SEED_MODULUS
+        self.choice = choice
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def exponentials(self, position: int, vocab: int) -> torch.Tensor:  # [vocab], CPU
+        key = (position, vocab)
+        row = self._rows.get(key)
+        if row is None:
+            rng = np.random.default_rng([self.seed, self.choice, position])
+            draws = rng.standard_exponential(vocab, dtype=np.float32)
+            # A zero would make probs / noise 0/0 (NaN, which argmax takes) for a token
+            # the distribution forbids.
+            row = torch.from_numpy(np.maximum(draws, np.float32(1e-30)))
+            self._rows[key] = row
+            while len(self._rows) > CACHED_POSITIONS:  # positions only move forward
+                del self._rows[min(self._rows)]
+        return row
+
+    def draw(
+        self,
+        probs: torch.Tensor,  # [vocab]
+        position: int,
+    ) -> int:
+        """The token at ``position``: argmax(probs / E), E ~ Exp(1) i.i.d. per token (the
+        exponential race, i.e. Gumbel-max), an exact sample of ``probs``."""
+        noise = self.exponentials(position, probs.shape[-1]).to(probs.device)
+        return int((probs.float() / noise).argmax().item())
+
+
+Randomness = torch.Generator | SamplingKey  # rejection sampling's stream, or keyed noise
+
+
+def make_randomness(params: SamplingParams, device: torch.device) -> Randomness | None:
+    """A request's randomness: None when greedy; keyed by position unless the request
+    asks for rejection sampling with a generator (the seed and choice both seed it)."""
+    if params.greedy:
+        return None
+    if params.keyed:
+        return SamplingKey(params.seed, params.choice)
+    seed = None if params.seed is None else params.seed + params.choice
+    return make_generator(seed, device)

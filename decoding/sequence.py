@@ -21,7 +21,7 @@ from decoding.logprobs import token_logprobs
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.prefix_use import load_prefix, remember_continuation, store_prefix
-from decoding.sampling import apply_penalties, logits_to_probs, make_generator, output_counts
+from decoding.sampling import apply_penalties, logits_to_probs, make_randomness, output_counts
 from decoding.target import BatchItem, Target
 from decoding.text import TextStream
 from decoding.types import (
@@ -70,8 +70,9 @@ class SequenceDecoder:
         self.policies: dict[str, AdaptiveSpeculation] = {}  # by draft source
         self.source = ""  # the source that drafts the next round
         self._source_round = -1  # the round it was chosen for
-        self.generator = None if self.params.greedy else make_generator(
-            self.params.seed, target.device)
+        # Sampling randomness: keyed by (seed, choice, position), or rejection sampling's
+        # generator; verify() is told each round's first position.
+        self.generator = make_randomness(self.params, target.device)
         self.stop_ids = target.eos_token_ids | frozenset(request.stop_token_ids)
         self.max_new = min(request.max_new_tokens, target.max_context - prompt_len)
         self.tokens: list[int] = list(request.prompt_ids)
@@ -197,7 +198,8 @@ class SequenceDecoder:
         self._prefill_s += forward_s
         if not chunk.final:
             return None
-        token = verify((), None, self.process(logits, ()), self.generator).next_token
+        token = verify((), None, self.process(logits, ()), self.generator,
+                       len(self.tokens)).next_token
         return self.commit([token], 0, 0, logits, RoundTiming(0.0, self._prefill_s, 0.0),
                            self._round_start)
 

@@ -41,6 +41,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    choice: int = 0  # which of a request's n choices: part of the sampling key
+    keyed: bool = True  # randomness keyed by (seed, choice, position); False: rejection
+    # sampling with a generator (same distribution; the drafter then changes the text)
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +60,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.choice < 0:
+            raise ValueError("choice must be >= 0")
 
 
 @dataclass(frozen=True)

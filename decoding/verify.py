@@ -11,6 +11,13 @@ Greedy, a round may also verify an *alternative*: a second candidate for the fir
 draft position, run as a branch of a two-token tree (it sees the cache and the
 pending token only). When the target rejects the first draft token for exactly the
 alternative, the alternative and the target's token after it are kept.
+
+Sampling is keyed by default: the target's token at each position is drawn with
+noise fixed by (seed, choice, position) (``SamplingKey``), and a draft token is
+accepted exactly when it equals that draw. Each token is still an exact sample
+of the target's distribution given the prefix, and the text no longer depends on
+the drafter. Rejection sampling with a generator (Algorithm 1) remains for
+requests that ask for it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from decoding.sampling import Randomness, SamplingKey
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,8 @@ def verify(
     draft_tokens: Sequence[int],  # [k]
     draft_probs: torch.Tensor | None,  # [k, vocab]; None for a deterministic drafter
     target_probs: torch.Tensor,  # [k + 1, vocab]; [k + 2, vocab] with an alternative
-    generator: torch.Generator | None,
+    generator: Randomness | None,
+    position: int = 0,  # the absolute position of target_probs[0]'s token (keyed only)
     alternative: int | None = None,  # greedy only: a second candidate for draft[0]
 ) -> Verdict:
     """Keep the longest acceptable prefix of the draft, plus one target token.
@@ -51,6 +61,12 @@ def verify(
     it equals the target's argmax, so any monotone transform of the target's
     probabilities (its processed logits) may be passed. The result is then
     exactly the token sequence plain greedy decoding produces.
+
+    With a ``SamplingKey`` the target's token at row i is its keyed draw at
+    ``position + i`` (argmax of target_probs[i] / E, E exponential noise fixed by the
+    key): a draft token is accepted while it equals that draw, and the first
+    mismatch, or the bonus, is the draw itself. ``draft_probs`` is not needed; the
+    tokens are those plain decoding with the same key produces, whatever was drafted.
 
     With a generator this is rejection sampling: draft token x at position i is
     accepted with probability min(1, target_probs[i, x] / draft_probs[i, x]);
@@ -72,6 +88,8 @@ def verify(
         raise ValueError("an alternative is verified only greedily, beside a draft")
     if generator is None:
         return _verify_greedy(draft_tokens, target_probs, alternative)
+    if isinstance(generator, SamplingKey):
+        return _verify_keyed(draft_tokens, target_probs, generator, position)
     return _verify_sampled(draft_tokens, draft_probs, target_probs, generator)
 
 
@@ -86,6 +104,20 @@ def _verify_greedy(draft_tokens: Sequence[int], target_scores: torch.Tensor,
         if token != best[i]:
             return Verdict(accepted=i, next_token=best[i], bonus=False)
     return Verdict(accepted=k, next_token=best[k], bonus=True)
+
+
+def _verify_keyed(
+    draft_tokens: Sequence[int],  # [k]
+    target_probs: torch.Tensor,  # [k + 1, vocab]
+    key: SamplingKey,
+    position: int,
+) -> Verdict:
+    for i, token in enumerate(draft_tokens):  # draws made lazily: each costs a noise row
+        drawn = key.draw(target_probs[i], position + i)
+        if token != drawn:
+            return Verdict(accepted=i, next_token=drawn, bonus=False)
+    k = len(draft_tokens)
+    return Verdict(accepted=k, next_token=key.draw(target_probs[k], position + k), bonus=True)
 
 
 def _verify_sampled(

@@ -44,6 +44,7 @@ class Job:
     per_prompt: int  # choices per prompt (n)
     logprobs: bool
     echo: bool = False
+    seed: int | None = None  # a sampled request's seed, reported in every body and chunk
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.per_prompt]
@@ -116,7 +117,7 @@ class ChatFormat(_ChoiceFormat):
                                  if content is not None else None)
         return ChatCompletionChunk(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
-            speculation=self._speculation(index, event, totals, event.text))
+            seed=self.job.seed, speculation=self._speculation(index, event, totals, event.text))
 
     def observe(self, index: int, event: RoundEvent) -> None:
         if self.job.logprobs:
@@ -125,7 +126,8 @@ class ChatFormat(_ChoiceFormat):
     def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[],
-            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals))
+            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals),
+            seed=self.job.seed)
 
     def response(self, totals: Sequence[ChoiceTotals]) -> ChatCompletion:
         choices = [
@@ -140,7 +142,8 @@ class ChatFormat(_ChoiceFormat):
         ]
         return ChatCompletion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
-            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals))
+            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals),
+            seed=self.job.seed)
 
 
 class CompletionFormat(_ChoiceFormat):
@@ -174,6 +177,7 @@ class CompletionFormat(_ChoiceFormat):
                                   finish_reason=finish)
         return Completion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
+            seed=self.job.seed,
             speculation=self._speculation(index, event, totals, text, len(echoed)))
 
     def observe(self, index: int, event: RoundEvent) -> None:
@@ -183,7 +187,8 @@ class CompletionFormat(_ChoiceFormat):
     def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> Completion:
         return Completion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[],
-            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals))
+            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals),
+            seed=self.job.seed)
 
     def response(self, totals: Sequence[ChoiceTotals]) -> Completion:
         choices = []
@@ -196,4 +201,4 @@ class CompletionFormat(_ChoiceFormat):
         usage: Usage = usage_of(totals, self.job.per_prompt)
         return Completion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
-            usage=usage, speculation=_stats(totals))
+            seed=self.job.seed, usage=usage, speculation=_stats(totals))

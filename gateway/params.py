@@ -1,13 +1,15 @@
 """From a validated API request to the engine's ``GenerationRequest``s.
 
 Everything here builds new objects; the API request is never modified. One
-engine request is made per choice: ``n`` per prompt, in prompt-major order,
-the j-th choice of a seeded request using ``seed + j`` so that choices differ
-and each is reproducible.
+engine request is made per choice: ``n`` per prompt, in prompt-major order.
+Every choice samples with the request's seed (drawn at random when the request
+gives none, and reported back so the text can be replayed) and its own choice
+index, both part of the sampling key: choices differ and each is reproducible.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,19 +59,27 @@ def choices_per_prompt(request: AnyRequest) -> int:
     return request.n or 1
 
 
-def sampling_params(request: AnyRequest, choice: int = 0) -> SamplingParams:
+def request_seed(request: AnyRequest) -> int:
+    """The seed a request samples with: its own, or one drawn now (to report back)."""
+    return secrets.randbits(63) if request.seed is None else request.seed
+
+
+def sampling_params(request: AnyRequest, choice: int = 0, seed: int | None = None
+                    ) -> SamplingParams:
+    """``seed``: the request's (``request_seed``); None: the request's own, if any."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     if top_p == 0.0:  # the limit of top-p sampling: only the most likely token
         temperature, top_p = 0.0, 1.0
-    seed = None if request.seed is None else (request.seed + choice) % SEED_MODULUS
+    seed = request.seed if seed is None else seed
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=request.top_k or 0,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        seed=seed,
+        seed=None if seed is None else seed % SEED_MODULUS,
+        choice=choice,
     )
 
 
@@ -176,8 +186,10 @@ def max_new_tokens(request: AnyRequest, prompt_len: int, limits: Limits) -> int:
 def generation_requests(
     request: AnyRequest, prompts: Sequence[Prompt], limits: Limits, request_id: str,
     grammar: Grammar | None = None,
+    seed: int | None = None,
 ) -> list[GenerationRequest]:
-    """One engine request per choice, in choice-index order."""
+    """One engine request per choice, in choice-index order, sampling with ``seed``
+    (``request_seed``; None: the request's own)."""
     param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     check_choices(request, len(prompts), limits)
     logprobs, top_logprobs = logprob_options(request)
@@ -191,7 +203,7 @@ def generation_requests(
             out.append(GenerationRequest(
                 prompt_ids=prompt.ids,
                 max_new_tokens=new_tokens,
-                sampling=sampling_params(request, j),
+                sampling=sampling_params(request, j, seed),
                 stop=stops,
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,

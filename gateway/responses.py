@@ -1,6 +1,7 @@
 """OpenAI response bodies and stream chunks, plus the speculation statistics
-every response carries in the extra top-level ``speculation`` field, the error
-body, and the bodies of ``/health`` and ``/ready``.
+every response carries in the extra top-level ``speculation`` field (and a sampled
+request's seed in ``seed``), the error body, and the bodies of ``/health`` and
+``/ready``.
 
 Fields follow OpenAI's reference order; extras sit in one marked block.
 """
@@ -127,6 +128,7 @@ class ChatCompletion(BaseModel):
     usage: Usage
     # -- extras (not in OpenAI's API) ----------------------------------------------------
     speculation: SpeculationStats
+    seed: int | None = None  # what a sampled request sampled with (drawn if it gave none)
 
 
 class ChatDelta(BaseModel):
@@ -151,6 +153,7 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
     # -- extras (not in OpenAI's API) ----------------------------------------------------
     speculation: StreamSpeculation | SpeculationStats | None = None
+    seed: int | None = None  # what a sampled request sampled with (drawn if it gave none)
 
 
 # -- completions ----------------------------------------------------------------------
@@ -174,6 +177,7 @@ class Completion(BaseModel):
     usage: Usage | None = None
     # -- extras (not in OpenAI's API) ----------------------------------------------------
     speculation: StreamSpeculation | SpeculationStats | None = None
+    seed: int | None = None  # what a sampled request sampled with (drawn if it gave none)
 
 
 # -- models ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from gateway.params import (
     completion_prompts,
     generation_requests,
     logprob_options,
+    request_seed,
     request_tools,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -191,11 +192,14 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
                prompts: list[Prompt], prefix: str, grammar: Grammar | None = None,
                tools: ToolPlan | None = None) -> Response:
     job_id = f"{prefix}-{uuid.uuid4().hex}"
-    requests = generation_requests(api_request, prompts, state.limits(), job_id, grammar)
+    seed = request_seed(api_request)
+    requests = generation_requests(api_request, prompts, state.limits(), job_id, grammar,
+                                   seed)
     job = Job(
         id=job_id, created=int(time.time()), model=state.settings.model_name, prompts=prompts,
         per_prompt=choices_per_prompt(api_request), logprobs=logprob_options(api_request)[0],
         echo=bool(getattr(api_request, "echo", False)),
+        seed=None if requests[0].sampling.greedy else seed,
     )
     hidden = engine.target.eos_token_ids
     fmt: Format = (ChatFormat(job, state.token_texts(), hidden)

@@ -41,7 +41,7 @@ from observability.telemetry import RequestTelemetry
 log = logging.getLogger(__name__)
 
 DONE = "[DONE]"
-_DROP_WHEN_NONE = ("usage", "speculation")
+_DROP_WHEN_NONE = ("usage", "speculation", "seed")
 
 
 def chunk_json(chunk: Any) -> str:
@@ -142,6 +142,8 @@ class ResponseRun:
                 raise error
             self.outcome = "ok"
             body = self.fmt.response(self.totals).model_dump(mode="json")
+            if body.get("seed") is None:  # greedy: no seed to report
+                body.pop("seed", None)
             return JSONResponse(body, headers={"X-Request-Id": self.job.id})
         finally:
             self._close()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from decoding.sampling import SamplingKey
 from decoding.verify import verify
 
 VOCAB = 6
@@ -126,3 +127,73 @@ def test_second_position_is_conditionally_exact() -> None:
             counts[second if verdict.accepted == 2 else verdict.next_token] += 1
     result = chisquare(counts.numpy(), (target[1] * counts.sum()).numpy())
     assert result.pvalue > 1e-3
+
+
+# -- keyed sampling ---------------------------------------------------------------------
+
+
+def _keyed_chain(target: torch.Tensor, key: SamplingKey, position: int) -> list[int]:
+    """What plain decoding draws, row by row, with ``key`` from ``position``."""
+    return [key.draw(target[i], position + i) for i in range(target.shape[0])]
+
+
+def test_keyed_verdict_is_plain_decoding_whatever_was_drafted() -> None:
+    source = torch.Generator().manual_seed(8)
+    target = torch.softmax(torch.randn(9, VOCAB, generator=source), dim=-1)  # [9, V]
+    key = SamplingKey(seed=21, choice=1)
+    plain = _keyed_chain(target, key, position=40)
+    for accepted in range(9):
+        draft = plain[:accepted] + ([(plain[accepted] + 1) % VOCAB] if accepted < 8 else [])
+        draft += [0] * (8 - len(draft))  # whatever follows a mismatch
+        verdict = verify(draft, None, target, key, position=40)
+        assert verdict.committed(draft) == plain[: accepted + 1]
+        assert verdict.bonus == (accepted == 8)
+    assert _keyed_chain(target, SamplingKey(seed=21, choice=1), 40) == plain  # a fresh key
+    assert _keyed_chain(target, SamplingKey(seed=21, choice=0), 40) != plain
+    assert _keyed_chain(target, SamplingKey(seed=21, choice=1), 41) != plain
+
+
+def test_keyed_draw_never_picks_a_forbidden_token() -> None:
+    probs = torch.tensor([0.0, 0.0, 1e-6, 0.0, 1.0 - 1e-6, 0.0])
+    for seed in range(300):
+        assert SamplingKey(seed).draw(probs, 0) in (2, 4)
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_the_bonus_after_eight_accepted_follows_the_last_row(keyed: bool) -> None:
+    """Drafts drawn from the target itself are all accepted; the bonus token after
+    eight of them is distributed as target_probs[8] (and not as the row before)."""
+    source = torch.Generator().manual_seed(9)
+    target = torch.softmax(torch.randn(9, VOCAB, generator=source) * 1.5, dim=-1)  # [9, V]
+    samples = 6000
+    counts = torch.zeros(VOCAB)
+    generator = torch.Generator().manual_seed(10)
+    for seed in range(samples):
+        if keyed:
+            key = SamplingKey(seed)
+            draft = [key.draw(target[i], i) for i in range(8)]
+            verdict = verify(draft, target[:8], target, key, position=0)
+        else:
+            draft = [int(torch.multinomial(target[i], 1, generator=generator)) for i in range(8)]
+            verdict = verify(draft, target[:8], target, generator)
+        assert verdict.bonus
+        counts[verdict.next_token] += 1
+    assert chisquare(counts.numpy(), (target[8] * samples).numpy()).pvalue > 1e-3
+    assert chisquare(counts.numpy(), (target[7] * samples).numpy()).pvalue < 1e-6
+
+
+def test_keyed_tokens_follow_the_target_distribution_at_every_row() -> None:
+    """Over seeds, the keyed draw at each row is distributed as that row, whatever a
+    (poor) draft proposed: the committed token at the first rejected row included."""
+    source = torch.Generator().manual_seed(11)
+    target = torch.softmax(torch.randn(4, VOCAB, generator=source) * 1.5, dim=-1)  # [4, V]
+    draft_probs = torch.softmax(torch.randn(3, VOCAB, generator=source), dim=-1)  # [3, V]
+    samples = 6000
+    first = torch.zeros(VOCAB)
+    for seed in range(samples):
+        key = SamplingKey(seed)
+        draft = [key.draw(draft_probs[i], i) for i in range(3)]  # the drafter's keyed draws
+        verdict = verify(draft, draft_probs, target, key)
+        first[verdict.committed(draft)[0]] += 1
+    assert chisquare(first.numpy(), (target[0] * samples).numpy()).pvalue > 1e-3
+    assert chisquare(first.numpy(), (draft_probs[0] * samples).numpy()).pvalue < 1e-6

@@ -5,7 +5,7 @@ returns the next-token logits plus the grown cache. ``KVDrafter`` drives such
 an engine exactly as ``decoding.drafters.model.ModelDrafter`` drives a PyTorch
 model: it reuses the common prefix of what it fed and what is committed, feeds
 the rest, then proposes k tokens one step at a time (greedy argmax, or sampling
-with the request's generator, returning the distributions).
+with the request's keyed noise or generator, returning the distributions).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from decoding.sampling import Randomness
 from decoding.types import SamplingParams
 
 
@@ -35,7 +36,7 @@ class DraftContext:
 
     token_ids: Sequence[int]  # every committed token: prompt then output
     sampling: SamplingParams
-    generator: torch.Generator | None  # None when decoding greedily
+    generator: Randomness | None  # None when decoding greedily; a SamplingKey: keyed
     judge: DraftJudge | None = None  # None: draft all k
 
 

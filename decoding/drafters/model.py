@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
-from decoding.sampling import logits_to_probs
+from decoding.sampling import SamplingKey, logits_to_probs
 from decoding.target import BatchItem, CausalLM, check_same_vocabulary
 
 
@@ -93,7 +93,9 @@ class ModelDrafter(BaseDrafter):
             for i, out in zip(active, logits, strict=True):
                 states[i].fed.extend(feeds[i])
                 first = not sure[i]  # the round's first token: its runner-up too
-                token, probs, confidence, runner_up = self._pick(out, contexts[i], first)
+                position = len(contexts[i].token_ids) + len(sure[i])  # the draft token's
+                token, probs, confidence, runner_up = self._pick(out, contexts[i], first,
+                                                                 position)
                 if first:
                     second[i] = runner_up
                 sure[i].append(confidence)
@@ -144,14 +146,17 @@ class ModelDrafter(BaseDrafter):
 
     def _pick(
         self, logits: torch.Tensor, context: DraftContext,  # logits: [vocab]
-        runner_up: bool = False,
+        runner_up: bool = False, position: int = 0,
     ) -> tuple[int, torch.Tensor | None, float, tuple[int, float] | None]:
         """The draft token, the distribution it was drawn from (None: greedy), the
         draft's confidence (its largest probability), and greedy with ``runner_up``, its
         second choice with that token's probability. Greedy, the confidence is the
         token's own; sampling, it must not be (a judge that withheld a sampled token for
         being unlikely would skew what verification accepts away from the target's
-        distribution), so it depends on the distribution alone, never on the draw."""
+        distribution), so it depends on the distribution alone, never on the draw.
+        Keyed sampling draws with the target's noise at ``position`` (the token's
+        absolute position), so the draft agrees with the target's draw as often as the
+        two distributions allow."""
         logits = fit_vocab(logits, self.target_vocab)
         if context.generator is None:
             scores = logits.float()
@@ -164,9 +169,13 @@ class ModelDrafter(BaseDrafter):
             second = int(others.argmax().item())
             shares = torch.exp(scores[[first, second]] - torch.logsumexp(scores, -1)).tolist()
             return first, None, float(shares[0]), (second, float(shares[1]))
-        logits = logits.to(context.generator.device)  # the draft may run elsewhere
+        randomness = context.generator
+        if isinstance(randomness, SamplingKey):
+            probs = logits_to_probs(logits.unsqueeze(0), context.sampling)[0]  # [vocab]
+            return randomness.draw(probs, position), probs, float(probs.max().item()), None
+        logits = logits.to(randomness.device)  # the draft may run elsewhere
         probs = logits_to_probs(logits.unsqueeze(0), context.sampling)[0]  # [vocab]
-        token = int(torch.multinomial(probs, 1, generator=context.generator).item())
+        token = int(torch.multinomial(probs, 1, generator=randomness).item())
         return token, probs, float(probs.max().item()), None
 
 

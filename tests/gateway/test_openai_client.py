@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -66,7 +67,7 @@ def test_n_choices_stream_interleaved(client: openai.OpenAI) -> None:
     assert set(order) == {0, 1} and order != sorted(order)  # interleaved, not one after another
     streamed = texts_by_index(chunks)
     assert streamed == {c.index: c.message.content for c in whole.choices}
-    assert streamed[0] != streamed[1]  # seed and seed + 1
+    assert streamed[0] != streamed[1]  # the choice index is part of the sampling key
     assert [c.choices[0].finish_reason for c in chunks].count("length") == 2
 
 
@@ -248,3 +249,35 @@ def test_keep_alive_comments_while_queued(stalled_url: str) -> None:
             if sum(1 for x in lines if x.startswith(":")) >= 2:
                 break
     assert not any(line.startswith("data:") for line in lines)
+
+
+def test_a_seed_fixes_the_text_whatever_drafts_it(client: openai.OpenAI) -> None:
+    """Speculation off, each drafter, repeated, concurrent, streamed: one text per seed.
+    An unseeded request reports the seed it drew, and replaying it gives its text."""
+    kwargs: dict[str, Any] = {"model": TINY, "messages": CHAT, "max_tokens": 16,
+                              "temperature": 1.0, "top_p": 0.95, "seed": 7}
+
+    def text(**extra: Any) -> str:
+        reply = client.chat.completions.create(**{**kwargs, **extra})
+        assert reply.model_extra["seed"] == extra.get("seed", 7)
+        return str(reply.choices[0].message.content)
+
+    plain = text(extra_body={"speculation": {"enabled": False}})
+    ways = [{}, {}, {"extra_body": {"speculation": {"drafter": "draft"}}},
+            {"extra_body": {"speculation": {"drafter": "ngram", "max_draft_tokens": 2}}}]
+    assert [text(**way) for way in ways] == [plain] * len(ways)
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda way: text(**way), ways)) == [plain] * len(ways)
+    assert texts_by_index(stream_chat(client, **{k: v for k, v in kwargs.items()
+                                                 if k not in ("model", "messages")})) \
+        == {0: plain}
+    assert text(seed=8) != plain
+    two = client.chat.completions.create(**{**kwargs, "n": 2})
+    assert two.choices[0].message.content == plain != two.choices[1].message.content
+
+    drawn = client.chat.completions.create(**{**kwargs, "seed": None})
+    seed = drawn.model_extra["seed"]
+    assert isinstance(seed, int)
+    assert text(seed=seed) == drawn.choices[0].message.content
+    greedy = client.chat.completions.create(**{**kwargs, "temperature": 0})
+    assert "seed" not in greedy.model_extra

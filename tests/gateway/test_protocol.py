@@ -9,7 +9,13 @@ import pytest
 
 from decoding.types import SpeculationParams
 from gateway.errors import InvalidRequestError
-from gateway.params import Limits, Prompt, generation_requests, sampling_params
+from gateway.params import (
+    Limits,
+    Prompt,
+    generation_requests,
+    request_seed,
+    sampling_params,
+)
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes import parse_body
 
@@ -143,7 +149,7 @@ def test_conversion_makes_new_objects_and_seeds_choices() -> None:
     before = request.model_dump()
     out = generation_requests(request, [PROMPT], LIMITS, "id")
     assert request.model_dump() == before
-    assert [r.sampling.seed for r in out] == [41, 42, 43]
+    assert [(r.sampling.seed, r.sampling.choice) for r in out] == [(41, 0), (41, 1), (41, 2)]
     first = out[0]
     assert first.prompt_ids == (1, 2, 3) and first.max_new_tokens == 7
     assert (first.sampling.temperature, first.sampling.top_p, first.sampling.top_k) \
@@ -160,7 +166,19 @@ def test_choices_are_prompt_major() -> None:
     prompts = [PROMPT, Prompt(ids=(9,), text="b")]
     out = generation_requests(request, prompts, LIMITS, "id")
     assert [r.prompt_ids for r in out] == [(1, 2, 3), (1, 2, 3), (9,), (9,)]
-    assert [r.sampling.seed for r in out] == [1, 2, 1, 2]
+    assert [(r.sampling.seed, r.sampling.choice) for r in out] == [(1, 0), (1, 1), (1, 0), (1, 1)]
+
+
+def test_an_unseeded_request_samples_with_the_seed_it_is_given() -> None:
+    request = ChatCompletionRequest.model_validate(chat(n=2, temperature=0.8))
+    drawn = request_seed(request)
+    again = request_seed(request)
+    assert drawn != again  # drawn afresh for each request
+    out = generation_requests(request, [PROMPT], LIMITS, "id", seed=drawn)
+    assert [(r.sampling.seed, r.sampling.choice) for r in out] == [(drawn, 0), (drawn, 1)]
+    negative = ChatCompletionRequest.model_validate(chat(seed=-5))
+    assert request_seed(negative) == -5
+    assert sampling_params(negative, 0, -5).seed == (1 << 64) - 5
 
 
 def test_top_p_zero_is_greedy() -> None:
