@@ -21,6 +21,7 @@ from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import add_serve_command
 from specbench.compare import DraftLoader
 from specbench.methods import ALL_METHODS
+from specbench.peer import add_peer_flags
 from specdistill.cli import add_distill_command
 from trt.backends import BACKENDS, load_draft
 from trt.cli import add_export_command
@@ -72,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtypes", default="float32,bfloat16",
                        help="comma-separated dtypes to measure (used instead of --dtype)")
     bench.add_argument("--max-tokens", type=int, default=None,
-                       help="new tokens per prompt (default 64 with --quick, else 192)")
+                       help="new tokens per prompt (default 64 with --quick, else 192; "
+                            "128 with --peer)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     bench.add_argument("--methods", default=None,
                        help=f"comma-separated subset of {', '.join(ALL_METHODS)} "
@@ -87,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                             "(e.g. 1,4,8,16) instead of comparing methods one prompt at a time")
     bench.add_argument("--modes", default=None,
                        help="with --concurrency: comma-separated subset of off, on, adaptive")
+    add_peer_flags(bench)
+    bench.add_argument("--no-progress", action="store_true",
+                       help="no progress bars (they show only when stderr is a terminal)")
     bench.set_defaults(func=_cmd_bench)
     _acceptance_command(sub)
     add_export_command(sub)
@@ -196,6 +201,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specbench.compare import run_bench
 
+    if args.peer:
+        from specbench.peer import run_peer_bench
+
+        return run_peer_bench(args)  # servers of their own: no model loads here
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.concurrency:
