@@ -57,11 +57,20 @@ def _group_bars(ax: Axes, groups: Sequence[str], series: Mapping[str, Sequence[f
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         yerr = None if errors is None else [[0.0] * len(values), list(errors[name])]  # up only
         bars = ax.bar(xs, values, width, label=name, yerr=yerr, capsize=3)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+        ax.bar_label(bars, fmt=_short, fontsize=7, padding=2)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(ylabel)
     ax.margins(y=0.15)
     ax.grid(axis="y", alpha=0.3)
+
+
+def _short(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.2g}"
+
+
+def _draft_label(spec: str) -> str:
+    """A drafter spec with each model path cut to its folder's name."""
+    return "+".join(Path(part).name if "/" in part else part for part in spec.split("+"))
 
 
 def _subtitle(report: Report) -> str:
@@ -72,6 +81,8 @@ def _subtitle(report: Report) -> str:
 
 def bench_tokens(figure: Figure, report: Report) -> bool:
     runs = report["runs"]
+    if not runs:
+        return False
     dtypes = list(dict.fromkeys(r["dtype"] for r in runs))
     sets = list(dict.fromkeys(r["prompt_set"] for r in runs))
     methods = list(dict.fromkeys(r["method"] for r in runs))
@@ -85,11 +96,15 @@ def bench_tokens(figure: Figure, report: Report) -> bool:
         ax.set_title(dtype)
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.suptitle(f"specserve bench: tokens/s per method\n{_subtitle(report)}", fontsize=10)
-    return bool(runs)
+    return True
 
 
 def acceptance_positions(figure: Figure, report: Report) -> bool:
+    from matplotlib.ticker import MaxNLocator
+
     rows = report["rows"]
+    if not rows:
+        return False
     sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
     several = len({r["dtype"] for r in rows}) > 1
     figure.set_size_inches(4.5 * len(sets) + 2.5, 7)
@@ -100,7 +115,7 @@ def acceptance_positions(figure: Figure, report: Report) -> bool:
         for key in dict.fromkeys((r["draft"], r["dtype"]) for r in mine):
             runs = sorted((r for r in mine if (r["draft"], r["dtype"]) == key),
                           key=lambda r: r["k"])
-            label = f"{key[0]} ({key[1]})" if several else key[0]
+            label = f"{_draft_label(key[0])} ({key[1]})" if several else _draft_label(key[0])
             rates = runs[-1]["position_rates"]  # the longest draft reaches every position
             top.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
             bottom.plot([r["k"] for r in runs], [r["tokens_per_round"] or 0.0 for r in runs],
@@ -109,14 +124,17 @@ def acceptance_positions(figure: Figure, report: Report) -> bool:
                 ylabel="accepted, given the earlier ones were")
         bottom.set(xlabel="draft length k", ylabel="tokens per round")
         for ax in (top, bottom):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.suptitle("specserve acceptance: greedy rounds replayed (no timing)", fontsize=10)
-    return bool(rows)
+    return True
 
 
 def concurrency_curves(figure: Figure, report: Report) -> bool:
     runs = report["runs"]
+    if not runs:
+        return False
     sets = list(dict.fromkeys(r["prompt_set"] for r in runs))
     several = len({r["dtype"] for r in runs}) > 1
     levels = sorted({r["concurrency"] for r in runs})
@@ -142,11 +160,13 @@ def concurrency_curves(figure: Figure, report: Report) -> bool:
     axes[0][-1].legend(title="speculation", fontsize=8, loc="upper left",
                        bbox_to_anchor=(1.0, 1.0))
     figure.suptitle(f"specserve bench --concurrency\n{_subtitle(report)}", fontsize=10)
-    return bool(runs)
+    return True
 
 
 def peer_comparison(figure: Figure, report: Report) -> bool:
     runs = report["runs"]
+    if not runs:
+        return False
     sets = list(dict.fromkeys(r["prompt_set"] for r in runs))
     servers = list(dict.fromkeys(r["server"] for r in runs))
     figure.set_size_inches(13, 4.2)
@@ -169,7 +189,7 @@ def peer_comparison(figure: Figure, report: Report) -> bool:
     max_tokens = report.get("config", {}).get("max_tokens")
     figure.suptitle(f"peer benchmark: streamed chat completions, greedy, max_tokens "
                     f"{max_tokens}", fontsize=10)
-    return bool(runs)
+    return True
 
 
 Draw = Callable[["Figure", Report], bool]
