@@ -69,6 +69,7 @@ class Reply:
     text: str
     tokens: int
     tokens_from: str  # "usage" or "chunks"
+    prompt_tokens: int | None  # from usage: tells whether the servers rendered alike
     ttft_s: float
     last_s: float  # the last text
     seconds: float  # the stream's end
@@ -98,7 +99,7 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
     start = time.perf_counter()
     pieces: list[str] = []
     chunks = 0
-    usage: int | None = None
+    usage: dict[str, Any] = {}
     first = last = None
     finish = None
     try:
@@ -113,8 +114,7 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
                 chunk = json.loads(line[5:])
                 if "error" in chunk:
                     raise PeerError(f"{peer.name} failed mid-stream: {chunk['error']}")
-                if chunk.get("usage"):
-                    usage = int(chunk["usage"]["completion_tokens"])
+                usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or ():
                     finish = choice.get("finish_reason") or finish
                     piece = (choice.get("delta") or {}).get("content") or ""
@@ -126,8 +126,10 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
     except httpx.HTTPError as exc:
         raise PeerError(f"{peer.name} at {peer.url}: {type(exc).__name__}: {exc}") from None
     end = time.perf_counter() - start
-    return Reply(text="".join(pieces), tokens=usage if usage is not None else chunks,
-                 tokens_from="usage" if usage is not None else "chunks",
+    counted = usage.get("completion_tokens")
+    return Reply(text="".join(pieces), tokens=int(counted) if counted is not None else chunks,
+                 tokens_from="usage" if counted is not None else "chunks",
+                 prompt_tokens=usage.get("prompt_tokens"),
                  ttft_s=first if first is not None else end,
                  last_s=last if last is not None else end, seconds=end, finish_reason=finish)
 
@@ -215,6 +217,7 @@ def summarise(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]],
             itl = [r["itl_s"] for r in mine if r["itl_s"] is not None]
             ttft = [r["ttft_s"] for r in mine]
             differing = [r["id"] for r in mine if reference.get(r["id"]) != r["text"]]
+            prompt_tokens = [r["prompt_tokens"] for r in mine]
             rows.append({
                 "server": peer.name, "prompt_set": name, "prompts": len(mine),
                 "tokens": tokens, "seconds": round(seconds, 4),
@@ -225,6 +228,7 @@ def summarise(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]],
                 "itl_ms_median": _ms(statistics.median(itl)) if itl else None,
                 "itl_ms_p90": _ms(quantile(itl, 0.9)) if itl else None,
                 "tokens_from": "+".join(sorted({r["tokens_from"] for r in mine})),
+                "prompt_tokens": None if None in prompt_tokens else sum(prompt_tokens),
                 "identical_to_first": len(mine) - len(differing),
                 "differing_prompts": differing,
             })

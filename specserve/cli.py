@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     models_sub = models.add_subparsers()
     pull = models_sub.add_parser("pull", help="fetch and convert the default model")
     pull.add_argument("--force", action="store_true", help="convert again even if present")
+    pull.add_argument("--no-progress", action="store_true",
+                      help="no progress line (it shows only when stderr is a terminal)")
     pull.set_defaults(func=_cmd_pull)
     path = models_sub.add_parser("path", help="print where the default model lives")
     path.set_defaults(func=lambda a: print(model_store.default_model_dir()))
@@ -154,7 +156,7 @@ def _draft_dtype_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    path = model_store.pull_default(force=args.force)
+    path = model_store.pull_default(force=args.force, progress=not args.no_progress)
     print(path)
     return 0
 

@@ -21,7 +21,7 @@ PROMPTS = 2  # per set
 MAX_TOKENS = 12
 ROW_KEYS = {"server", "prompt_set", "prompts", "tokens", "seconds", "tokens_per_s",
             "ratio_to_first", "ttft_ms_median", "ttft_ms_p90", "itl_ms_median", "itl_ms_p90",
-            "tokens_from", "identical_to_first", "differing_prompts"}
+            "tokens_from", "prompt_tokens", "identical_to_first", "differing_prompts"}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_two_peers_get_every_prompt_and_agree_with_themselves(
     for row in runs:
         assert set(row) == ROW_KEYS, row
         assert row["prompts"] == PROMPTS and 0 < row["tokens"] <= PROMPTS * MAX_TOKENS
-        assert row["tokens_from"] == "usage"
+        assert row["tokens_from"] == "usage" and row["prompt_tokens"] > 0
         assert row["tokens_per_s"] > 0 and row["seconds"] > 0
         assert 0 < row["ttft_ms_median"] <= row["ttft_ms_p90"]
         assert 0 < row["itl_ms_median"] <= row["itl_ms_p90"]
@@ -58,6 +58,7 @@ def test_two_peers_get_every_prompt_and_agree_with_themselves(
     # interleaved: each prompt goes to both servers before the next prompt
     assert [r["server"] for r in replies[:4]] == ["first", "second", "first", "second"]
     assert replies[0]["id"] == replies[1]["id"] != replies[2]["id"]
+    assert replies[0]["prompt_tokens"] == replies[1]["prompt_tokens"] > 0
     for reply in replies:
         assert reply["text"] and reply["finish_reason"] in ("length", "stop")
         assert 0 < reply["ttft_s"] <= reply["last_s"] <= reply["seconds"]
