@@ -206,6 +206,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.peer:
         from specbench.peer import run_peer_bench
 
+        if args.concurrency:
+            print("specserve: --peer and --concurrency are separate benchmarks; choose one",
+                  file=sys.stderr)
+            return 2
         return run_peer_bench(args)  # servers of their own: no model loads here
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -102,6 +102,11 @@ def test_bad_peer_flags_are_refused_before_any_request(
     assert error in caplog.text
 
 
+def test_peer_and_concurrency_are_not_mixed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--peer", "a=http://x", "--concurrency", "1,2"]) == 2
+    assert "separate benchmarks" in capsys.readouterr().err
+
+
 def test_peer_urls_and_quantiles() -> None:
     assert parse_peer("llama.cpp=http://127.0.0.1:8081/v1/").url == "http://127.0.0.1:8081"
     assert parse_peer(" x = https://h ").name == "x"
