@@ -195,6 +195,7 @@ def run_peers(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]], max_toke
         "servers": [{"name": p.name, "url": p.url, "model": p.model, "extras": p.extras}
                     for p in peers],
         "runs": summarise(peers, prompt_sets, replies),
+        "agreement": agreement([p.name for p in peers], replies),
         "replies": replies,
     }
 
@@ -235,6 +236,29 @@ def summarise(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]],
     return rows
 
 
+def agreement(names: Sequence[str], replies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each pair of servers: on how many prompts their texts are identical, and the
+    median length of the text they share before the first difference."""
+    texts: dict[tuple[str, str], dict[str, str]] = {}
+    for reply in replies:
+        texts.setdefault((reply["prompt_set"], reply["id"]), {})[reply["server"]] = reply["text"]
+    pairs = []
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            both = [(t[first], t[second]) for t in texts.values() if first in t and second in t]
+            shared = [_shared_prefix(a, b) for a, b in both]
+            pairs.append({"servers": [first, second], "prompts": len(both),
+                          "identical": sum(a == b for a, b in both),
+                          "median_shared_prefix_chars": statistics.median(shared)
+                          if shared else None})
+    return pairs
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
 def quantile(values: Sequence[float], q: float) -> float:
     """The nearest-rank ``q`` quantile."""
     ordered = sorted(values)
@@ -260,11 +284,12 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
              for row in (HEADER, tuple("-" * w for w in widths), *rows)]
-    same = sum(r["identical_to_first"] for r in report["runs"])
-    total = sum(r["prompts"] for r in report["runs"])
-    verdict = "agree on every prompt" if same == total else \
-        f"differ on {total - same} of {total} replies"
-    lines.append(f"greedy outputs {verdict} (text compared with the first server's)")
+    for pair in report["agreement"]:
+        first, second = pair["servers"]
+        verdict = "agree on every prompt" if pair["identical"] == pair["prompts"] else (
+            f"identical on {pair['identical']}/{pair['prompts']} prompts (median "
+            f"{pair['median_shared_prefix_chars']:.0f} characters alike before they part)")
+        lines.append(f"greedy outputs of {first} and {second}: {verdict}")
     return "\n".join(lines) + "\n"
 
 

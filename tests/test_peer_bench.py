@@ -4,6 +4,7 @@ through its streamed chat endpoint, and a peer that is down."""
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,12 @@ def test_two_peers_get_every_prompt_and_agree_with_themselves(
         assert 0 < reply["ttft_s"] <= reply["last_s"] <= reply["seconds"]
     table = capsys.readouterr().out
     assert "TTFT p90" in table and "first" in table and "second" in table
-    assert "greedy outputs agree on every prompt" in table
+    assert "greedy outputs of first and second: agree on every prompt" in table
+    # identical texts share all of themselves
+    lengths = [len(r["text"]) for r in replies if r["server"] == "first"]
+    assert report["agreement"] == [{"servers": ["first", "second"], "prompts": 2 * PROMPTS,
+                                    "identical": 2 * PROMPTS,
+                                    "median_shared_prefix_chars": statistics.median(lengths)}]
     png = out.with_name("peer-peer.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
