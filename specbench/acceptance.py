@@ -44,6 +44,7 @@ from specbench.compare import (
     split_list,
 )
 from specbench.methods import engine_runner
+from specbench.plots import write_plots
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,7 @@ def run_acceptance(args: argparse.Namespace, draft_loader: DraftLoader) -> int:
         report = {"machine": machine, "config": record, "rows": rows}
         json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         log.info("wrote %s", json_path)
+        write_plots("acceptance", report, json_path)
     return 0
 
 

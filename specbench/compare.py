@@ -45,6 +45,8 @@ from specbench.methods import (
     build_runners,
     method_settings,
 )
+from specbench.plots import write_plots
+from specbench.progress import progress
 from specbench.report import load_average, machine_info, summarise, write_table
 
 log = logging.getLogger(__name__)
@@ -216,19 +218,23 @@ def run_bench(args: argparse.Namespace, draft_loader: DraftLoader | None = None)
         log.error("%s", exc)
         return 2
     json_path = json_output(args.json)
-    report = run_all(config, prompt_sets, draft_loader)
+    report = run_all(config, prompt_sets, draft_loader,
+                     show_progress=not getattr(args, "no_progress", False))
     write_table(report["runs"], sys.stdout)
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         log.info("wrote %s", json_path)
+        write_plots("bench", report, json_path)
     return 0
 
 
 def run_all(config: BenchConfig, prompt_sets: dict[str, list[Prompt]],
-            draft_loader: DraftLoader | None = None) -> dict[str, Any]:
+            draft_loader: DraftLoader | None = None, show_progress: bool = True
+            ) -> dict[str, Any]:
     """Every dtype, prompt set and method; returns the JSON report."""
     machine, runs = each_dtype(
-        config.dtypes, lambda dtype: _run_dtype(config, dtype, prompt_sets, draft_loader))
+        config.dtypes,
+        lambda dtype: _run_dtype(config, dtype, prompt_sets, draft_loader, show_progress))
     return {"machine": machine, "config": _config_record(config, prompt_sets), "runs": runs}
 
 
@@ -262,7 +268,7 @@ def _config_record(config: BenchConfig, prompt_sets: dict[str, list[Prompt]]) ->
 
 def _run_dtype(
     config: BenchConfig, dtype: str, prompt_sets: dict[str, list[Prompt]],
-    draft_loader: DraftLoader | None = None,
+    draft_loader: DraftLoader | None = None, show_progress: bool = True,
 ) -> list[dict[str, Any]]:
     log.info("loading %s in %s", config.target, dtype)
     torch_dtype, quantize = PRECISIONS[dtype]  # gguf: the file's own; int8/int4: at load
@@ -278,7 +284,8 @@ def _run_dtype(
     _warm_up(runners, _encode(target, first))
     runs: list[dict[str, Any]] = []
     for name, prompts in prompt_sets.items():
-        outputs = _run_set(runners, target, name, dtype, prompts, config.max_new_tokens)
+        outputs = _run_set(runners, target, name, dtype, prompts, config.max_new_tokens,
+                           show_progress)
         reference = outputs.get(PLAIN)
         ids = [p.id for p in prompts]
         runs.extend(summarise(name, method, dtype, ids, generations, reference)
@@ -313,15 +320,22 @@ def _run_set(
     dtype: str,
     prompts: Sequence[Prompt],
     max_new_tokens: int,
+    show_progress: bool = True,
 ) -> dict[str, list[Generation]]:
     """Each prompt in turn, every method on it; the generations per method."""
     outputs: dict[str, list[Generation]] = {method: [] for method in runners}
-    for index, prompt in enumerate(prompts, start=1):
-        prompt_ids = _encode(target, prompt)
-        for method, runner in runners.items():
-            generation = runner(prompt_ids, max_new_tokens)
-            outputs[method].append(generation)
-            log.info("%s %s %d/%d %-17s %4d tokens in %6.2fs (%.1f tok/s)", dtype, name, index,
-                     len(prompts), method, len(generation.token_ids), generation.seconds,
-                     len(generation.token_ids) / max(generation.seconds, 1e-9))
+    with progress(len(prompts) * len(runners), f"{dtype} {name}", show_progress) as bar:
+        for index, prompt in enumerate(prompts, start=1):
+            prompt_ids = _encode(target, prompt)
+            for method, runner in runners.items():
+                bar.set_postfix_str(f"{prompt.id} {method}")
+                generation = runner(prompt_ids, max_new_tokens)
+                outputs[method].append(generation)
+                bar.update()
+                # the bar shows progress where there is one; else, a log line a generation
+                log.log(logging.DEBUG if not bar.disable else logging.INFO,
+                        "%s %s %d/%d %-17s %4d tokens in %6.2fs (%.1f tok/s)", dtype, name,
+                        index, len(prompts), method, len(generation.token_ids),
+                        generation.seconds,
+                        len(generation.token_ids) / max(generation.seconds, 1e-9))
     return outputs

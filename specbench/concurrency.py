@@ -42,6 +42,7 @@ from decoding.factory import NGRAM, load_drafter, load_target
 from decoding.prompting import encode_chat
 from decoding.target import DTYPES, CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from specbench.plots import write_plots
 from specbench.report import load_average, machine_info
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ def run_concurrency_bench(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         log.info("wrote %s", path)
+        write_plots("concurrency", report, path)
     return 0
 
 

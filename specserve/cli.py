@@ -24,6 +24,7 @@ from gateway.server import add_serve_command
 from gateway.startup import fail
 from specbench.compare import DraftLoader
 from specbench.methods import ALL_METHODS
+from specbench.peer import add_peer_flags
 from specdistill.cli import add_distill_command
 from trt.backends import BACKENDS, load_draft
 from trt.cli import add_export_command
@@ -62,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     models_sub = models.add_subparsers()
     pull = models_sub.add_parser("pull", help="fetch and convert the default model")
     pull.add_argument("--force", action="store_true", help="convert again even if present")
+    pull.add_argument("--no-progress", action="store_true",
+                      help="no progress line (it shows only when stderr is a terminal)")
     pull.set_defaults(func=_cmd_pull)
     path = models_sub.add_parser("path", help="print where the default model lives")
     path.set_defaults(func=lambda a: print(model_store.default_model_dir()))
@@ -87,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated precisions to measure: float32, bfloat16, int8, "
                             "int4 (quantized at load), gguf (the file's own weights)")
     bench.add_argument("--max-tokens", type=int, default=None,
-                       help="new tokens per prompt (default 64 with --quick, else 192)")
+                       help="new tokens per prompt (default 64 with --quick, else 192; "
+                            "128 with --peer)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     bench.add_argument("--methods", default=None,
                        help=f"comma-separated subset of {', '.join(ALL_METHODS)} "
@@ -102,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                             "(e.g. 1,4,8,16) instead of comparing methods one prompt at a time")
     bench.add_argument("--modes", default=None,
                        help="with --concurrency: comma-separated subset of off, on, adaptive")
+    add_peer_flags(bench)
+    bench.add_argument("--no-progress", action="store_true",
+                       help="no progress bars (they show only when stderr is a terminal)")
     bench.set_defaults(func=_cmd_bench)
     _acceptance_command(sub)
     add_export_command(sub)
@@ -168,7 +175,7 @@ def _draft_dtype_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    path = model_store.pull_default(force=args.force)
+    path = model_store.pull_default(force=args.force, progress=not args.no_progress)
     print(path)
     return 0
 
@@ -215,6 +222,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specbench.compare import run_bench
 
+    if args.peer:
+        from specbench.peer import run_peer_bench
+
+        if args.concurrency:
+            print("specserve: --peer and --concurrency are separate benchmarks; choose one",
+                  file=sys.stderr)
+            return 2
+        return run_peer_bench(args)  # servers of their own: no model loads here
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.concurrency:

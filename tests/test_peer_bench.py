@@ -1,0 +1,121 @@
+"""``specserve bench --peer``: a real ``specserve serve`` process benchmarked as two peers
+through its streamed chat endpoint, and a peer that is down."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specbench.compare import PROMPT_SETS, load_prompts
+from specbench.peer import main as peer_main
+from specbench.peer import parse_peer, quantile
+from specserve.cli import main
+from tests.conftest import free_port
+from tests.reliability.support import ServeProcess, serve
+
+PROMPTS = 2  # per set
+MAX_TOKENS = 12
+ROW_KEYS = {"server", "prompt_set", "prompts", "tokens", "seconds", "tokens_per_s",
+            "ratio_to_first", "ttft_ms_median", "ttft_ms_p90", "itl_ms_median", "itl_ms_p90",
+            "tokens_from", "prompt_tokens", "identical_to_first", "differing_prompts"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target_dir: Path) -> Iterator[ServeProcess]:
+    with serve(tiny_target_dir, "--draft", "ngram") as process:
+        yield process
+
+
+def test_two_peers_get_every_prompt_and_agree_with_themselves(
+        server: ServeProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "peer.json"
+    rc = main(["bench", "--peer", f"first={server.url}", "--peer", f"second={server.url}/v1/",
+               "--prompts", str(PROMPTS), "--max-tokens", str(MAX_TOKENS), "--json", str(out)])
+    assert rc == 0
+    report: dict[str, Any] = json.loads(out.read_text())
+    for entry in report["servers"]:
+        assert entry["url"] == server.url and entry["model"] == "tiny"
+        # specserve refuses fields it does not know: llama.cpp's repeat_penalty is dropped
+        assert entry["extras"] == {}
+    runs = report["runs"]
+    assert [(r["prompt_set"], r["server"]) for r in runs] == [
+        (s, n) for s in PROMPT_SETS for n in ("first", "second")]
+    for row in runs:
+        assert set(row) == ROW_KEYS, row
+        assert row["prompts"] == PROMPTS and 0 < row["tokens"] <= PROMPTS * MAX_TOKENS
+        assert row["tokens_from"] == "usage" and row["prompt_tokens"] > 0
+        assert row["tokens_per_s"] > 0 and row["seconds"] > 0
+        assert 0 < row["ttft_ms_median"] <= row["ttft_ms_p90"]
+        assert 0 < row["itl_ms_median"] <= row["itl_ms_p90"]
+        assert row["identical_to_first"] == PROMPTS and row["differing_prompts"] == []
+    assert all(r["ratio_to_first"] == 1.0 for r in runs if r["server"] == "first")
+    replies = report["replies"]
+    assert len(replies) == 2 * PROMPTS * len(PROMPT_SETS)
+    # interleaved: each prompt goes to both servers before the next prompt
+    assert [r["server"] for r in replies[:4]] == ["first", "second", "first", "second"]
+    assert replies[0]["id"] == replies[1]["id"] != replies[2]["id"]
+    assert replies[0]["prompt_tokens"] == replies[1]["prompt_tokens"] > 0
+    for reply in replies:
+        assert reply["text"] and reply["finish_reason"] in ("length", "stop")
+        assert 0 < reply["ttft_s"] <= reply["last_s"] <= reply["seconds"]
+    table = capsys.readouterr().out
+    assert "TTFT p90" in table and "first" in table and "second" in table
+    assert "greedy outputs of first and second: agree on every prompt" in table
+    # identical texts share all of themselves
+    lengths = [len(r["text"]) for r in replies if r["server"] == "first"]
+    assert report["agreement"] == [{"servers": ["first", "second"], "prompts": 2 * PROMPTS,
+                                    "identical": 2 * PROMPTS,
+                                    "median_shared_prefix_chars": statistics.median(lengths)}]
+    png = out.with_name("peer-peer.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_extras_given_are_sent_and_recorded(server: ServeProcess, tmp_path: Path) -> None:
+    out = tmp_path / "extras.json"
+    extras = {"speculation": {"enabled": False}}  # a specserve extra: accepted, not dropped
+    assert peer_main(["--peer", f"plain={server.url}", "--peer-extras", json.dumps(extras),
+                      "--prompt-sets", "chat", "--prompts", "1", "--max-tokens", "4",
+                      "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["servers"][0]["extras"] == extras
+    assert report["runs"][0]["tokens"] > 0
+
+
+def test_a_peer_that_is_down_is_one_clear_line(server: ServeProcess,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    down = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "--peer", f"up={server.url}", "--peer", f"down={down}",
+                 "--prompts", "1", "--max-tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert f"down at {down} is not reachable" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--peer", "no-url"], "NAME=URL"),
+    (["--peer", "a=ftp://x"], "NAME=URL"),
+    (["--peer", "a=http://x", "--peer", "a=http://y"], "a name of its own"),
+    (["--peer", "a=http://x", "--peer-extras", "[1]"], "JSON object"),
+    (["--peer", "a=http://x", "--prompt-sets", "poetry"], "unknown prompt set"),
+])
+def test_bad_peer_flags_are_refused_before_any_request(
+        flags: list[str], error: str, caplog: pytest.LogCaptureFixture) -> None:
+    assert main(["bench", *flags]) == 2
+    assert error in caplog.text
+
+
+def test_peer_and_concurrency_are_not_mixed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--peer", "a=http://x", "--concurrency", "1,2"]) == 2
+    assert "separate benchmarks" in capsys.readouterr().err
+
+
+def test_peer_urls_and_quantiles() -> None:
+    assert parse_peer("llama.cpp=http://127.0.0.1:8081/v1/").url == "http://127.0.0.1:8081"
+    assert parse_peer(" x = https://h ").name == "x"
+    assert quantile([3.0, 1.0, 2.0], 0.9) == 3.0 and quantile([5.0], 0.9) == 5.0
+    assert quantile([float(v) for v in range(1, 11)], 0.9) == 9.0
+    assert len(load_prompts("chat", PROMPTS)) == PROMPTS
