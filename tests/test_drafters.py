@@ -302,4 +302,4 @@ def test_a_draft_runs_in_bfloat16_beside_a_float32_target_where_the_cpu_has_it(
     assert factory.torch_draft_dtype("float32", "cpu") == "float32"
     assert factory.torch_draft_dtype("float32", "cpu", "bfloat16") == "bfloat16"  # as asked
     with pytest.raises(ValueError, match="draft dtype"):
-        factory.torch_draft_dtype("float32", "cpu", "int8")
+        factory.torch_draft_dtype("float32", "cpu", "float8")
