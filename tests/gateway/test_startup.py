@@ -56,7 +56,7 @@ def test_a_model_that_cannot_load_is_one_line_and_exit_1(tmp_path: Path) -> None
                      "--log-format", "text")
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
-    assert len(errors) == 1 and "is not a Hugging Face model directory" in errors[0], \
+    assert len(errors) == 1 and "is neither a Hugging Face model directory" in errors[0], \
         result.stderr
     assert "Traceback" not in result.stderr
 

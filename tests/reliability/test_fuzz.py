@@ -61,6 +61,9 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 CHAT, TEXT = "POST /v1/chat/completions", "POST /v1/completions"
 MODEL = "GET /v1/models/{model_id}"
 FIXED = ("GET /health", "GET /ready", "GET /v1/models")  # no inputs: one case each
+# documented, not fuzzed yet: its streams end without [DONE], which the stream check
+# expects; tests/reliability/test_hostile.py and tests/gateway/test_responses_api.py cover it
+RESPONSES = "POST /v1/responses"
 # (operation, mode, cases): a path parameter that is any string has no negative cases.
 FAST_PLAN = [(CHAT, POSITIVE, 200), (CHAT, NEGATIVE, 100), (TEXT, POSITIVE, 200),
              (TEXT, NEGATIVE, 100), (MODEL, POSITIVE, 20), *((op, POSITIVE, 1) for op in FIXED)]
@@ -171,7 +174,7 @@ def fuzz(url: str, plan: Sequence[tuple[str, GenerationMode, int]], setup: Setup
     for result in schema.get_all_operations():
         assert isinstance(result, Ok), f"an operation is not valid OpenAPI: {result}"
         operations[result.ok().label] = result.ok()
-    assert set(operations) == {CHAT, TEXT, MODEL, *FIXED}, sorted(operations)
+    assert set(operations) == {CHAT, TEXT, MODEL, RESPONSES, *FIXED}, sorted(operations)
     tally = Tally()
     with requests.Session() as session:
         for label, mode, examples in plan:
