@@ -21,7 +21,6 @@ from decoding.batched import BatchedLM
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
-from decoding.engine import Engine
 from decoding.target import CausalLM
 
 
@@ -196,12 +195,3 @@ def redis_url(redis_server: RedisServer) -> str:
 def drafters(tiny_target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
     return {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_draft, tiny_target),
             "ngram+model": CombinedDrafter([NgramDrafter()], ModelDrafter(tiny_draft, tiny_target))}
-
-
-@pytest.fixture()
-def fresh_engine(tiny_target: CausalLM) -> Iterator[Engine]:
-    engine = Engine(tiny_target, {"ngram": NgramDrafter()}, default_drafter="ngram",
-                    max_active=16, max_queue=64)
-    engine.start()
-    yield engine
-    engine.shutdown()

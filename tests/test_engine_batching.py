@@ -4,6 +4,7 @@ fp32), whatever the mix of prompts, drafts, sampling settings, finishes and canc
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -239,6 +240,13 @@ def test_the_engine_calibrates_each_drafter_from_its_rounds(tiny_target: CausalL
     assert accepted > 0  # (older rounds weigh less)
     assert 0 < prior._accepted <= accepted
     assert prior.calibration == 1.0
+
+
+@pytest.fixture()
+def fresh_engine(tiny_target: CausalLM) -> Iterator[Engine]:
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()})
+    yield engine
+    engine.shutdown()
 
 
 def test_the_engine_learns_its_step_cost(fresh_engine: Engine, tiny_target: CausalLM) -> None:

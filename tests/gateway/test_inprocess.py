@@ -17,6 +17,7 @@ from decoding.prompting import encode_chat, encode_text
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest
 from gateway.server import build_engine, create_app
+from gateway.settings import Settings
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 
 
@@ -94,17 +95,10 @@ async def test_models_report_the_dtype_the_draft_model_runs_in(
         tiny_target_dir: Path, tiny_draft_dir: Path) -> None:
     settings = tiny_settings(target=str(tiny_target_dir), draft=str(tiny_draft_dir),
                              draft_backend="torch", draft_dtype="bfloat16", prefix_cache=False)
-    engine = build_engine(settings)
-    try:
-        async with in_process(create_app(settings, engine=engine)) as c:
-            (card,) = (await c.get("/v1/models")).json()["data"]
-            reply = await c.post("/v1/completions", json={
-                "model": TINY, "prompt": "One, two, three,", "max_tokens": 8, "temperature": 0})
-        assert card["metadata"]["dtype"] == "float32"
-        assert card["metadata"]["draft_dtype"] == "bfloat16"
-        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
-    finally:
-        engine.shutdown()
+    card, reply = await _card_and_completion(settings)
+    assert card["metadata"]["dtype"] == "float32"
+    assert card["metadata"]["draft_dtype"] == "bfloat16"
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
 
 
 async def test_health_ready_and_models(client: httpx.AsyncClient) -> None:
@@ -295,15 +289,21 @@ async def test_models_report_quantized_weights(tiny_target_dir: Path,
     activations are bfloat16; a draft model beside it follows it into int4."""
     settings = tiny_settings(target=str(tiny_target_dir), draft=str(tiny_draft_dir),
                              draft_backend="torch", quantize="int4", prefix_cache=False)
+    card, reply = await _card_and_completion(settings)
+    assert card["metadata"]["weights"] == "int4"
+    assert card["metadata"]["dtype"] == "bfloat16"
+    assert card["metadata"]["draft_dtype"] == "bfloat16"  # int4 codes, bf16 activations
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+
+
+async def _card_and_completion(settings: Settings) -> tuple[dict[str, Any], httpx.Response]:
+    """The model card and a short completion from a server built from ``settings``."""
     engine = build_engine(settings)
     try:
         async with in_process(create_app(settings, engine=engine)) as c:
             (card,) = (await c.get("/v1/models")).json()["data"]
             reply = await c.post("/v1/completions", json={
                 "model": TINY, "prompt": "One, two, three,", "max_tokens": 8, "temperature": 0})
-        assert card["metadata"]["weights"] == "int4"
-        assert card["metadata"]["dtype"] == "bfloat16"
-        assert card["metadata"]["draft_dtype"] == "bfloat16"  # int4 codes, bf16 activations
-        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+        return card, reply
     finally:
         engine.shutdown()
