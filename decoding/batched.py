@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
-from decoding.layout import Layout
+from decoding.attention import GroupedAttention, rotate
+from decoding.layout import SPAN_ALIGN, Layout
 from decoding.quantized import load_quantized
 from decoding.target import BatchItem, CausalLM, TargetCapabilities, head_subset
 from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product
@@ -43,9 +43,9 @@ from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_prod
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
-_INITIAL_CAPACITY = 256
+_INITIAL_CAPACITY = SPAN_ALIGN
 _INITIAL_ROWS = 4
-_CAPACITY_ALIGN = 64
+_CAPACITY_ALIGN = SPAN_ALIGN  # an attention span never passes the capacity
 
 
 @dataclass(eq=False)
@@ -92,15 +92,14 @@ class BatchedLM(CausalLM):
         self._inner = model.model
         self._layers = list(self._inner.layers)
         self.scaling = float(self._layers[0].self_attn.scaling)
-        self._qkv_sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                           self.kv_heads * self.head_dim]
         self._weights = list(weights or [LayerWeights.of(x, quantize) for x in self._layers])
         self._head = head if head is not None else head_product(model, quantize)
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
         self.weights_format = weights_format or (quantize if quantize != "none" else dtype_name)
         self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
-        # see _folds
-        self._fold_single = self.device.type != "cpu" or self.dtype != torch.float32
+        self._attention = GroupedAttention(  # see GroupedAttention.folds
+            self.heads, self.kv_heads, self.head_dim, self.scaling,
+            fold_single=self.device.type != "cpu" or self.dtype != torch.float32)
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
@@ -289,76 +288,67 @@ class BatchedLM(CausalLM):
         hidden = self._inner.embed_tokens(batch.ids)  # [T, H]
         cos, sin = self._inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]
-        rows, at = batch.cache_rows, batch.cache_slots
-        width = self.heads * self.head_dim
-        single = len(batch.groups) == 1
-        masks = [self._fold_mask(group.mask) if self._folds(group.width) else group.mask
-                 for group in batch.groups]
+        heads, kv, dim = self.heads, self.kv_heads, self.head_dim
+        split = batch.bulk_from
+
+        def product(m: Product, x: torch.Tensor) -> torch.Tensor:
+            if split >= x.shape[0]:
+                return m(x)
+            if split == 0:
+                return m.bulk(x)
+            return torch.cat((m(x[:split]), m.bulk(x[split:])))
+
+        masks = [self._attention.mask(g.mask, g.width, hidden.dtype) for g in batch.groups]
         for index, w in enumerate(self._weights):
-            x = w.input_norm(hidden)
-            q, k, v = w.qkv(x).split(self._qkv_sizes, dim=-1)
-            q = q.view(-1, self.heads, self.head_dim)
-            k = k.reshape(-1, self.kv_heads, self.head_dim)
-            v = v.reshape(-1, self.kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys, values = self._keys[index], self._values[index]
-            keys[rows, :, at] = k  # buffer[row, :, position] for each token: [T, kv, D]
-            values[rows, :, at] = v
-            out = q.new_empty((q.shape[0], width)) if not single else None
-            for group, mask in zip(batch.groups, masks, strict=True):
-                group_q = q if single else q[group.tokens]
-                padded = q.new_zeros((group.n_rows * group.width, self.heads, self.head_dim))
-                padded[group.slots] = group_q
-                hi = group.lo + group.n_rows
-                attended = self._attend(
-                    padded.view(group.n_rows, group.width, self.heads, self.head_dim),
-                    keys[group.lo : hi, :, : group.span], values[group.lo : hi, :, : group.span],
-                    mask)  # [R, W, h, D]
-                attended = attended.reshape(-1, width)[group.slots]
-                if out is None:
-                    out = attended
-                else:
-                    out[group.tokens] = attended
-            assert out is not None
-            hidden = hidden + w.o(out)
-            gate, up = w.gate_up(w.post_norm(hidden)).chunk(2, dim=-1)
-            hidden = hidden + w.down(w.act(gate) * up)
+            qkv = product(w.qkv, w.input_norm(hidden))  # [T, (h + 2 kv) D]
+            qk = rotate(qkv[:, : (heads + kv) * dim].view(-1, heads + kv, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, (heads + kv) * dim :].view(-1, kv, dim)
+            out = self._attend_layer(batch, masks, q, k, v, index)
+            hidden = hidden + product(w.o, out)
+            gate, up = product(w.gate_up, w.post_norm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + product(w.down, w.act(gate) * up)
         return hidden
 
-    def _folds(self, width: int) -> bool:
-        """Whether a block this wide attends with its query heads folded onto their
-        shared key/value heads (grouped-query attention, more than one query per row;
-        for one query too on a GPU, where PyTorch's masked grouped-query attention takes
-        the reference path, which copies every key and value once per query head, and on
-        a CPU in bfloat16, where its grouped-query path is slow; in float32 a CPU's
-        grouped-query path is the faster for one query)."""
-        return self.heads != self.kv_heads and (width > 1 or self._fold_single)
-
-    def _fold_mask(self, mask: torch.Tensor) -> torch.Tensor:  # [R, 1, W, S] -> [R, 1, g*W, S]
-        rows, _, queries, span = mask.shape
-        group = self.heads // self.kv_heads
-        return (mask.unsqueeze(2).expand(rows, 1, group, queries, span)
-                .reshape(rows, 1, group * queries, span))
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:  # q [R, W, h, D] -> [R, W, h, D]
-        """Attention of a padded block. With several queries per row and grouped-query
-        attention, the query heads that share a key/value head become extra queries of
-        that head (``[R, kv, g*W, D]``, ``mask`` folded the same way): the keys and
-        values are then read once per key/value head, not once per query head."""
-        rows, queries, heads, dim = q.shape
-        if not self._folds(queries):
-            return F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scaling,
-                enable_gqa=self.heads != self.kv_heads).transpose(1, 2)
-        group = heads // self.kv_heads
-        folded = (q.view(rows, queries, self.kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-                  .reshape(rows, self.kv_heads, group * queries, dim))
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask,
-                                             scale=self.scaling)  # [R, kv, g*W, D]
-        return (out.view(rows, self.kv_heads, group, queries, dim).permute(0, 3, 1, 2, 4)
-                .reshape(rows, queries, heads, dim))
+    def _attend_layer(self, batch: Layout, masks: list[torch.Tensor], q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
+        """Store the pass's keys and values in layer ``index``'s cache and attend every
+        group; ``[T, h * D]``."""
+        keys, values = self._keys[index], self._values[index]
+        width = self.heads * self.head_dim
+        if batch.contiguous is not None:  # one sequence: a slice of its row, no padding
+            row, start = batch.contiguous
+            n = q.shape[0]
+            keys[row, :, start : start + n] = k.transpose(0, 1)
+            values[row, :, start : start + n] = v.transpose(0, 1)
+            group = batch.groups[0]
+            if n < group.width:  # the block's dummy queries (see layout.MIN_WIDTH)
+                q = torch.cat((q, q.new_zeros((group.width - n, *q.shape[1:]))))
+            attended = self._attention.attend(
+                q.view(1, group.width, self.heads, self.head_dim),
+                keys[row : row + 1, :, : group.span], values[row : row + 1, :, : group.span],
+                masks[0])
+            return attended[0, :n].reshape(n, width)
+        rows, at = batch.cache_rows, batch.cache_slots
+        keys[rows, :, at] = k  # buffer[row, :, position] for each token: [T, kv, D]
+        values[rows, :, at] = v
+        single = len(batch.groups) == 1
+        out = q.new_empty((q.shape[0], width)) if not single else None
+        for group, mask in zip(batch.groups, masks, strict=True):
+            group_q = q if single else q[group.tokens]
+            padded = q.new_zeros((group.n_rows * group.width, self.heads, self.head_dim))
+            padded[group.slots] = group_q
+            hi = group.lo + group.n_rows
+            attended = self._attention.attend(
+                padded.view(group.n_rows, group.width, self.heads, self.head_dim),
+                keys[group.lo : hi, :, : group.span], values[group.lo : hi, :, : group.span],
+                mask)  # [R, W, h, D]
+            attended = attended.reshape(-1, width)[group.slots]
+            if out is None:
+                return attended
+            out[group.tokens] = attended
+        assert out is not None
+        return out
 
     # -- buffers ------------------------------------------------------------------------
 
@@ -384,7 +374,3 @@ class BatchedLM(CausalLM):
 def _aligned(positions: int) -> int:
     return -(-positions // _CAPACITY_ALIGN) * _CAPACITY_ALIGN
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

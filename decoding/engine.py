@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from decoding.drafters.base import Drafter
+from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
 from decoding.round import RoundResult, speculative_round
@@ -37,6 +38,7 @@ from decoding.streams import (
     UnknownDrafterError,
 )
 from decoding.target import Target
+from decoding.threads import cpu_threads
 from decoding.types import FinishReason, GenerationRequest, RoundEvent
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         batch_planning: bool = True,
         max_kv_bytes: int | None = None,
+        decode_threads: int | None = None,
+        invariance_check: InvarianceCheck | None = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
@@ -78,6 +82,8 @@ class Engine:
         # admission stops while the KV for one more request would pass this (one
         # request is always admitted when none runs)
         self.max_kv_bytes = max_kv_bytes
+        self.decode_threads = decode_threads  # CPU threads of a pass without prompts
+        self.invariance_check = invariance_check  # decoding.invariance (debugging; None: off)
         self.step_cost = StepCost()
         # per drafter and draft source, from finished requests
         self._priors: dict[tuple[str, str], SpeculationPrior] = {}
@@ -237,8 +243,10 @@ class Engine:
             for active, k in zip(decoding, lengths, strict=True):
                 self._deliver(by_decoder, speculative_round(self.target, [], [(active.decoder, k)]))
             return
-        result = speculative_round(self.target, prompts,
-                                   [(a.decoder, k) for a, k in zip(decoding, lengths, strict=True)])
+        with cpu_threads(None if prompts else self.decode_threads):  # decoding.threads
+            result = speculative_round(self.target, prompts, [
+                (a.decoder, k) for a, k in zip(decoding, lengths, strict=True)],
+                self.invariance_check)
         if result.passes == 1 and not prompts:  # the step-cost fit describes decoding passes
             self.step_cost.observe(result.pass_tokens, result.pass_s)
         self._deliver(by_decoder, result)

@@ -10,12 +10,23 @@ import torch
 
 from decoding.target import BatchItem
 
-# Attention spans are padded to a multiple of this many keys (masked): a query then sees
-# the same reduction over its keys whether it attends alone or beside later drafts, so
-# a verify pass gives bitwise a one-token step's logits (docs/performance.md). The KV
-# buffers' capacity is a multiple of it.
-SPAN_ALIGN = 64
+# Attention spans are padded to a multiple of this many keys (masked): PyTorch 2.13's CPU
+# attention reduces over blocks of 512 keys, and a block's reductions round differently
+# at different lengths, so a query must see the same whole blocks whether it attends
+# alone or beside later drafts; then a verify pass gives bitwise a one-token step's
+# logits (docs/performance.md, "Batch invariance"). The KV buffers' capacity is a
+# multiple of it.
+SPAN_ALIGN = 512
 GROUP_WIDTH = 16  # additions up to this many tokens may share one padded attention block
+# From this many tokens of long additions (prompt chunks) in one pass, their products take
+# the matrices' bulk path (a quantized matrix dequantized once: faster there, but a row's
+# result then depends on the call); decoding rounds always take the row-exact path
+BULK_MIN_TOKENS = 256
+# A block has at least this many queries per row (a one-token step gets a masked dummy
+# beside its query): PyTorch 2.13's CPU attention computes a row's single query differently
+# from the same query among others, so without it a verify pass would not give a one-token
+# step's logits (docs/performance.md, "Batch invariance")
+MIN_WIDTH = 2
 # What one more attention block per layer costs, in (query, key) pairs (docs/performance.md)
 BLOCK_OVERHEAD = 4000
 # On a GPU a call costs its kernel launches while the pairs are nearly free, so blocks
@@ -42,7 +53,7 @@ class Group:
               device: torch.device) -> Group:
         rows = [items[i].state.row for i in members]
         lo, n_rows = min(rows), max(rows) + 1 - min(rows)
-        width = max(len(items[i].token_ids) for i in members)
+        width = max(MIN_WIDTH, *(len(items[i].token_ids) for i in members))
         tokens: list[int] = []
         slots: list[int] = []
         starts = [0] * n_rows
@@ -82,6 +93,12 @@ class Layout:
     cache_rows: torch.Tensor  # [T] the cache row of each token
     offsets: list[int]  # where each item's tokens start in the packed order
     groups: list[Group]
+    # packed tokens from here on are long additions' taking the bulk products (T: none);
+    # short additions are packed first
+    bulk_from: int
+    # (row, first slot) when the pass is one sequence's plain addition: its keys and
+    # values go to a slice of its row, its queries need no padding
+    contiguous: tuple[int, int] | None
 
     @classmethod
     def build(cls, items: Sequence[BatchItem], device: torch.device) -> Layout:
@@ -89,10 +106,12 @@ class Layout:
         positions: list[int] = []
         cache_slots: list[int] = []
         cache_rows: list[int] = []
-        offsets: list[int] = []
-        for item in items:
+        offsets = [0] * len(items)
+        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) > GROUP_WIDTH)
+        for i in order:  # short additions first (stable)
+            item = items[i]
             start, n = item.state.length, len(item.token_ids)
-            offsets.append(len(ids))
+            offsets[i] = len(ids)
             ids.extend(item.token_ids)
             cache_slots.extend(range(start, start + n))
             positions.extend(range(start, start + n - 1) if item.alternative
@@ -104,12 +123,19 @@ class Layout:
         groups = [Group.build(items, members, offsets, device)
                   for members in attention_blocks(items, overhead)]
 
+        short = sum(len(item.token_ids) for item in items if len(item.token_ids) <= GROUP_WIDTH)
+        bulk_from = short if len(ids) - short >= BULK_MIN_TOKENS else len(ids)
+        only = items[0]
+        contiguous = ((only.state.row, only.state.length)
+                      if len(items) == 1 and not only.alternative else None)
+
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
         return cls(ids=as_tensor(ids), positions=as_tensor(positions),
                    cache_slots=as_tensor(cache_slots),
-                   cache_rows=as_tensor(cache_rows), offsets=offsets, groups=groups)
+                   cache_rows=as_tensor(cache_rows), offsets=offsets, groups=groups,
+                   bulk_from=bulk_from, contiguous=contiguous)
 
 
 def attention_blocks(items: Sequence[BatchItem], overhead: int = BLOCK_OVERHEAD

@@ -2,10 +2,10 @@
 
 Both are called like ``weights.Matrix`` (``m(x)``, ``x`` ``[T, in]`` -> ``[T, out]``) and
 run PyTorch's CPU weight-only kernels with bfloat16 activations (their float32 paths are
-slow fallbacks). Each row of a product is computed on its own, so a token's logits do
-not depend on what else shares the pass. Products of more than ``KERNEL_MAX_TOKENS``
-tokens (prefill chunks) dequantize the matrix to bfloat16 once per call and take the
-ordinary product, which is far faster there. Method and figures: docs/quantization.md.
+slow fallbacks). The kernels compute each row of a product on its own, at any row count,
+so a token's logits do not depend on what else shares the pass. ``bulk`` (a long
+prompt chunk) dequantizes the matrix to bfloat16 once per call and takes the ordinary
+product, faster from a few hundred tokens on. Method and figures: docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from torch.nn import functional as F
 INT4_GROUP = 32  # weights sharing a scale and a zero along the input dimension
 INT4_TILES = 2  # the kernel's inner K tiles (K must be a multiple of 16 x this)
 PACK_ROWS = 64  # the CPU packing interleaves blocks of 64 output rows
-KERNEL_MAX_TOKENS = 32  # up to here the kernels; beyond, dequantize and multiply
 ACTIVATIONS = torch.bfloat16
 METHODS = ("none", "int8", "int4")
 
@@ -77,13 +76,14 @@ class Int4Matrix:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         x = x.to(ACTIVATIONS)
-        if x.shape[0] > KERNEL_MAX_TOKENS:
-            return F.linear(x, self.dequantize(), self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
                                                        self.scales_zeros)
         if self._padded != self.out_features:
             y = y[:, : self.out_features]
         return y + self.bias if self.bias is not None else y
+
+    def bulk(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], T large
+        return F.linear(x.to(ACTIVATIONS), self.dequantize(), self.bias)
 
     def codes(self) -> torch.Tensor:  # [out, in] uint8: the 4-bit codes, unpacked
         # the layout: [out / 64, in, 32] bytes; the low nibble holds row d of each block
@@ -116,10 +116,11 @@ class Int8Matrix:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         x = x.to(ACTIVATIONS)
-        if x.shape[0] > KERNEL_MAX_TOKENS:
-            return F.linear(x, self.dequantize(), self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         return y + self.bias if self.bias is not None else y
+
+    def bulk(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], T large
+        return F.linear(x.to(ACTIVATIONS), self.dequantize(), self.bias)
 
     def dequantize(self) -> torch.Tensor:  # [out, in] bfloat16
         return self.weight.to(ACTIVATIONS) * self.scales[:, None]

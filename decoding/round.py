@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from decoding.drafters.base import DraftProposal
+from decoding.invariance import InvarianceCheck
 from decoding.sequence import SequenceDecoder
 from decoding.target import Target
 from decoding.types import Draft, PromptChunk, RoundEvent, RoundTiming
@@ -45,11 +46,13 @@ class RoundResult:
 
 
 def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, int]],
-                      decoding: Sequence[tuple[SequenceDecoder, int]]) -> RoundResult:
+                      decoding: Sequence[tuple[SequenceDecoder, int]],
+                      check: InvarianceCheck | None = None) -> RoundResult:
     """One iteration: the next chunk (at most the given tokens) of each prompt in
     ``prompts``, and for each sequence in ``decoding`` one speculative round drafting
     the given number of tokens, all in one target pass. A failure ends only the
-    sequence at fault (its outcome is an error event)."""
+    sequence at fault (its outcome is an error event). ``check``: the run-time
+    invariance check, on a sample of the sequences' rounds."""
     outcomes: list[Outcome] = []
     work: list[tuple[SequenceDecoder, PromptChunk | Draft]] = []
     for seq, limit in prompts:
@@ -69,6 +72,8 @@ def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, i
                 event = seq.prompt_done(part, out, seconds)
             else:
                 event = verify_and_commit(seq, part, out, seconds)        # 3, 4, 5
+                if check is not None and tokens > 1 and check.sample():
+                    _check_invariance(check, target, seq, part, event, out)
         except Exception:
             log.exception("model error in request %s", seq.request.request_id)
             outcomes.append(Outcome(seq, seq.failed("the model failed")))
@@ -107,6 +112,19 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
         forced = draft.constrained.forced if draft.constrained is not None else 0
         event = seq.grammar.annotate(event, min(forced, verdict.accepted))
     return event
+
+
+def _check_invariance(check: InvarianceCheck, target: Target, seq: SequenceDecoder,
+                      draft: Draft, event: RoundEvent, logits: torch.Tensor) -> None:
+    """The pass's logits at the last position the round cached (those that chose the
+    next token) against a one-token step's; rounds that end the sequence or took an
+    alternative (whose cache was moved) are not checked."""
+    state = seq.state
+    if (event.finished or draft.alternative is not None or state is None
+            or state.length != len(seq.tokens) - 1 or not event.token_ids):
+        return
+    check.check(target, state, seq.tokens[-2], logits[len(event.token_ids) - 1],
+                seq.request.request_id)
 
 
 def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: list[Outcome]

@@ -20,46 +20,80 @@ from torch.nn import functional as F
 # the product size oneDNN's layout is chosen for (products of 1 to 8 tokens cost about
 # the same packed for 8)
 PACK_TOKENS = 8
-# oneDNN keeps a primitive per shape it has run: used for a bounded range of token counts,
-# its memory stays bounded too; larger products go to the default product
+# oneDNN keeps a primitive per shape it has run: products are cut into calls of at most this
+# many tokens, so its primitives (and their memory) stay bounded whatever the batch
 ONEDNN_MAX_TOKENS = 32
+# oneDNN's reduction over more inputs than this depends on how many rows a call has (the
+# 1,536-input down projection: docs/performance.md, "Batch invariance"); such a matrix is
+# multiplied as slices of at most this many inputs, summed in a fixed order
+ONEDNN_MAX_INPUTS = 768
 
 
 class Product(Protocol):
     """A weight matrix as the forward pass uses it: ``x`` ``[T, in]`` -> ``[T, out]``
-    (a ``Matrix``, or a quantized one from ``decoding.quantized``)."""
+    (a ``Matrix``, or a quantized one from ``decoding.quantized``).
+
+    Calling it computes every row on its own: a row's result does not depend on the
+    other rows of the call (batch invariance). ``bulk`` is the fastest product of many
+    rows (a long prompt chunk), without that promise."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def bulk(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Matrix:
     """A weight matrix kept in the layout a CPU multiplies fastest. On a CPU with oneDNN:
-    packed once into oneDNN's blocked layout, for products of up to
-    ``_ONEDNN_MAX_TOKENS`` tokens (a decode step, a verify pass, a batch of streams). A
-    plain ``[out, in]`` matrix is reordered on every call, and MKL's small products read
-    the weights far below the memory's speed; packed, a product of 2-8 tokens costs
-    little more than one token's (a verify pass of several drafts about a single step),
-    and one token runs faster than MKL's matrix-vector product too. Larger products
-    (prefill chunks) take the default product of the ``[out, in]`` matrix, as on a GPU.
-    Without oneDNN, in float32: ``[in, out]`` for a single token (one pass streams it,
-    well faster than the usual product)."""
+    packed once into oneDNN's blocked layout. A plain ``[out, in]`` matrix is reordered
+    on every call, and MKL's small products read the weights far below the memory's
+    speed; packed, a product of 2-8 tokens costs little more than one token's (a verify
+    pass of several drafts about a single step), and one token runs faster than MKL's
+    matrix-vector product too. Products run as calls of at most ``ONEDNN_MAX_TOKENS``
+    rows over input slices of at most ``ONEDNN_MAX_INPUTS``, which makes every row's
+    result independent of the others' (measured as fast as one large product for prompt
+    chunks). Without oneDNN (a GPU): the default product; in float32 on a CPU
+    ``[in, out]`` for a single token (one pass streams it, well faster than the usual
+    product)."""
 
     def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.rows = rows  # [out, in], contiguous
         self.bias = bias
         cpu = rows.device.type == "cpu"
-        self.packed = pack(rows) if cpu else None  # oneDNN's opaque blocked copy
+        inputs = rows.shape[1]
+        cuts = [(lo, min(lo + ONEDNN_MAX_INPUTS, inputs))
+                for lo in range(0, inputs, ONEDNN_MAX_INPUTS)]
+        slices = [pack(rows[:, lo:hi].contiguous()) for lo, hi in cuts] if cpu else []
+        # oneDNN's opaque blocked copies, one per input slice
+        self.packed = slices if slices and all(s is not None for s in slices) else None
+        self._cuts = cuts
         self.cols = (rows.t().contiguous()
                      if cpu and self.packed is None and rows.dtype == torch.float32 else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= ONEDNN_MAX_TOKENS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None:
+            if x.shape[0] <= ONEDNN_MAX_TOKENS:
+                return self._packed(x)
+            return torch.cat([self._packed(x[i : i + ONEDNN_MAX_TOKENS])
+                              for i in range(0, x.shape[0], ONEDNN_MAX_TOKENS)])
         if self.cols is not None and x.shape[0] == 1:
             if self.bias is not None:
                 return torch.addmm(self.bias, x, self.cols)
             return x @ self.cols
         return F.linear(x, self.rows, self.bias)
+
+    def bulk(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)  # the packed calls are as fast as one large product here
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.packed is not None
+        linear = torch.ops.mkldnn._linear_pointwise
+        if len(self.packed) == 1:
+            return linear(x, self.packed[0], self.bias, "none", [], "")
+        (lo, hi), *rest = self._cuts
+        y = linear(x[:, lo:hi].contiguous(), self.packed[0], self.bias, "none", [], "")
+        for (lo, hi), part in zip(rest, self.packed[1:], strict=True):
+            y = y + linear(x[:, lo:hi].contiguous(), part, None, "none", [], "")
+        return y
 
 
 @functools.cache
@@ -104,6 +138,9 @@ class Stacked:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(out)]
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def bulk(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.bulk(x) for part in self.parts], dim=-1)
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,10 @@ from decoding.factory import (
     target_precision,
     torch_draft_loader,
 )
+from decoding.invariance import InvarianceCheck
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import CausalLM
+from decoding.threads import default_decode_threads
 from gateway import pages
 from gateway.errors import install_error_handlers
 from gateway.middleware import RequestMetricsMiddleware
@@ -131,7 +133,10 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
                     max_active=settings.max_active, prefix_cache=cache,
                     info=info, prefill_chunk=settings.prefill_chunk,
                     batch_planning=settings.batch_speculation == "adaptive",
-                    max_kv_bytes=settings.kv_cache_bytes)
+                    max_kv_bytes=settings.kv_cache_bytes,
+                    decode_threads=settings.decode_threads or default_decode_threads(),
+                    invariance_check=(InvarianceCheck(settings.check_invariance)
+                                      if settings.check_invariance else None))
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
     engine.warmup()
     engine.start()

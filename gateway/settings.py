@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     quantize: Literal["auto", "none", "int8", "int4"] = "auto"
     draft_dtype: Literal["auto", "float32", "bfloat16", "int8", "int4"] = "auto"
     threads: int | None = Field(default=None, ge=1)
+    decode_threads: int | None = Field(default=None, ge=1)
+    check_invariance: float = Field(default=0.0, ge=0.0, le=1.0)
     api_keys: CommaList = Field(default_factory=list)
     max_queue: int = Field(default=64, ge=1)
     max_active: int = Field(default=16, ge=1)
@@ -146,6 +148,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                "with native bfloat16; else --dtype); int8/int4 quantize it; "
                                "output is the same either way (SPECSERVE_DRAFT_DTYPE)"}),
     ("--threads", {"type": int, "help": "CPU threads for PyTorch (SPECSERVE_THREADS)"}),
+    ("--decode-threads", {"type": int,
+                          "help": "CPU threads of a decoding pass (no prompt in it): default "
+                                  "one fewer than --threads, leaving a core to the HTTP "
+                                  "server (SPECSERVE_DECODE_THREADS)"}),
+    ("--check-invariance", {"type": float, "metavar": "RATE",
+                            "help": "debugging: on this fraction of rounds, recompute the "
+                                    "last verified position as a one-token step and count "
+                                    "mismatches (specserve_invariance_mismatches_total; "
+                                    "SPECSERVE_CHECK_INVARIANCE, default 0: off)"}),
     ("--api-key", {"dest": "api_keys", "action": "append",
                    "help": "accepted bearer key, repeatable (SPECSERVE_API_KEYS, comma "
                            "separated); none configured = no authentication"}),

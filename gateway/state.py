@@ -49,6 +49,8 @@ class GatewayState:
             if engine.prefix_cache is not None:
                 kind = "redis" if self.settings.redis_url else "in-process"
                 metrics.track_cache(engine.prefix_cache.stats, kind)
+            if engine.invariance_check is not None:
+                metrics.track_invariance(engine.invariance_check.stats)
         self.ready = True
 
     @property

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from decoding.invariance import InvarianceStats
 from decoding.policy import MAX_DRAFT_TOKENS
 from decoding.prefix_cache import CacheStats
 
@@ -125,6 +126,10 @@ class Metrics:
         """Export a prefix cache's counters (read at scrape time)."""
         self.registry.register(_CacheCollector(stats, store))
 
+    def track_invariance(self, stats: InvarianceStats) -> None:
+        """Export the run-time invariance check's counts (``decoding.invariance``)."""
+        self.registry.register(_InvarianceCollector(stats))
+
     def record_round(self, model: str, drafter: str, drafted: int, accepted: int,
                      draft_s: float, verify_s: float) -> None:
         if drafted > 0:
@@ -164,6 +169,24 @@ class _CacheCollector(Collector):
         for name, (attr, doc) in fields.items():
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["store"])
             family.add_metric([self.store], float(getattr(self.stats, attr)))
+            yield family
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+
+class _InvarianceCollector(Collector):
+    def __init__(self, stats: InvarianceStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        for name, attr, doc in (
+                ("invariance_checks", "checks", "Rounds whose pass was checked against "
+                 "one-token steps (--check-invariance)."),
+                ("invariance_mismatches", "mismatches", "Checked rounds whose pass gave "
+                 "other logits than a one-token step.")):
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+            family.add_metric([], float(getattr(self.stats, attr)))
             yield family
 
     def describe(self) -> Iterable[Any]:

@@ -50,14 +50,15 @@ def default_target(default_model_dir: Path) -> CausalLM:
     return BatchedLM.load(str(default_model_dir), dtype="float32")
 
 
-def _tiny_model(out: Path, tokenizer_dir: Path, seed: int, layers: int = 2) -> Path:
+def _tiny_model(out: Path, tokenizer_dir: Path, seed: int, layers: int = 2,
+                context: int = 512) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+        max_position_embeddings=context, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
@@ -88,6 +89,18 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_dir: Path) -> CausalLM:
     return BatchedLM.load(str(tiny_target_dir), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_long_target(tmp_path_factory: pytest.TempPathFactory,
+                     default_model_dir: Path) -> BatchedLM:
+    """The tiny target with a 2,048-token context: room for more positions than the KV
+    buffers first hold (512)."""
+    path = _tiny_model(tmp_path_factory.mktemp("tiny-long"), default_model_dir, seed=0,
+                       context=2048)
+    target = BatchedLM.load(str(path), dtype="float32")
+    assert isinstance(target, BatchedLM)
+    return target
 
 
 @pytest.fixture(scope="session")

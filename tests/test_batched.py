@@ -64,7 +64,7 @@ def test_attention_blocks_give_the_model_s_own_logits(
     heads of a multi-token row (on a GPU, of every row) folded onto their shared
     key/value heads, each row gets the logits the model's own (transformers) forward
     pass gives it."""
-    monkeypatch.setattr(tiny_target, "_fold_single", fold_single)
+    monkeypatch.setattr(tiny_target._attention, "_fold_single", fold_single)
     rng = random.Random(len(news) + sum(news))
     reference = CausalLM(tiny_target.model, tiny_target.tokenizer)
     prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (5, 30, 12, 60, 2, 21)]
@@ -170,18 +170,18 @@ def test_release_keeps_the_other_rows_intact(tiny_target: BatchedLM) -> None:
     assert tiny_target.rows_in_use == 0
 
 
-def test_buffers_grow_past_their_first_size(tiny_target: BatchedLM) -> None:
-    states = [tiny_target.new_state() for _ in range(9)]  # more rows than first allocated
-    long_prompt = list(range(1000, 1000 + tiny_target.capacity + 30))
-    tiny_target.prefill(states[0], long_prompt)  # more positions than first allocated
-    assert tiny_target.capacity >= len(long_prompt)
-    expected = tiny_target.score(states[0], [5])
-    tiny_target.rollback(states[0], len(long_prompt))
+def test_buffers_grow_past_their_first_size(tiny_long_target: BatchedLM) -> None:
+    states = [tiny_long_target.new_state() for _ in range(9)]  # more rows than first allocated
+    long_prompt = list(range(1000, 1000 + tiny_long_target.capacity + 30))
+    tiny_long_target.prefill(states[0], long_prompt)  # more positions than first allocated
+    assert tiny_long_target.capacity >= len(long_prompt)
+    expected = tiny_long_target.score(states[0], [5])
+    tiny_long_target.rollback(states[0], len(long_prompt))
     for state in states[1:]:
-        tiny_target.release(state)  # the sequence still running keeps its cache
-    torch.testing.assert_close(tiny_target.score(states[0], [5]), expected)
-    tiny_target.release(states[0])
-    assert tiny_target.capacity < len(long_prompt)  # idle: the buffers shrank back
+        tiny_long_target.release(state)  # the sequence still running keeps its cache
+    torch.testing.assert_close(tiny_long_target.score(states[0], [5]), expected)
+    tiny_long_target.release(states[0])
+    assert tiny_long_target.capacity < len(long_prompt)  # idle: the buffers shrank back
 
 
 def test_kv_round_trip(tiny_target: BatchedLM) -> None:

@@ -275,18 +275,18 @@ def test_admission_waits_for_kv_room(tiny_target: BatchedLM) -> None:
     assert any(e.batch_size == 2 for e in together[0])
 
 
-def test_the_cache_is_sized_for_the_running_requests(tiny_target: BatchedLM) -> None:
-    long_request = GenerationRequest(prompt_ids=_ids(tiny_target, "word " * 300),
+def test_the_cache_is_sized_for_the_running_requests(tiny_long_target: BatchedLM) -> None:
+    long_request = GenerationRequest(prompt_ids=_ids(tiny_long_target, "word " * 700),
                                      max_new_tokens=4, sampling=GREEDY)
-    engine = _engine(tiny_target, {"ngram": NgramDrafter()})
+    engine = _engine(tiny_long_target, {"ngram": NgramDrafter()})
     try:
         list(engine.submit(long_request))
-        assert tiny_target.capacity < len(long_request.prompt_ids)  # shrank once it ended
-        stream = engine.submit(GenerationRequest(prompt_ids=_ids(tiny_target, "hi"),
-                                                 max_new_tokens=400, sampling=GREEDY))
+        assert tiny_long_target.capacity < len(long_request.prompt_ids)  # shrank once it ended
+        stream = engine.submit(GenerationRequest(prompt_ids=_ids(tiny_long_target, "hi"),
+                                                 max_new_tokens=900, sampling=GREEDY))
         first = next(iter(stream))
         assert first.token_ids
-        assert tiny_target.capacity > 400  # reserved for the whole request up front
+        assert tiny_long_target.capacity > 900  # reserved for the whole request up front
         stream.cancel()
         list(stream)
     finally:

@@ -1,0 +1,146 @@
+"""Batch invariance: a pass that verifies k tokens of a sequence, alone or beside other
+sequences at other lengths (and prompt chunks), gives each position bitwise the logits
+that a one-token step of that sequence alone gives, in every precision served.
+
+The default model runs here in each precision (its GGUF's own int4 weights, bfloat16
+and float32): the invariance is a property of the kernels at the real shapes, which a
+toy model would not exercise (its 1,536-input down projection, 512-key attention
+blocks, a 49,152-row head)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from decoding.drafters import Drafter, NgramDrafter
+from decoding.engine import Engine
+from decoding.factory import load_target
+from decoding.invariance import InvarianceCheck
+from decoding.prompting import encode_chat
+from decoding.target import BatchItem, CausalLM
+from decoding.types import GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+# sequence lengths chosen so that passes cross the 512-key attention blocks and the
+# 256-token prompt threshold of the bulk products
+LENGTHS = (40, 170, 505)
+FUTURE = 20
+
+
+@pytest.fixture(scope="module", params=[("bfloat16", "auto"), ("bfloat16", "none"),
+                                        ("float32", "none")],
+                ids=["gguf-int4", "bfloat16", "float32"])
+def target(request: pytest.FixtureRequest, default_model_dir: object) -> CausalLM:
+    dtype, quantize = request.param
+    return load_target("default", dtype, "cpu", quantize)
+
+
+def _steps(target: CausalLM, state: object, tokens: Sequence[int]) -> list[torch.Tensor]:
+    return [target.forward_batch([BatchItem(state, [t], 1)])[0][0].clone() for t in tokens]
+
+
+def test_verify_passes_give_one_token_logits_bitwise(target: CausalLM) -> None:
+    """Random ragged batches of 1-3 sequences, each adding 1-9 tokens (a prompt chunk
+    riding along in some), against one-token steps of each sequence alone."""
+    rng = random.Random(0)
+    vocab = range(100, 40000)
+    prompts = [[rng.choice(vocab) for _ in range(n)] for n in LENGTHS]
+    futures = [[rng.choice(vocab) for _ in range(FUTURE)] for _ in LENGTHS]
+    states = [target.new_state() for _ in LENGTHS]
+    extra = target.new_state()  # a prompt chunk sharing some passes
+    try:
+        alone = []
+        for state, prompt, future in zip(states, prompts, futures, strict=True):
+            target.forward_batch([BatchItem(state, prompt, 1)])
+            alone.append(_steps(target, state, future))
+            target.rollback(state, len(prompt))
+        checked = 0
+        for _ in range(20):
+            members = rng.sample(range(len(LENGTHS)), rng.randint(1, len(LENGTHS)))
+            adds = {i: (rng.randrange(0, 10), rng.choice([1, 2, 3, 5, 8, 9])) for i in members}
+            for i, (offset, _) in adds.items():  # the cache as one-token steps left it
+                target.rollback(states[i], LENGTHS[i])
+                _steps(target, states[i], futures[i][:offset])
+            items = [BatchItem(states[i], futures[i][o : o + k], k) for i, (o, k) in adds.items()]
+            riding = rng.random() < 0.3
+            if riding:
+                target.rollback(extra, 0)
+                chunk = rng.choice([40, 300])  # 300: the prompt takes the bulk products
+                items.append(BatchItem(extra, [rng.choice(vocab) for _ in range(chunk)], 1))
+            outputs = target.forward_batch(items)
+            for (i, (offset, k)), logits in zip(adds.items(), outputs, strict=False):
+                for j in range(k):
+                    assert torch.equal(logits[j], alone[i][offset + j]), (
+                        f"sequence {i} (length {LENGTHS[i]}), offset {offset}, {k} tokens, "
+                        f"beside {sorted(adds)}{' and a prompt chunk' if riding else ''}: "
+                        f"position {j} differs from its one-token step")
+                    checked += 1
+        assert checked > 100
+    finally:
+        for state in (*states, extra):
+            target.release(state)
+
+
+PROMPTS = ["Explain how a rainbow forms, in three sentences.",
+           "List five fruits and their colours.",
+           "Write a haiku about the sea.",
+           "What is the capital of France? Answer and then describe the city."]
+
+
+def _engine_tokens(target: CausalLM, drafters: dict[str, Drafter], default: str | None,
+                   streams: int, check: InvarianceCheck | None) -> list[list[int]]:
+    engine = Engine(target, drafters, default_drafter=default, max_queue=8,
+                    max_active=streams, invariance_check=check)
+    engine.start()
+    try:
+        requests = [GenerationRequest(prompt_ids=tuple(encode_chat(target.tokenizer, [
+            {"role": "user", "content": p}])), max_new_tokens=40, sampling=GREEDY)
+            for p in PROMPTS]
+        submitted = [engine.submit(r) for r in requests]
+        return [[t for e in s for t in e.token_ids] for s in submitted]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_speculation_equals_plain_and_the_run_time_check_finds_nothing(
+        target: CausalLM, streams: int) -> None:
+    """Greedy through the engine, n-gram drafts, every round checked against a one-token
+    step: no mismatch, and the tokens are plain decoding's (one stream at a time)."""
+    plain = _engine_tokens(target, {}, None, 1, None)
+    check = InvarianceCheck(1.0, seed=0)
+    got = _engine_tokens(target, {"ngram": NgramDrafter()}, "ngram", streams, check)
+    assert got == plain
+    assert check.stats.checks >= 5  # rounds that verified drafts (or shared the pass)
+    assert check.stats.mismatches == 0
+
+
+def test_the_run_time_check_counts_a_pass_that_is_not_invariant(
+        tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner whose passes of several tokens shift their logits (a fault the real
+    kernels cannot be made to show on demand): the check counts mismatches, and the
+    recompute leaves each sequence as plain decoding would continue it."""
+    real = tiny_target.forward_batch
+
+    def shifted(items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        out = real(items)
+        if sum(len(item.token_ids) for item in items) > 1:
+            out = [logits + 1e-3 for logits in out]
+        return out
+
+    monkeypatch.setattr(tiny_target, "forward_batch", shifted)
+    check = InvarianceCheck(1.0, seed=0)
+    _engine_tokens(tiny_target, {"ngram": NgramDrafter()}, "ngram", 2, check)
+    assert check.stats.checks > 0
+    assert check.stats.mismatches == check.stats.checks
+
+
+def test_the_check_rate_is_a_fraction() -> None:
+    with pytest.raises(ValueError, match=r"within 0\.\.1"):
+        InvarianceCheck(1.5)
+    never = InvarianceCheck(0.0)
+    assert not any(never.sample() for _ in range(100))
