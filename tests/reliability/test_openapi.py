@@ -13,6 +13,8 @@ import jsonschema_rs
 import pytest
 import schemathesis
 from fastapi.routing import APIRoute
+from hypothesis import HealthCheck, given, settings
+from schemathesis.generation.modes import GenerationMode
 
 from decoding.engine import Engine
 from gateway.errors import InvalidRequestError
@@ -149,6 +151,17 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"model": "m", "prompt": "x", "best_of": True}),
     ("/v1/completions", {"model": "m", "prompt": "x", "suffix": ""}),
     ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 21}),
+    # stream_options only with stream true (a cross-field rule: if/else in the schema)
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream_options": {}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": False,
+                              "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": None,
+                              "stream_options": {}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream_options": None}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": True,
+                              "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {}}),
+    ("/v1/completions", {"model": "m", "prompt": "x", "stream": True, "stream_options": {}}),
 ]
 
 
@@ -205,3 +218,23 @@ async def test_stream_events_match_the_documented_event_schema(
         assert check.is_valid(json.loads(data)), data
     assert check.is_valid({"error": {"message": "m", "type": "t", "param": None, "code": None}})
     assert not check.is_valid({"choices": "nope"})
+
+
+@pytest.mark.parametrize("path", sorted(REQUEST_MODELS))
+def test_generated_requests_honour_the_stream_options_rule(document: dict[str, Any],
+                                                           path: str) -> None:
+    """schemathesis reads the schema's if/else: the positive bodies it generates never
+    carry ``stream_options`` without ``stream: true`` (which the server refuses)."""
+    operation = schemathesis.openapi.from_dict(document)[path]["POST"]
+    seen: list[dict[str, Any]] = []
+
+    @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def collect(case: Any) -> None:
+        if isinstance(case.body, dict) and case.body.get("stream_options") is not None:
+            seen.append(case.body)
+
+    collect()
+    assert seen, "no generated body carried stream_options"
+    assert all(body.get("stream") is True for body in seen), seen[0]
