@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,7 +73,30 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None 
 
 def sse_data(text: str) -> list[str]:
     """The ``data:`` payloads of an event stream, in order."""
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [line[len("data: "):] for line in sse_lines(text) if line.startswith("data: ")]
+
+
+def sse_lines(text: str) -> list[str]:
+    """An event stream's lines: split at CR, LF or CRLF only, as SSE does (not at the
+    other line breaks ``str.splitlines`` knows, such as U+2028 inside JSON strings)."""
+    return re.split(r"\r\n|\r|\n", text)
+
+
+def sse_events(text: str) -> list[tuple[str | None, str]]:
+    """``(event name or None, data)`` of each event of a stream, in order."""
+    events: list[tuple[str | None, str]] = []
+    name: str | None = None
+    data: list[str] = []
+    for line in [*sse_lines(text), ""]:
+        if not line:
+            if data:
+                events.append((name, "\n".join(data)))
+            name, data = None, []
+        elif line.startswith("event:"):
+            name = line[len("event:"):].strip()
+        elif line.startswith("data:"):
+            data.append(line[len("data:"):].removeprefix(" "))
+    return events
 
 
 def stream_text(events: Sequence[str]) -> dict[int, str]:
