@@ -27,11 +27,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from decoding.types import FinishReason
 from gateway.errors import APIError, error_type_of, from_validation_errors
 from gateway.formats import Job
-from gateway.generation import ChoiceTotals, Ended, interleave, submit_all, usage_of
+from gateway.generation import ChoiceTotals, Ended, interleave, usage_of
 from gateway.openapi import responses_route
 from gateway.params import chat_prompt, generation_requests, request_tools
 from gateway.responses_protocol import ResponsesRequest
-from gateway.routes import _parse, gateway_state, require_api_key
+from gateway.routes import _parse, gateway_state, request_trace, require_api_key, submit_traced
 from gateway.streaming import ResponseRun
 from gateway.structured import request_grammar
 from gateway.tool_calls import CallParser
@@ -98,6 +98,9 @@ class ResponsesFormat:
 
     def observe(self, index: int, event: Any) -> None:
         return None
+
+    def tool_calls(self) -> int:
+        return len(self.parser.calls) if self.parser is not None else 0
 
     def usage_chunk(self, totals: Any) -> ResponseBody:
         return ResponseBody()
@@ -209,6 +212,7 @@ class ResponsesRun(ResponseRun):
                 totals.end(item)
             else:
                 totals.add(item)
+                self._observe(0, item)
                 for event in fmt.feed(item.text, item.finished):
                     yield event
             if totals.error is not None:
@@ -266,8 +270,10 @@ async def create_response(request: Request) -> Response:
     job = Job(id=job_id, created=int(time.time()), model=state.settings.model_name,
               prompts=[prompt], per_prompt=1, logprobs=False)
     fmt = ResponsesFormat(job, api, plan)
-    streams = submit_all(engine, requests)
-    run = ResponsesRun(state, job, fmt, streams, endpoint=request.url.path, user=api.user)
+    trace = request_trace(state, request, job_id, requests, chat)
+    streams = submit_traced(engine, requests, trace)
+    run = ResponsesRun(state, job, fmt, streams, endpoint=request.url.path, user=api.user,
+                       trace=trace, tool_choice=plan.mode if plan is not None else None)
     if api.stream:
         return run.streaming_response(chat)
     return await run.whole_response(request.receive)
