@@ -183,21 +183,22 @@ def serve_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def serve(model_dir: Path, *flags: str, env: dict[str, str] | None = None
-          ) -> Iterator[ServeProcess]:
+def serve(model_dir: Path, *flags: str, env: dict[str, str] | None = None,
+          start_timeout: float = START_TIMEOUT_S) -> Iterator[ServeProcess]:
     """Run ``specserve serve --target model_dir`` until it is ready; kill it at the end."""
-    with serve_many([flags], model_dir, env) as (server,):
+    with serve_many([flags], model_dir, env, start_timeout) as (server,):
         yield server
 
 
 @contextmanager
 def serve_many(flag_sets: Sequence[Sequence[str]], model_dir: Path,
-               env: dict[str, str] | None = None) -> Iterator[list[ServeProcess]]:
+               env: dict[str, str] | None = None, start_timeout: float = START_TIMEOUT_S
+               ) -> Iterator[list[ServeProcess]]:
     """Several servers, started side by side (their start-ups overlap)."""
     with ExitStack() as stack:
         servers = [stack.enter_context(_spawn(model_dir, flags, env)) for flags in flag_sets]
         for server in servers:
-            _wait_ready(server)
+            _wait_ready(server, start_timeout)
         yield servers
 
 
@@ -221,8 +222,8 @@ def _spawn(model_dir: Path, flags: Sequence[str], env: dict[str, str] | None
                 process.wait(timeout=30)
 
 
-def _wait_ready(server: ServeProcess) -> None:
-    wait_for_status(f"{server.url}/ready", server.process, START_TIMEOUT_S,
+def _wait_ready(server: ServeProcess, timeout: float = START_TIMEOUT_S) -> None:
+    wait_for_status(f"{server.url}/ready", server.process, timeout,
                     lambda: server.log_text()[-4000:])
 
 
