@@ -8,7 +8,7 @@ TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 
 .PHONY: install model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
-	deploy-tools system-deps screenshot \
+	deploy-tools system-deps node-deps screenshot \
 	image image-gpu
 
 $(PY):
@@ -39,17 +39,26 @@ typecheck: install
 deploy-tools: install
 	PYTHON=$(abspath $(PY)) scripts/install-deploy-tools.sh $(TOOLS)
 
-# redis-server, prometheus, shellcheck and chromium, which tests run for real: apt-get as
+# redis-server, prometheus, shellcheck, chromium and node, which tests run for real: apt-get as
 # root, else a failure that says how to install them (nothing is skipped for lack of them)
 system-deps:
 	scripts/install-system-deps.sh
 
-pytest: model deploy-tools system-deps
+# the official openai npm package (tests/sdk/node), as pinned in its package-lock.json
+NODE_DIR := tests/sdk/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json | system-deps
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund
+	touch $(NODE_STAMP)
+
+node-deps: $(NODE_STAMP)
+
+pytest: model deploy-tools system-deps node-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
-test-long: model deploy-tools system-deps
+test-long: model deploy-tools system-deps node-deps
 	$(BIN)/pytest --runslow $(PYTEST_ARGS)
 
 bench: model

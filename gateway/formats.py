@@ -63,6 +63,10 @@ class Format(Protocol):
 
     def response(self, totals: Sequence[ChoiceTotals]) -> BaseModel: ...
 
+    def tool_calls(self) -> int:
+        """Tool calls the answers have made so far."""
+        ...
+
 
 def _stats(totals: Sequence[ChoiceTotals]) -> SpeculationStats:
     return SpeculationStats.total([t.stats() for t in totals])
@@ -78,6 +82,9 @@ class _ChoiceFormat:
         self.count = len(job.prompts) * job.per_prompt
         self._started = [False] * self.count
         self._origins = [TextOrigins(texts.tokenizer) for _ in range(self.count)]
+
+    def tool_calls(self) -> int:
+        return 0  # plain chat and completions call no tools (gateway/tool_calls.py does)
 
     def _round(self, index: int, event: RoundEvent) -> None:
         """Account for a streamed round's tokens (before deciding whether it is sent)."""

@@ -10,7 +10,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import error_type_of
 from observability.metrics import Metrics
 
-KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready")
+KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
+                   "/health", "/ready")
 
 
 def endpoint_label(path: str) -> str:

@@ -21,6 +21,8 @@ from pydantic.json_schema import JsonSchemaMode
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import ChatCompletionChunk, Completion, ErrorResponse
+from gateway.responses_events import EVENT_MODELS as RESPONSE_EVENTS
+from gateway.responses_events import ResponseObject, event_types
 from gateway.responses_protocol import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
@@ -28,7 +30,8 @@ BEARER = "bearerAuth"
 # Models the handlers use without FastAPI seeing them: request bodies and stream events.
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest,
                                                ResponsesRequest)
-EVENT_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, Completion, ErrorResponse)
+EVENT_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, Completion, ErrorResponse,
+                                              ResponseObject, *RESPONSE_EVENTS)
 
 ERROR_DESCRIPTIONS = {
     400: "The request is invalid; `param` names the offending field.",
@@ -93,6 +96,33 @@ def completion_route(request: type[BaseModel], response: type[BaseModel],
         "content": {"text/event-stream": events},
     }
     body = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
+    return {"responses": {200: ok, **error_responses(*COMPLETION_ERRORS)},
+            "openapi_extra": {"requestBody": body}}
+
+
+def typed_event_schema() -> dict[str, Any]:
+    """One server-sent event of a ``/v1/responses`` stream: an ``event:`` line naming
+    its type and ``data``, one of the typed events (no ``[DONE]``)."""
+    payload = {"oneOf": [ref(model) for model in RESPONSE_EVENTS]}
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+    return {"type": "object", "required": ["event", "data"],
+            "properties": {"event": {"enum": event_types()}, "data": data}}
+
+
+def responses_route() -> dict[str, Any]:
+    """The OpenAPI keyword arguments of the ``/v1/responses`` route's decorator."""
+    ok = {
+        "model": ResponseObject,
+        "description": (
+            "With `stream` false or absent, one Response object. With `stream` true, typed "
+            "server-sent events (`event: <type>` and `data: <event>`, `sequence_number` from "
+            "0): `response.created`, `response.in_progress`, the output items' events, then "
+            "`response.completed`, `response.incomplete` or `response.failed`; no "
+            "`data: [DONE]`. The `text/event-stream` schema describes one event."),
+        "headers": _REQUEST_ID,
+        "content": {"text/event-stream": {"schema": typed_event_schema()}},
+    }
+    body = {"required": True, "content": {"application/json": {"schema": ref(ResponsesRequest)}}}
     return {"responses": {200: ok, **error_responses(*COMPLETION_ERRORS)},
             "openapi_extra": {"requestBody": body}}
 

@@ -189,6 +189,14 @@ StopField = Annotated[
 ]
 
 
+# ``_check_common``'s rule, for /openapi.json: without ``stream: true``, ``stream_options``
+# is absent or null (OpenAI refuses it with a 400 too).
+STREAM_OPTIONS_RULE: dict[str, Any] = {"allOf": [
+    {"if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+     "else": {"properties": {"stream_options": {"type": "null"}}}},
+]}
+
+
 def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
     if request.stream_options is not None and not request.stream:
         raise PydanticCustomError(
@@ -199,6 +207,8 @@ def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
 class ChatCompletionRequest(_Strict):
     """``POST /v1/chat/completions``."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
+                              json_schema_extra=STREAM_OPTIONS_RULE)
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     audio: Annotated[Any, refuse()] = None
@@ -306,6 +316,8 @@ PromptField = Annotated[
 class CompletionRequest(_Strict):
     """``POST /v1/completions`` (the legacy text endpoint)."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
+                              json_schema_extra=STREAM_OPTIONS_RULE)
     model: str
     prompt: PromptField
     best_of: Annotated[Any, refuse(1)] = None

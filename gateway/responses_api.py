@@ -14,22 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from decoding.types import FinishReason
-from gateway.errors import error_type_of, from_validation_errors
+from gateway.errors import APIError, error_type_of, from_validation_errors
 from gateway.formats import Job
-from gateway.generation import ChoiceTotals, Ended, interleave, submit_all, usage_of
-from gateway.openapi import COMPLETION_ERRORS, error_responses, ref
+from gateway.generation import ChoiceTotals, Ended, interleave, usage_of
+from gateway.openapi import responses_route
 from gateway.params import chat_prompt, generation_requests, request_tools
 from gateway.responses_protocol import ResponsesRequest
-from gateway.routes import _parse, gateway_state, require_api_key
+from gateway.routes import _parse, gateway_state, request_trace, require_api_key, submit_traced
 from gateway.streaming import ResponseRun
 from gateway.structured import request_grammar
 from gateway.tool_calls import CallParser
@@ -96,6 +98,9 @@ class ResponsesFormat:
 
     def observe(self, index: int, event: Any) -> None:
         return None
+
+    def tool_calls(self) -> int:
+        return len(self.parser.calls) if self.parser is not None else 0
 
     def usage_chunk(self, totals: Any) -> ResponseBody:
         return ResponseBody()
@@ -207,6 +212,7 @@ class ResponsesRun(ResponseRun):
                 totals.end(item)
             else:
                 totals.add(item)
+                self._observe(0, item)
                 for event in fmt.feed(item.text, item.finished):
                     yield event
             if totals.error is not None:
@@ -225,32 +231,49 @@ class ResponsesRun(ResponseRun):
 
 
 
-@router.post("/responses", responses={
-    200: {"description": "With `stream` false or absent, one Response object (`object: "
-                         "response`). With `stream` true, typed server-sent events "
-                         "(`event: response.created` ... `response.completed`)."},
-    **error_responses(*COMPLETION_ERRORS)},
-    openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": ref(ResponsesRequest)}}}})
+# Chat fields a refusal may name, as the Responses request spells them.
+RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                    "response_format": "text.format"}
+
+
+@contextmanager
+def responses_params() -> Iterator[None]:
+    """Refusals of the chat request behind a Responses request name the Responses
+    fields (``input``, not ``messages``)."""
+    try:
+        yield
+    except APIError as exc:
+        head = re.split(r"[.\[]", exc.param or "", maxsplit=1)[0]
+        if head in RESPONSES_PARAMS:
+            exc.param = RESPONSES_PARAMS[head]
+            exc.message = exc.message.replace(head, exc.param)
+        raise
+
+
+@router.post("/responses", **responses_route())
 async def create_response(request: Request) -> Response:
     """Stateless Responses API (``store`` and ``previous_response_id`` are refused)."""
     state = gateway_state(request)
     api = await _parse(request, state, ResponsesRequest)
-    try:
-        chat = api.chat_request()
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from exc
     engine = state.require_engine()
-    prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, chat)
-    plan = request_tools(chat)
-    grammar = await request_grammar(state, engine, chat.response_format, plan, "text.format")
-    job_id = f"resp_{uuid.uuid4().hex}"
-    requests = generation_requests(chat, [prompt], state.limits(), job_id, grammar)
+    with responses_params():
+        try:
+            chat = api.chat_request()
+        except ValidationError as exc:
+            raise from_validation_errors(exc.errors()) from exc
+        prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, chat)
+        plan = request_tools(chat)
+        grammar = await request_grammar(state, engine, chat.response_format, plan,
+                                        "text.format")
+        job_id = f"resp_{uuid.uuid4().hex}"
+        requests = generation_requests(chat, [prompt], state.limits(), job_id, grammar)
     job = Job(id=job_id, created=int(time.time()), model=state.settings.model_name,
               prompts=[prompt], per_prompt=1, logprobs=False)
     fmt = ResponsesFormat(job, api, plan)
-    streams = submit_all(engine, requests)
-    run = ResponsesRun(state, job, fmt, streams, endpoint=request.url.path, user=api.user)
+    trace = request_trace(state, request, job_id, requests, chat)
+    streams = submit_traced(engine, requests, trace)
+    run = ResponsesRun(state, job, fmt, streams, endpoint=request.url.path, user=api.user,
+                       trace=trace, tool_choice=plan.mode if plan is not None else None)
     if api.stream:
         return run.streaming_response(chat)
     return await run.whole_response(request.receive)

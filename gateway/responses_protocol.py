@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from gateway.protocol import ChatCompletionRequest, SpeculationOptions, refuse
@@ -71,6 +71,14 @@ class NamedFunction(_Strict):
 
 
 class TextFormatSpec(_Strict):
+    # ``ResponsesRequest._check``'s rule, for /openapi.json
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, json_schema_extra={
+        "allOf": [{"if": {"properties": {"type": {"const": "json_schema"}},
+                          "required": ["type"]},
+                   "then": {"required": ["name", "schema"],
+                            "properties": {"name": {"type": "string"},
+                                           "schema": {"type": "object"}}}}]})
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, pattern=NAME_PATTERN)
     description: str | None = None
@@ -91,11 +99,21 @@ def _input(value: Any) -> Any:
     return value
 
 
+def _input_value(value: Any) -> Any:
+    """A non-empty string or item list; refused by name otherwise (not by union member)."""
+    if isinstance(value, str | list) and value:
+        return value
+    raise PydanticCustomError("invalid_value", "input must be a non-empty string or a "
+                              "non-empty array of input items")
+
+
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``."""
 
     model: str
-    input: Annotated[str | list[InputItem], Field(min_length=1)]
+    input: Annotated[Annotated[str, Field(min_length=1)]
+                     | Annotated[list[InputItem], Field(min_length=1)],
+                     BeforeValidator(_input_value)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     parallel_tool_calls: bool | None = None

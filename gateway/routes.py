@@ -9,6 +9,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -16,7 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from decoding.constraints import Grammar
-from decoding.engine import Engine
+from decoding.engine import Engine, RequestStream
+from decoding.types import GenerationRequest
 from gateway.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -56,6 +58,7 @@ from gateway.streaming import ResponseRun
 from gateway.structured import request_grammar
 from gateway.tool_calls import ToolChatFormat
 from gateway.tools import ToolPlan
+from observability.telemetry import RequestTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -207,30 +210,43 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
                    else CompletionFormat(job, state.token_texts(), hidden))
     if tools is not None:
         fmt = ToolChatFormat(job, state.token_texts(), hidden, tools)
-    trace = None
-    if state.telemetry is not None:
-        first = requests[0]
-        trace = state.telemetry.request(
-            request.url.path, job_id, request.headers, arrived=request.state.arrived,
-            attributes={
-                "gen_ai.request.max_tokens": first.max_new_tokens,
-                "gen_ai.request.temperature": api_request.temperature,
-                "gen_ai.request.top_p": api_request.top_p,
-                "gen_ai.request.seed": api_request.seed,
-                "gen_ai.request.choice.count": len(requests),
-            })
+    trace = request_trace(state, request, job_id, requests, api_request)
+    streams = submit_traced(engine, requests, trace)
+    run = ResponseRun(state, job, fmt, streams, endpoint=request.url.path,
+                      user=api_request.user, trace=trace,
+                      tool_choice=tools.mode if tools is not None else None)
+    if api_request.stream:
+        return run.streaming_response(api_request)
+    return await run.whole_response(request.receive)
+
+
+def request_trace(state: GatewayState, request: Request, job_id: str,
+                  requests: Sequence[GenerationRequest], api_request: AnyRequest
+                  ) -> RequestTelemetry | None:
+    """The request's span and metrics (None when the server has no telemetry)."""
+    if state.telemetry is None:
+        return None
+    return state.telemetry.request(
+        request.url.path, job_id, request.headers, arrived=request.state.arrived,
+        attributes={
+            "gen_ai.request.max_tokens": requests[0].max_new_tokens,
+            "gen_ai.request.temperature": api_request.temperature,
+            "gen_ai.request.top_p": api_request.top_p,
+            "gen_ai.request.seed": api_request.seed,
+            "gen_ai.request.choice.count": len(requests),
+        })
+
+
+def submit_traced(engine: Engine, requests: Sequence[GenerationRequest],
+                  trace: RequestTelemetry | None) -> list[RequestStream]:
+    """``submit_all``; a refusal still ends the request's span."""
     try:
-        streams = submit_all(engine, requests)
+        return submit_all(engine, requests)
     except Exception as exc:
         if trace is not None:
             status = getattr(exc, "status_code", 500)
             trace.finish(status, error_type_of(status), count_error=False)  # the middleware counts
         raise
-    run = ResponseRun(state, job, fmt, streams, endpoint=request.url.path,
-                      user=api_request.user, trace=trace)
-    if api_request.stream:
-        return run.streaming_response(api_request)
-    return await run.whole_response(request.receive)
 
 
 def _card(state: GatewayState) -> ModelCard:

@@ -77,7 +77,8 @@ class ResponseRun:
 
     def __init__(self, state: GatewayState, job: Job, fmt: Format,
                  streams: list[RequestStream], endpoint: str, user: str | None = None,
-                 trace: RequestTelemetry | None = None) -> None:
+                 trace: RequestTelemetry | None = None, tool_choice: str | None = None
+                 ) -> None:
         self.state = state
         self.job = job
         self.fmt = fmt
@@ -88,6 +89,7 @@ class ResponseRun:
         self.started = time.monotonic()
         self.outcome = "disconnected"
         self.trace = trace
+        self.tool_choice = tool_choice  # the tool plan's mode, when tools may be called
         self.stream_error: str | None = None  # error type of a failure after streaming began
         self.status = 200
         self.error_code: str | None = None
@@ -177,6 +179,8 @@ class ResponseRun:
             error = self.stream_error or (
                 error_type_of(self.status, self.error_code)
                 if self.status >= 400 else None)
+            if self.tool_choice is not None:
+                self.trace.tool_calls(self.fmt.tool_calls(), self.tool_choice)
             # Statuses sent before the body are counted by the middleware; a failure
             # inside a stream is counted here.
             self.trace.finish(status, error, count_error=self.stream_error is not None,

@@ -160,6 +160,9 @@ class ToolChatFormat(ChatFormat):
         self.plan = plan
         self.parsers = [CallParser(auto=plan.mode == "auto") for _ in range(self.count)]
 
+    def tool_calls(self) -> int:
+        return sum(len(parser.calls) for parser in self.parsers)
+
     def finish_reason(self, index: int, reason: FinishReason | None) -> str | None:
         text = finish_reason_text(reason)
         if text == "stop" and self.parsers[index].calls:

@@ -2,8 +2,8 @@
 
 Naming: prefix ``specserve_``, base units with suffixes (``_seconds``),
 ``_total`` only on counters, no colons, bounded labels (model, endpoint,
-status, finish_reason, drafter, phase, position, type). Speculation is counted,
-never pre-averaged, so that PromQL derives the rates:
+status, finish_reason, drafter, phase, position, type, kind, tool_choice).
+Speculation is counted, never pre-averaged, so that PromQL derives the rates:
 
     acceptance rate         = rate(specserve_spec_decode_num_accepted_tokens_total[5m])
                               / rate(specserve_spec_decode_num_draft_tokens_total[5m])
@@ -104,6 +104,10 @@ class Metrics:
         self.constrained_requests = counter(
             "constrained_requests", "Requests whose output a grammar constrains, by kind "
             "(json_object, json_schema, tools).", ("model", "kind"))
+        self.tool_calls = counter(
+            "tool_calls", "Tool calls in answers, by endpoint and tool_choice (auto, "
+            "required, named); a request that offers tools and gets text adds 0.",
+            ("model", "endpoint", "tool_choice"))
         self.grammar_mask_time = histogram(
             "grammar_mask_seconds", "Time per round on grammar masks and matching.",
             ("model",), ROUND_BUCKETS)

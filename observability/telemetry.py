@@ -19,7 +19,9 @@ from observability.logging import log_request
 from observability.metrics import Metrics
 from observability.tracing import RequestSpan, build_tracer_provider
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+# the GenAI operation of each endpoint (a Responses request is a chat)
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
+             "/v1/responses": "chat"}
 
 
 class Telemetry:
@@ -94,6 +96,13 @@ class RequestTelemetry:
             m.finished.labels(model, event.finish_reason.value).inc()
         if committed or event.finish_reason is not None:
             self.span.round(event, drafter)
+
+    def tool_calls(self, count: int, tool_choice: str) -> None:
+        """The request offered tools under ``tool_choice`` (auto, required, named) and
+        its answers made ``count`` calls."""
+        m = self.telemetry.metrics
+        m.tool_calls.labels(self.telemetry.model, self.endpoint, tool_choice).inc(count)
+        self.span.span.set_attribute("specserve.tool_calls", count)
 
     def finish(self, status: int, error_type: str | None, count_error: bool = True,
                user: str | None = None) -> None:

@@ -4,6 +4,7 @@
 #   prometheus, promtool   a real Prometheus scraping the metrics port; config checks
 #   the linter shellcheck  for the image's entrypoint script
 #   chromium, chromedriver the playground page in a headless browser
+#   node, npm              the official openai npm package against a real server (tests/sdk)
 # Idempotent and quick: when every program is on PATH it returns at once. As root with
 # apt-get it installs what is missing; otherwise it fails, naming the command to run.
 #
@@ -18,6 +19,8 @@ declare -A PACKAGE=(
     [shellcheck]=shellcheck
     [chromium]=chromium
     [chromedriver]=chromium-driver
+    [node]=nodejs
+    [npm]=npm
 )
 
 missing_packages() {

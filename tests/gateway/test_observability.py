@@ -272,3 +272,104 @@ async def test_constrained_requests_and_grammar_drafts_are_counted(tiny_engine: 
     forced = _total(s, "specserve_grammar_forced_draft_tokens_total")
     assert 0 < _total(s, "specserve_grammar_forced_accepted_tokens_total") <= forced
     assert _total(s, "specserve_grammar_mask_seconds_count") > 0
+
+
+FUNCTION = {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}
+RESPONSES_TOOLS = {"tools": [{"type": "function", **FUNCTION}], "tool_choice": "required",
+                   "parallel_tool_calls": False}
+
+
+async def test_responses_get_request_metrics_spans_and_tool_counts(tiny_engine: Engine) -> None:
+    """A /v1/responses request is measured like a chat completion: request counters,
+    latency, tokens, a server span with a child per round; tool calls are counted."""
+    telemetry, exporter = _telemetry()
+    app = create_app(tiny_settings(), engine=tiny_engine, telemetry=telemetry)
+    base = {"model": TINY, "input": REPEAT[0]["content"], "max_output_tokens": 30,
+            "temperature": 0}
+    async with in_process(app) as client:
+        whole = await client.post("/v1/responses", json=base)
+        streamed = await client.post("/v1/responses", json={**base, "stream": True})
+        called = await client.post("/v1/responses", json={**base, **RESPONSES_TOOLS})
+    assert whole.status_code == streamed.status_code == called.status_code == 200
+    last = json.loads([line for line in streamed.text.splitlines()
+                       if line.startswith("data: ")][-1][6:])["response"]
+    bodies = [whole.json(), last, called.json()]
+    calls = [item for item in called.json()["output"] if item["type"] == "function_call"]
+    assert len(calls) == 1
+    s = _samples(telemetry.metrics)
+    assert _total(s, "specserve_requests_total", endpoint="/v1/responses", status="200") == 3
+    assert _total(s, "specserve_e2e_request_latency_seconds_count",
+                  endpoint="/v1/responses") == 3
+    assert _total(s, "specserve_time_to_first_token_seconds_count",
+                  endpoint="/v1/responses") == 3
+    assert _total(s, "specserve_generation_tokens_total") == sum(
+        b["usage"]["output_tokens"] for b in bodies)
+    assert _total(s, "specserve_tool_calls_total", endpoint="/v1/responses",
+                  tool_choice="required") == 1
+    assert _total(s, "specserve_constrained_requests_total", kind="tools") == 1
+    telemetry.tracer_provider.force_flush()
+    spans = exporter.get_finished_spans()
+    servers = [x for x in spans if x.name == f"chat {TINY}"]
+    assert len(servers) == 3
+    for server, body in zip(servers, bodies, strict=True):
+        assert dict(server.attributes or {})["gen_ai.response.id"] == body["id"]
+        children = [x for x in spans if x.parent is not None
+                    and x.parent.span_id == server.context.span_id]
+        assert len(children) == body["speculation"]["rounds"] >= 1
+    assert dict(servers[2].attributes or {})["specserve.tool_calls"] == 1
+
+
+async def test_chat_tool_calls_are_counted_by_choice_mode(tiny_engine: Engine) -> None:
+    telemetry, _ = _telemetry()
+    app = create_app(tiny_settings(), engine=tiny_engine, telemetry=telemetry)
+    tools = [{"type": "function", "function": FUNCTION}]
+    base = {"model": TINY, "messages": REPEAT, "max_tokens": 30, "temperature": 0,
+            "tools": tools, "parallel_tool_calls": False}
+    named = {"type": "function", "function": {"name": "f"}}
+    async with in_process(app) as client:
+        forced = await client.post("/v1/chat/completions", json={**base, "tool_choice": named})
+        streamed = await client.post("/v1/chat/completions",
+                                     json={**base, "tool_choice": "required", "stream": True})
+        plain = await client.post("/v1/chat/completions", json={**base, "tool_choice": "none"})
+    assert forced.status_code == streamed.status_code == plain.status_code == 200
+    assert len(forced.json()["choices"][0]["message"]["tool_calls"]) == 1
+    assert '"tool_calls":[{"index":0,"id":"call_' in streamed.text
+    s = _samples(telemetry.metrics)
+    chat = "/v1/chat/completions"
+    assert _total(s, "specserve_tool_calls_total", endpoint=chat, tool_choice="named") == 1
+    assert _total(s, "specserve_tool_calls_total", endpoint=chat, tool_choice="required") == 1
+    assert _total(s, "specserve_tool_calls_total") == 2  # tool_choice none offers no tools
+    assert _total(s, "specserve_constrained_requests_total", kind="tools") == 2
+
+
+def test_real_prometheus_scrapes_responses_and_tool_calls(
+    tiny_engine: Engine, prometheus: tuple[int, int]
+) -> None:
+    """Prometheus sees /v1/responses under its own endpoint label and the tool calls."""
+    prom_port, metrics_port = prometheus
+    telemetry, _ = _telemetry()
+    server = start_metrics_server(telemetry.metrics, "127.0.0.1", metrics_port)
+    expr = 'sum(specserve_tool_calls_total{endpoint="/v1/responses",tool_choice="required"})'
+    try:
+        with live_server(create_app(tiny_settings(), engine=tiny_engine,
+                                    telemetry=telemetry)) as url:
+            client = openai_client(url)
+            reply = client.responses.create(model=TINY, input="Call f.", max_output_tokens=30,
+                                            temperature=0, **RESPONSES_TOOLS)  # type: ignore[arg-type]
+            assert [item.type for item in reply.output] == ["function_call"]
+            deadline = time.monotonic() + 60
+            scraped: list[dict[str, object]] = []
+            while time.monotonic() < deadline and not scraped:
+                time.sleep(0.5)
+                try:
+                    scraped = _query(prom_port, expr)
+                except OSError:
+                    continue
+            assert scraped, "Prometheus never scraped the tool-call counter"
+            assert float(scraped[0]["value"][1]) == 1  # type: ignore[index]
+            requests = _query(prom_port, 'sum(specserve_requests_total'
+                                         '{endpoint="/v1/responses",status="200"})')
+            assert float(requests[0]["value"][1]) == 1  # type: ignore[index]
+    finally:
+        server.shutdown()

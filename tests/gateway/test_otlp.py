@@ -3,6 +3,7 @@ decodes the protobuf export requests the server sends."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -118,3 +119,23 @@ def test_the_exporter_is_installed_with_the_server() -> None:
                             .read_text())["project"]
     assert any(r.startswith("opentelemetry-exporter-otlp-proto-http")
                for r in project["dependencies"])
+
+
+async def test_responses_spans_reach_a_real_otlp_receiver(receiver: Receiver,
+                                                          tiny_engine: Engine) -> None:
+    """A streamed /v1/responses request exports its server span and one child per round."""
+    app = create_app(tiny_settings(otlp_endpoint=receiver.url), engine=tiny_engine)
+    async with in_process(app) as client:
+        reply = await client.post(
+            "/v1/responses", headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+            json={"model": TINY, "input": "Hi", "max_output_tokens": 10, "temperature": 0,
+                  "stream": True})
+        assert reply.status_code == 200
+    final = json.loads(reply.text.rstrip().splitlines()[-1][len("data: "):])["response"]
+    (request,) = [s for s in receiver.spans if s.name == f"chat {TINY}"]
+    assert request.trace_id.hex() == TRACE_ID and request.parent_span_id.hex() == PARENT_ID
+    attributes = _attributes(request)
+    assert attributes["gen_ai.response.id"] == final["id"]
+    assert attributes["gen_ai.usage.output_tokens"] == final["usage"]["output_tokens"] == 10
+    children = [s for s in receiver.spans if s.parent_span_id == request.span_id]
+    assert len(children) == final["speculation"]["rounds"] >= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,7 +73,30 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None 
 
 def sse_data(text: str) -> list[str]:
     """The ``data:`` payloads of an event stream, in order."""
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [line[len("data: "):] for line in sse_lines(text) if line.startswith("data: ")]
+
+
+def sse_lines(text: str) -> list[str]:
+    """An event stream's lines: split at CR, LF or CRLF only, as SSE does (not at the
+    other line breaks ``str.splitlines`` knows, such as U+2028 inside JSON strings)."""
+    return re.split(r"\r\n|\r|\n", text)
+
+
+def sse_events(text: str) -> list[tuple[str | None, str]]:
+    """``(event name or None, data)`` of each event of a stream, in order."""
+    events: list[tuple[str | None, str]] = []
+    name: str | None = None
+    data: list[str] = []
+    for line in [*sse_lines(text), ""]:
+        if not line:
+            if data:
+                events.append((name, "\n".join(data)))
+            name, data = None, []
+        elif line.startswith("event:"):
+            name = line[len("event:"):].strip()
+        elif line.startswith("data:"):
+            data.append(line[len("data:"):].removeprefix(" "))
+    return events
 
 
 def stream_text(events: Sequence[str]) -> dict[int, str]:
@@ -159,21 +183,22 @@ def serve_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def serve(model_dir: Path, *flags: str, env: dict[str, str] | None = None
-          ) -> Iterator[ServeProcess]:
+def serve(model_dir: Path, *flags: str, env: dict[str, str] | None = None,
+          start_timeout: float = START_TIMEOUT_S) -> Iterator[ServeProcess]:
     """Run ``specserve serve --target model_dir`` until it is ready; kill it at the end."""
-    with serve_many([flags], model_dir, env) as (server,):
+    with serve_many([flags], model_dir, env, start_timeout) as (server,):
         yield server
 
 
 @contextmanager
 def serve_many(flag_sets: Sequence[Sequence[str]], model_dir: Path,
-               env: dict[str, str] | None = None) -> Iterator[list[ServeProcess]]:
+               env: dict[str, str] | None = None, start_timeout: float = START_TIMEOUT_S
+               ) -> Iterator[list[ServeProcess]]:
     """Several servers, started side by side (their start-ups overlap)."""
     with ExitStack() as stack:
         servers = [stack.enter_context(_spawn(model_dir, flags, env)) for flags in flag_sets]
         for server in servers:
-            _wait_ready(server)
+            _wait_ready(server, start_timeout)
         yield servers
 
 
@@ -197,8 +222,8 @@ def _spawn(model_dir: Path, flags: Sequence[str], env: dict[str, str] | None
                 process.wait(timeout=30)
 
 
-def _wait_ready(server: ServeProcess) -> None:
-    wait_for_status(f"{server.url}/ready", server.process, START_TIMEOUT_S,
+def _wait_ready(server: ServeProcess, timeout: float = START_TIMEOUT_S) -> None:
+    wait_for_status(f"{server.url}/ready", server.process, timeout,
                     lambda: server.log_text()[-4000:])
 
 

@@ -41,6 +41,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from decoding.engine import Engine
+from gateway.responses_events import END_EVENTS
 from gateway.server import create_app
 from tests.gateway.conftest import live_server, tiny_settings
 from tests.reliability.conftest import Measure
@@ -51,6 +52,7 @@ from tests.reliability.support import (
     is_idle,
     serve,
     sse_data,
+    sse_events,
     wait_for,
 )
 
@@ -61,16 +63,16 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 CHAT, TEXT = "POST /v1/chat/completions", "POST /v1/completions"
 MODEL = "GET /v1/models/{model_id}"
 FIXED = ("GET /health", "GET /ready", "GET /v1/models")  # no inputs: one case each
-# documented, not fuzzed yet: its streams end without [DONE], which the stream check
-# expects; tests/reliability/test_hostile.py and tests/gateway/test_responses_api.py cover it
-RESPONSES = "POST /v1/responses"
+RESPONSES = "POST /v1/responses"  # typed event streams, without [DONE]
 # (operation, mode, cases): a path parameter that is any string has no negative cases.
 FAST_PLAN = [(CHAT, POSITIVE, 200), (CHAT, NEGATIVE, 100), (TEXT, POSITIVE, 200),
-             (TEXT, NEGATIVE, 100), (MODEL, POSITIVE, 20), *((op, POSITIVE, 1) for op in FIXED)]
+             (TEXT, NEGATIVE, 100), (RESPONSES, POSITIVE, 120), (RESPONSES, NEGATIVE, 60),
+             (MODEL, POSITIVE, 20), *((op, POSITIVE, 1) for op in FIXED)]
 SLOW_PLAN = [(CHAT, POSITIVE, 800), (CHAT, NEGATIVE, 400), (TEXT, POSITIVE, 800),
-             (TEXT, NEGATIVE, 400), (MODEL, POSITIVE, 50), *((op, POSITIVE, 1) for op in FIXED)]
-KEYED_PLAN = [(CHAT, POSITIVE, 20), (TEXT, POSITIVE, 20), (MODEL, POSITIVE, 5),
-              *((op, POSITIVE, 1) for op in FIXED)]
+             (TEXT, NEGATIVE, 400), (RESPONSES, POSITIVE, 600), (RESPONSES, NEGATIVE, 300),
+             (MODEL, POSITIVE, 50), *((op, POSITIVE, 1) for op in FIXED)]
+KEYED_PLAN = [(CHAT, POSITIVE, 20), (TEXT, POSITIVE, 20), (RESPONSES, POSITIVE, 10),
+              (MODEL, POSITIVE, 5), *((op, POSITIVE, 1) for op in FIXED)]
 KEY = "fuzz-key"
 SERVER_FLAGS = ("--max-tokens", "4", "--max-prompt-tokens", "64", "--max-body-bytes", "65536",
                 "--request-timeout", "30", "--log-level", "warning")
@@ -88,19 +90,51 @@ def openai_error_format(ctx: Any, response: Response, case: Any) -> None:
 
 
 def stream_is_terminated(ctx: Any, response: Response, case: Any) -> None:
-    """A 200 event stream ends with ``[DONE]`` or with the error that ended it."""
+    """A 200 event stream ends with ``[DONE]`` or with the error that ended it; a
+    /v1/responses stream is typed events instead (see ``typed_stream_problem``)."""
     content_type = (response.headers.get("content-type") or [""])[0]
     if response.status_code != 200 or not content_type.startswith("text/event-stream"):
         return
     if response.stream_cut_short:
         raise AssertionError(f"the stream was still going after {MAX_STREAM_EVENTS} events "
                              f"or {CASE_TIMEOUT_S} s")
-    events = sse_data(response.content.decode())
+    text = response.content.decode()
+    if str(response.request.url).endswith("/v1/responses"):
+        problem = typed_stream_problem(sse_events(text))
+        if problem is not None:
+            raise AssertionError(problem)
+        return
+    events = sse_data(text)
     if not events:
         raise AssertionError("an empty event stream")
     last = events[-1]
     if last != "[DONE]" and "error" not in json.loads(last):
         raise AssertionError(f"the stream ended with neither [DONE] nor an error: {last[:200]}")
+
+
+def typed_stream_problem(events: Sequence[tuple[str | None, str]]) -> str | None:
+    """What is wrong with a Responses stream, or None: every event's ``event:`` line
+    is its data's ``type``, ``sequence_number`` counts from 0, it starts with
+    ``response.created`` and ends with exactly one end event (no ``[DONE]``). The
+    events' shapes are checked against the document by ``response_schema_conformance``."""
+    if not events:
+        return "an empty event stream"
+    types = []
+    for number, (name, data) in enumerate(events):
+        if data == "[DONE]":
+            return "a Responses stream sent [DONE]"
+        payload = json.loads(data)
+        if not isinstance(payload, dict) or payload.get("type") != name:
+            return f"event {number}: the event line {name!r} is not the data's type: {data[:200]}"
+        if payload.get("sequence_number") != number:
+            return f"event {number} has sequence_number {payload.get('sequence_number')!r}"
+        types.append(name)
+    if types[0] != "response.created":
+        return f"the stream began with {types[0]}"
+    ends = [i for i, kind in enumerate(types) if kind in END_EVENTS]
+    if ends != [len(types) - 1]:
+        return f"end events at {ends} of {len(types)} events: {types[-3:]}"
+    return None
 
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
@@ -233,8 +267,9 @@ def test_fuzz_with_api_keys(tiny_engine: Engine, measure: Measure) -> None:
             401, refused.content, refused.headers["content-type"]) is None
 
 
-def fake_response(status: int, body: bytes, content_type: str) -> Response:
-    request = requests.Request("POST", "http://127.0.0.1/v1/completions").prepare()
+def fake_response(status: int, body: bytes, content_type: str,
+                  path: str = "/v1/completions") -> Response:
+    request = requests.Request("POST", f"http://127.0.0.1{path}").prepare()
     return Response(status_code=status, headers={"content-type": [content_type]},
                     content=body, request=request, elapsed=0.01, verify=True)
 
@@ -259,3 +294,50 @@ def test_custom_checks_pass_good_responses() -> None:
     openai_error_format(None, fake_response(400, error, "application/json"), None)
     done = b'data: {"id": "x"}\n\ndata: [DONE]\n\n'
     stream_is_terminated(None, fake_response(200, done, "text/event-stream"), None)
+
+
+def typed(*kinds: str, numbers: Sequence[int] | None = None, names: Sequence[str] = ()) -> bytes:
+    """A Responses stream of these event types (``names`` overrides the event lines)."""
+    out = []
+    for i, kind in enumerate(kinds):
+        name = names[i] if i < len(names) else kind
+        number = numbers[i] if numbers is not None else i
+        out.append(f"event: {name}\ndata: "
+                   + json.dumps({"type": kind, "sequence_number": number}) + "\n\n")
+    return "".join(out).encode()
+
+
+GOOD_TYPED = ("response.created", "response.in_progress", "response.completed")
+
+
+@pytest.mark.parametrize("body", [
+    typed("response.created", "response.in_progress"),  # no end event
+    typed(*GOOD_TYPED) + b"data: [DONE]\n\n",
+    typed(*GOOD_TYPED, numbers=[0, 2, 3]),
+    typed(*GOOD_TYPED, names=["response.created", "response.created"]),
+    typed("response.in_progress", "response.completed"),
+    typed("response.created", "response.failed", "response.completed"),
+    b"",
+], ids=["no-end", "done", "sequence", "event-line", "no-created", "two-ends", "empty"])
+def test_typed_stream_check_catches_bad_streams(body: bytes) -> None:
+    response = fake_response(200, body, "text/event-stream", "/v1/responses")
+    with pytest.raises(AssertionError):
+        stream_is_terminated(None, response, None)
+
+
+def test_typed_stream_check_passes_good_streams() -> None:
+    for end in END_EVENTS:
+        body = typed("response.created", "response.in_progress", end)
+        stream_is_terminated(None, fake_response(200, body, "text/event-stream",
+                                                 "/v1/responses"), None)
+
+
+def test_typed_stream_check_splits_lines_as_sse_does() -> None:
+    """U+2028 inside an event's JSON is text, not a line break."""
+    event = json.dumps({"type": "response.output_text.delta", "sequence_number": 1,
+                        "delta": "a\u2028b\x85c"}, ensure_ascii=False)
+    body = (typed("response.created").decode() + f"event: response.output_text.delta\n"
+            f"data: {event}\n\n" + typed("response.completed").decode().replace(
+                '"sequence_number": 0', '"sequence_number": 2'))
+    stream_is_terminated(None, fake_response(200, body.encode(), "text/event-stream",
+                                             "/v1/responses"), None)

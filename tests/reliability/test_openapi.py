@@ -13,6 +13,8 @@ import jsonschema_rs
 import pytest
 import schemathesis
 from fastapi.routing import APIRoute
+from hypothesis import HealthCheck, given, settings
+from schemathesis.generation.modes import GenerationMode
 
 from decoding.engine import Engine
 from gateway.errors import InvalidRequestError
@@ -149,6 +151,17 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"model": "m", "prompt": "x", "best_of": True}),
     ("/v1/completions", {"model": "m", "prompt": "x", "suffix": ""}),
     ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 21}),
+    # stream_options only with stream true (a cross-field rule: if/else in the schema)
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream_options": {}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": False,
+                              "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": None,
+                              "stream_options": {}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream_options": None}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": True,
+                              "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {}}),
+    ("/v1/completions", {"model": "m", "prompt": "x", "stream": True, "stream_options": {}}),
 ]
 
 
@@ -205,3 +218,58 @@ async def test_stream_events_match_the_documented_event_schema(
         assert check.is_valid(json.loads(data)), data
     assert check.is_valid({"error": {"message": "m", "type": "t", "param": None, "code": None}})
     assert not check.is_valid({"choices": "nope"})
+
+
+@pytest.mark.parametrize("path", sorted(REQUEST_MODELS))
+def test_generated_requests_honour_the_stream_options_rule(document: dict[str, Any],
+                                                           path: str) -> None:
+    """schemathesis reads the schema's if/else: the positive bodies it generates never
+    carry ``stream_options`` without ``stream: true`` (which the server refuses)."""
+    operation = schemathesis.openapi.from_dict(document)[path]["POST"]
+    seen: list[dict[str, Any]] = []
+
+    @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def collect(case: Any) -> None:
+        if isinstance(case.body, dict) and case.body.get("stream_options") is not None:
+            seen.append(case.body)
+
+    collect()
+    assert seen, "no generated body carried stream_options"
+    assert all(body.get("stream") is True for body in seen), seen[0]
+
+
+def typed_event_validator(document: dict[str, Any]) -> jsonschema_rs.Validator:
+    """A validator of one /v1/responses stream event's ``data`` (decoded)."""
+    ok = document["paths"]["/v1/responses"]["post"]["responses"]["200"]
+    event = ok["content"]["text/event-stream"]["schema"]
+    assert event["required"] == ["event", "data"]
+    payload = event["properties"]["data"]
+    schema = {**payload["contentSchema"], "components": document["components"]}
+    return jsonschema_rs.Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool-call"])
+async def test_responses_events_and_body_match_the_document(
+        tiny_engine: Engine, document: dict[str, Any], tools: bool) -> None:
+    check = typed_event_validator(document)
+    body: dict[str, Any] = {"model": "tiny", "input": "Hi", "max_output_tokens": 6}
+    if tools:
+        body |= {"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+                 "max_output_tokens": 40, "parallel_tool_calls": False}
+    async with in_process(create_app(tiny_settings(), engine=tiny_engine)) as client:
+        whole = await client.post("/v1/responses", json=body)
+        streamed = await client.post("/v1/responses", json={**body, "stream": True})
+    assert validator(document, "ResponseObject").is_valid(whole.json()), whole.text
+    lines = streamed.text.splitlines()
+    names = [line[7:] for line in lines if line.startswith("event: ")]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert [e["type"] for e in events] == names and len(events) >= (6 if tools else 3)
+    for event in events:
+        assert check.is_valid(event), event
+    assert not check.is_valid({**events[-1], "type": "response.done"})
+    assert not check.is_valid({**events[-1], "response": {"id": "x"}})
+    if tools:
+        item = next(e for e in events if "output_index" in e)
+        assert not check.is_valid({**item, "output_index": "0"})
