@@ -109,6 +109,8 @@ class ConstrainedDecoding:
         for i in range(logits.shape[0]):
             rows.append(self.constraint.allowed())
             if i < len(draft):
+                if draft[i] in self.stop_ids and self.constraint.is_terminated():
+                    continue  # the answer is complete: a stop token ends it (see sync)
                 if not self.constraint.advance([draft[i]]):
                     raise RuntimeError("a draft token the grammar forbids reached scoring")
                 self.consumed.append(int(draft[i]))

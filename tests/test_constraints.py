@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from decoding.constraints import GrammarCompiler, GrammarError
 from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.drafters.base import Drafter
+from decoding.drafters.base import BaseDrafter, DraftContext, Drafter, DraftProposal
 from decoding.drafters.combined import CombinedDrafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
@@ -259,3 +260,47 @@ def test_default_model_constrained_speculation_is_plain_constrained(
                            _request(default_target, prompt, grammar, max_new=40), k=None)
         assert out == plain
         assert sum(e.forced_accepted for e in events) > 0
+
+
+class _Replay(BaseDrafter):
+    """Drafts a known answer from wherever the sequence is in it (as the continuation
+    cache does for a repeated request), its stop token included."""
+
+    name = "replay"
+
+    def __init__(self, prompt: Sequence[int], answer: Sequence[int]) -> None:
+        self.full = [*prompt, *answer]
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        return None
+
+    def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal:
+        n = len(context.token_ids)
+        if list(context.token_ids) != self.full[:n]:
+            return DraftProposal.empty()
+        return DraftProposal(tuple(self.full[n : n + k]))
+
+    def rollback(self, state: Any, length: int) -> None:
+        pass
+
+
+@pytest.mark.real_model
+def test_a_drafted_stop_token_after_the_grammar_completes(default_target: CausalLM) -> None:
+    """A draft running past the end of the JSON into the stop token: the matcher takes
+    no token once the grammar is complete, yet the round verifies the stop token like any
+    other and the output is plain constrained decoding's."""
+    compiler = GrammarCompiler(default_target.tokenizer, default_target.vocab_size)
+    grammar = compiler.json_schema({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": False})
+    request = _request(default_target, "A person, as JSON.", grammar, max_new=60,
+                       enabled=False)
+    plain, events = _run(default_target, None, request, k=None)
+    assert events[-1].finish_reason is FinishReason.STOP
+    assert plain[-1] in default_target.eos_token_ids
+    for k in (4, 16):  # the stop token inside a draft, or the whole answer in one round
+        replay = _Replay(request.prompt_ids, plain)
+        got, events = _run(default_target, replay, _request(default_target, "A person, as JSON.",
+                                                             grammar, max_new=60), k=k)
+        assert got == plain
+        assert events[-1].finish_reason is FinishReason.STOP
