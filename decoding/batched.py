@@ -76,7 +76,12 @@ def supports(model: Any) -> str | None:
 class BatchedLM(CausalLM):
     """A Llama-family causal LM whose sequences can share one forward pass."""
 
-    capabilities = TargetCapabilities(batched=True, branches=True)
+    @property
+    def capabilities(self) -> TargetCapabilities:  # type: ignore[override]
+        # an alternative attends with its own key at another index of the span than a
+        # one-token step has it, so its row is exact only to rounding: batch invariance
+        # takes no alternatives (docs/performance.md, "Batch invariance")
+        return TargetCapabilities(batched=True, branches=not self.batch_invariant)
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
                  quantize: str = "none", weights: Sequence[LayerWeights] | None = None,
@@ -97,6 +102,9 @@ class BatchedLM(CausalLM):
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
         self.weights_format = weights_format or (quantize if quantize != "none" else dtype_name)
         self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
+        # every pass's logits bitwise a one-token step's (docs/performance.md); off: the
+        # cheapest attention blocks, exact only to rounding (--no-batch-invariance)
+        self.batch_invariant = True
         self._attention = GroupedAttention(  # see GroupedAttention.folds
             self.heads, self.kv_heads, self.head_dim, self.scaling,
             fold_single=self.device.type != "cpu" or self.dtype != torch.float32)
@@ -257,7 +265,7 @@ class BatchedLM(CausalLM):
                 raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
                                  f"exceed the context of {self.max_context}")
         self._ensure_capacity(max(item.state.length + len(item.token_ids) for item in items))
-        batch = Layout.build(items, self.device)
+        batch = Layout.build(items, self.device, self.batch_invariant)
         hidden = self._forward_layers(batch)  # [T, H]: every real token, packed
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)

@@ -17,10 +17,12 @@ from decoding.target import BatchItem
 # logits (docs/performance.md, "Batch invariance"). The KV buffers' capacity is a
 # multiple of it.
 SPAN_ALIGN = 512
+FAST_SPAN_ALIGN = 64  # without batch invariance (``--no-batch-invariance``)
 GROUP_WIDTH = 16  # additions up to this many tokens may share one padded attention block
-# From this many tokens of long additions (prompt chunks) in one pass, their products take
-# the matrices' bulk path (a quantized matrix dequantized once: faster there, but a row's
-# result then depends on the call); decoding rounds always take the row-exact path
+# Without batch invariance, from this many tokens of long additions (prompt chunks) in one
+# pass their products take the matrices' bulk path (a quantized matrix dequantized once:
+# faster there, but a row's result then depends on the call, and a prompt's keys and
+# values on how it was chunked beside other prompts); decoding rounds never do
 BULK_MIN_TOKENS = 256
 # A block has at least this many queries per row (a one-token step gets a masked dummy
 # beside its query): PyTorch 2.13's CPU attention computes a row's single query differently
@@ -50,10 +52,10 @@ class Group:
 
     @classmethod
     def build(cls, items: Sequence[BatchItem], members: list[int], offsets: list[int],
-              device: torch.device) -> Group:
+              device: torch.device, invariant: bool = True) -> Group:
         rows = [items[i].state.row for i in members]
         lo, n_rows = min(rows), max(rows) + 1 - min(rows)
-        width = max(MIN_WIDTH, *(len(items[i].token_ids) for i in members))
+        width = max(MIN_WIDTH if invariant else 1, *(len(items[i].token_ids) for i in members))
         tokens: list[int] = []
         slots: list[int] = []
         starts = [0] * n_rows
@@ -65,7 +67,8 @@ class Group:
             slots.extend(range(row * width, row * width + n))
             starts[row] = start
             span = max(span, start + n)
-        span = -(-span // SPAN_ALIGN) * SPAN_ALIGN  # see SPAN_ALIGN
+        align = SPAN_ALIGN if invariant else FAST_SPAN_ALIGN  # see SPAN_ALIGN
+        span = -(-span // align) * align
         query_pos = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # [R, W]
         keys = torch.arange(span)
         mask = keys[None, None, :] <= query_pos[:, :, None]  # causal, per row
@@ -93,15 +96,18 @@ class Layout:
     cache_rows: torch.Tensor  # [T] the cache row of each token
     offsets: list[int]  # where each item's tokens start in the packed order
     groups: list[Group]
-    # packed tokens from here on are long additions' taking the bulk products (T: none);
-    # short additions are packed first
+    # packed tokens from here on are long additions' taking the bulk products (T: none,
+    # always so with invariance); short additions are packed first
     bulk_from: int
     # (row, first slot) when the pass is one sequence's plain addition: its keys and
     # values go to a slice of its row, its queries need no padding
     contiguous: tuple[int, int] | None
 
     @classmethod
-    def build(cls, items: Sequence[BatchItem], device: torch.device) -> Layout:
+    def build(cls, items: Sequence[BatchItem], device: torch.device,
+              invariant: bool = True) -> Layout:
+        """``invariant``: attention blocks as batch invariance needs them (``SPAN_ALIGN``,
+        ``MIN_WIDTH``); else the cheapest."""
         ids: list[int] = []
         positions: list[int] = []
         cache_slots: list[int] = []
@@ -120,11 +126,12 @@ class Layout:
                 positions.append(start + 1)
             cache_rows.extend([item.state.row] * n)
         overhead = BLOCK_OVERHEAD if device.type == "cpu" else GPU_BLOCK_OVERHEAD
-        groups = [Group.build(items, members, offsets, device)
+        groups = [Group.build(items, members, offsets, device, invariant)
                   for members in attention_blocks(items, overhead)]
 
         short = sum(len(item.token_ids) for item in items if len(item.token_ids) <= GROUP_WIDTH)
-        bulk_from = short if len(ids) - short >= BULK_MIN_TOKENS else len(ids)
+        bulk = not invariant and len(ids) - short >= BULK_MIN_TOKENS
+        bulk_from = short if bulk else len(ids)
         only = items[0]
         contiguous = ((only.state.row, only.state.length)
                       if len(items) == 1 and not only.alternative else None)

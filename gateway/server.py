@@ -31,6 +31,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from transformers.utils import logging as transformers_logging
 
 from decoding import model_store
+from decoding.batched import BatchedLM
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
@@ -124,6 +125,8 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     if settings.threads:
         torch.set_num_threads(settings.threads)
     target = load_target(settings.target, settings.dtype, quantize=settings.quantize)
+    if isinstance(target, BatchedLM):
+        target.batch_invariant = settings.batch_invariance
     cache = build_prefix_cache(settings, target)
     drafters, default, backend = build_drafters(settings, target, cache, draft_loader)
     info = {"draft_backend": backend, "weights": target_precision(target),

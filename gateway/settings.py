@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     threads: int | None = Field(default=None, ge=1)
     decode_threads: int | None = Field(default=None, ge=1)
     check_invariance: float = Field(default=0.0, ge=0.0, le=1.0)
+    batch_invariance: bool = True
     api_keys: CommaList = Field(default_factory=list)
     max_queue: int = Field(default=64, ge=1)
     max_active: int = Field(default=16, ge=1)
@@ -152,6 +153,12 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                           "help": "CPU threads of a decoding pass (no prompt in it): default "
                                   "one fewer than --threads, leaving a core to the HTTP "
                                   "server (SPECSERVE_DECODE_THREADS)"}),
+    ("--no-batch-invariance", {"dest": "batch_invariance", "action": "store_const",
+                               "const": False,
+                               "help": "cheaper attention blocks whose logits depend on the "
+                                       "batch in the last bits, so greedy speculation equals "
+                                       "plain decoding only to rounding outside float32's "
+                                       "products (SPECSERVE_BATCH_INVARIANCE=false)"}),
     ("--check-invariance", {"type": float, "metavar": "RATE",
                             "help": "debugging: on this fraction of rounds, recompute the "
                                     "last verified position as a one-token step and count "

@@ -19,14 +19,14 @@ from decoding.drafters import Drafter, NgramDrafter
 from decoding.engine import Engine
 from decoding.factory import load_target
 from decoding.invariance import InvarianceCheck
+from decoding.layout import Layout
 from decoding.prompting import encode_chat
 from decoding.target import BatchItem, CausalLM
 from decoding.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
-# sequence lengths chosen so that passes cross the 512-key attention blocks and the
-# 256-token prompt threshold of the bulk products
+# sequence lengths chosen so that passes cross the 512-key attention blocks
 LENGTHS = (40, 170, 505)
 FUTURE = 20
 
@@ -69,7 +69,7 @@ def test_verify_passes_give_one_token_logits_bitwise(target: CausalLM) -> None:
             riding = rng.random() < 0.3
             if riding:
                 target.rollback(extra, 0)
-                chunk = rng.choice([40, 300])  # 300: the prompt takes the bulk products
+                chunk = rng.choice([40, 300])
                 items.append(BatchItem(extra, [rng.choice(vocab) for _ in range(chunk)], 1))
             outputs = target.forward_batch(items)
             for (i, (offset, k)), logits in zip(adds.items(), outputs, strict=False):
@@ -144,3 +144,23 @@ def test_the_check_rate_is_a_fraction() -> None:
         InvarianceCheck(1.5)
     never = InvarianceCheck(0.0)
     assert not any(never.sample() for _ in range(100))
+
+
+def test_prompt_chunks_take_the_bulk_products_only_without_invariance(
+        tiny_target: CausalLM) -> None:
+    """A 300-token prompt chunk beside a decoding round: with invariance every row takes
+    the row-exact products (a prompt's keys and values must not depend on how it was
+    chunked); without it the prompt's rows take the bulk ones, the round's never."""
+    rows = [tiny_target.new_state() for _ in range(2)]
+    try:
+        tiny_target.forward_batch([BatchItem(rows[1], [5] * 10, 1)])
+        items = [BatchItem(rows[0], [7] * 300, 1), BatchItem(rows[1], [6] * 3, 3)]
+        exact = Layout.build(items, tiny_target.device, invariant=True)
+        fast = Layout.build(items, tiny_target.device, invariant=False)
+        assert exact.bulk_from == 303
+        assert fast.bulk_from == 3 and fast.offsets == [3, 0]  # the round's rows first
+        assert min(g.width for g in exact.groups) >= 2
+        assert all(g.span % 512 == 0 for g in exact.groups)
+    finally:
+        for state in rows:
+            tiny_target.release(state)

@@ -93,10 +93,13 @@ class _EveryAlternative(FixedSpeculation):
 
 @pytest.mark.parametrize("prompt", TINY_PROMPTS)
 def test_tiny_alternatives_taken_every_round_stay_lossless(
-        tiny_target: CausalLM, prompt: str) -> None:
+        tiny_target: CausalLM, prompt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A draft whose first token is always the target's second choice: each round's
     alternative (its second choice, the target's first) is taken, the cache is
-    rearranged to hold it, and the output is still plain decoding's."""
+    rearranged to hold it, and the output is still plain decoding's (alternatives run
+    without batch invariance: ``BatchedLM.capabilities``)."""
+    assert not tiny_target.capabilities.branches  # invariance takes none
+    monkeypatch.setattr(tiny_target, "batch_invariant", False)
     assert tiny_target.capabilities.branches
     ids = tuple(encode_text(tiny_target.tokenizer, prompt))
     request = GenerationRequest(prompt_ids=ids, max_new_tokens=40, sampling=GREEDY)
@@ -113,10 +116,12 @@ def test_tiny_alternatives_taken_every_round_stay_lossless(
     assert len(events) > 3
 
 
-def test_tiny_no_alternatives_when_sampling_penalised_or_capped(tiny_target: CausalLM) -> None:
+def test_tiny_no_alternatives_when_sampling_penalised_or_capped(
+        tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sampled and penalised rows after an alternative would need distributions of their
     own, so those rounds verify a chain; and an alternative counts against the round's
     cap on draft tokens."""
+    monkeypatch.setattr(tiny_target, "batch_invariant", False)
     ids = tuple(encode_text(tiny_target.tokenizer, TINY_PROMPTS[0]))
     drafter = ModelDrafter(_SecondBest(tiny_target), tiny_target)
     for sampling, cap in ((SamplingParams(temperature=0.0, presence_penalty=0.5), 4),
