@@ -275,7 +275,9 @@ def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> N
     later = rounds[len(rounds) // 2 :]
     assert max(e.draft_tokens for source, e in later if source == "lookup") >= 4, \
         "lookup's drafts were cut short by the model's rejections"
-    assert max(e.draft_tokens for source, e in later if source == "model") <= 1, \
+    # (two: a pass verifying one draft costs what a one-token step does, since every
+    # attention block has two queries a row, so one rejected draft is nearly free)
+    assert max(e.draft_tokens for source, e in later if source == "model") <= 2, \
         "the model kept drafting long runs on lookup's record"
     assert decoder.policies["lookup"].alpha > 0.9
     assert decoder.policies["model"].alpha < 0.5
