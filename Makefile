@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 
-.PHONY: install model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
+.PHONY: install kernels model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
 	deploy-tools system-deps node-deps screenshot \
 	image image-gpu
 
@@ -23,10 +23,15 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# the fused CPU kernels, built once per machine (a no-op when built; without g++ the
+# server runs its PyTorch path and says so)
+kernels: install
+	$(PY) -m decoding.kernels
+
 model: install
 	$(BIN)/specserve models pull
 
-run: model
+run: model kernels
 	$(BIN)/specserve serve $(ARGS)
 
 lint: install
@@ -53,18 +58,18 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json | system-d
 
 node-deps: $(NODE_STAMP)
 
-pytest: model deploy-tools system-deps node-deps
+pytest: model system-deps kernels deploy-tools node-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
-test-long: model deploy-tools system-deps node-deps
+test-long: model system-deps kernels deploy-tools node-deps
 	$(BIN)/pytest --runslow $(PYTEST_ARGS)
 
-bench: model
+bench: model kernels
 	$(BIN)/specserve bench --quick --json bench-results/bench.json
 
-bench-load: model
+bench-load: model kernels
 	$(BIN)/specserve bench --concurrency 1,4,8,16 --dtypes float32 --prompts 8 \
 		--json bench-results/load.json
 
@@ -75,7 +80,7 @@ reliability: model deploy-tools system-deps
 screenshot: model system-deps
 	$(PY) -m tests.gateway.browser docs/img/playground.png
 
-bench-http: model
+bench-http: model kernels
 	$(BIN)/python -m specbench.http --threads 1 --json bench-results/http.json
 
 image:

@@ -9,8 +9,13 @@ block's key span, which ``decoding.layout`` pads to a multiple of ``SPAN_ALIGN``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from decoding.layout import Layout
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,3 +82,43 @@ class GroupedAttention:
                                              scale=self.scaling)  # [R, kv, g*W, D]
         return (out.view(rows, self.kv_heads, group, queries, dim).permute(0, 3, 1, 2, 4)
                 .reshape(rows, queries, heads, dim))
+
+    def attend_layer(self, batch: Layout, masks: list[torch.Tensor], q: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> torch.Tensor:
+        """Store a pass's keys and values in a layer's cache ``keys``/``values`` and
+        attend every group of ``batch``; ``[T, h * D]``."""
+        width = self.heads * self.head_dim
+        if batch.contiguous is not None:  # one sequence: a slice of its row, no padding
+            row, start = batch.contiguous
+            n = q.shape[0]
+            keys[row, :, start : start + n] = k.transpose(0, 1)
+            values[row, :, start : start + n] = v.transpose(0, 1)
+            group = batch.groups[0]
+            if n < group.width:  # the block's dummy queries (see layout.MIN_WIDTH)
+                q = torch.cat((q, q.new_zeros((group.width - n, *q.shape[1:]))))
+            attended = self.attend(
+                q.view(1, group.width, self.heads, self.head_dim),
+                keys[row : row + 1, :, : group.span], values[row : row + 1, :, : group.span],
+                masks[0])
+            return attended[0, :n].reshape(n, width)
+        rows, at = batch.cache_rows, batch.cache_slots
+        keys[rows, :, at] = k  # buffer[row, :, position] for each token: [T, kv, D]
+        values[rows, :, at] = v
+        single = len(batch.groups) == 1
+        out = q.new_empty((q.shape[0], width)) if not single else None
+        for group, mask in zip(batch.groups, masks, strict=True):
+            group_q = q if single else q[group.tokens]
+            padded = q.new_zeros((group.n_rows * group.width, self.heads, self.head_dim))
+            padded[group.slots] = group_q
+            hi = group.lo + group.n_rows
+            attended = self.attend(
+                padded.view(group.n_rows, group.width, self.heads, self.head_dim),
+                keys[group.lo : hi, :, : group.span], values[group.lo : hi, :, : group.span],
+                mask)  # [R, W, h, D]
+            attended = attended.reshape(-1, width)[group.slots]
+            if out is None:
+                return attended
+            out[group.tokens] = attended
+        assert out is not None
+        return out

@@ -10,16 +10,16 @@ verifying eight streams' drafts costs little more than verifying one.
 The KV cache is preallocated: one tensor per layer for keys and one for values,
 ``[rows, kv_heads, capacity, head_dim]``, where every sequence owns a row and a
 length. Rolling a sequence back is setting its length; nothing is copied or
-freed per round. Capacity and rows grow by doubling when needed. Released rows
-are refilled from the end, so the rows in use stay dense and one forward covers
-a contiguous block of them. When the last sequence leaves, the buffers shrink
-back to their first size. The buffers hold rows x the longest sequence's
-positions (``max_active`` bounds the rows).
+freed per round. Capacity and rows grow by doubling when needed; released rows
+are refilled from the end (the rows in use stay dense); the buffers shrink back
+when the last sequence leaves.
 
 A forward packs every sequence's new tokens into one list for the matrix
 products (a ragged batch costs its real tokens, not the longest row times the
-rows) and pads them to ``[rows, width]`` only for attention, where the mask
-lets each query see its own row's cached keys and the new keys up to itself.
+rows). The norms, rotary embedding, attention and activation run in fused CPU
+kernels (``decoding.fused``), or as PyTorch ops that pad the tokens to
+``[rows, width]`` for attention, where a mask lets each query see its own row's
+cached keys and the new keys up to itself.
 
 For one sequence it offers ``CausalLM``'s calls (``new_state``, ``prefill``, ``score``,
 ``rollback``, ``load_kv``, ``kv``); ``forward_batch`` is the batched call.
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from decoding import fused
 from decoding.attention import GroupedAttention, rotate
 from decoding.layout import SPAN_ALIGN, Layout
 from decoding.quantized import load_quantized
@@ -108,6 +109,9 @@ class BatchedLM(CausalLM):
         self._attention = GroupedAttention(  # see GroupedAttention.folds
             self.heads, self.kv_heads, self.head_dim, self.scaling,
             fold_single=self.device.type != "cpu" or self.dtype != torch.float32)
+        self._kernels: Any = None  # the fused CPU kernels (decoding/fused.py), or None
+        self._norms: list[fused.Norm] = []
+        self.use_kernels("auto")
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
@@ -135,6 +139,19 @@ class BatchedLM(CausalLM):
             log.warning("%s runs one sequence per forward pass: %s", name, reason)
             return CausalLM(model, tokenizer, name=name)
         return cls(model, tokenizer, name=name)
+
+    @property
+    def kernels(self) -> str:
+        """What runs a pass's elementwise work and attention: ``native`` or ``torch``."""
+        return "native" if self._kernels is not None else "torch"
+
+    def use_kernels(self, choice: str) -> None:
+        """``native`` (the fused CPU kernels; raises where they cannot run), ``torch``,
+        or ``auto`` (native where they build). Either is batch invariant on its own, but
+        their logits differ in the last bits: choose before any sequence runs."""
+        self._kernels = fused.load(self.model, choice, self.name)
+        if self._kernels is not None and not self._norms:
+            self._norms = fused.norm_weights(self.model, self.dtype)
 
     # -- sequences --------------------------------------------------------------------
 
@@ -265,14 +282,19 @@ class BatchedLM(CausalLM):
                 raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
                                  f"exceed the context of {self.max_context}")
         self._ensure_capacity(max(item.state.length + len(item.token_ids) for item in items))
-        batch = Layout.build(items, self.device, self.batch_invariant)
-        hidden = self._forward_layers(batch)  # [T, H]: every real token, packed
+        native = self._kernels is not None
+        batch = Layout.build(items, self.device, self.batch_invariant, native=native)
+        # [T, H]: every real token, packed (normed by the final norm when native)
+        hidden = (fused.forward(self._kernels, self._norms, self, batch) if native
+                  else self._forward_layers(batch))
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
                 for i in range(i + len(item.token_ids) - min(item.keep, len(item.token_ids)),
                                i + len(item.token_ids))]
-        logits = (self._logits(self._inner.norm(hidden[kept])) if kept
-                  else hidden.new_empty((0, self.vocab_size)))  # [K, V]
+        if not kept:
+            logits = hidden.new_empty((0, self.vocab_size))  # [K, V]
+        else:
+            logits = self._logits(hidden[kept] if native else self._inner.norm(hidden[kept]))
         outputs: list[torch.Tensor] = []
         offset = 0
         for item in items:
@@ -312,51 +334,13 @@ class BatchedLM(CausalLM):
             qk = rotate(qkv[:, : (heads + kv) * dim].view(-1, heads + kv, dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, (heads + kv) * dim :].view(-1, kv, dim)
-            out = self._attend_layer(batch, masks, q, k, v, index)
+            out = self._attention.attend_layer(batch, masks, q, k, v, self._keys[index],
+                                               self._values[index])
             hidden = hidden + product(w.o, out)
             gate, up = product(w.gate_up, w.post_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + product(w.down, w.act(gate) * up)
         return hidden
 
-    def _attend_layer(self, batch: Layout, masks: list[torch.Tensor], q: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
-        """Store the pass's keys and values in layer ``index``'s cache and attend every
-        group; ``[T, h * D]``."""
-        keys, values = self._keys[index], self._values[index]
-        width = self.heads * self.head_dim
-        if batch.contiguous is not None:  # one sequence: a slice of its row, no padding
-            row, start = batch.contiguous
-            n = q.shape[0]
-            keys[row, :, start : start + n] = k.transpose(0, 1)
-            values[row, :, start : start + n] = v.transpose(0, 1)
-            group = batch.groups[0]
-            if n < group.width:  # the block's dummy queries (see layout.MIN_WIDTH)
-                q = torch.cat((q, q.new_zeros((group.width - n, *q.shape[1:]))))
-            attended = self._attention.attend(
-                q.view(1, group.width, self.heads, self.head_dim),
-                keys[row : row + 1, :, : group.span], values[row : row + 1, :, : group.span],
-                masks[0])
-            return attended[0, :n].reshape(n, width)
-        rows, at = batch.cache_rows, batch.cache_slots
-        keys[rows, :, at] = k  # buffer[row, :, position] for each token: [T, kv, D]
-        values[rows, :, at] = v
-        single = len(batch.groups) == 1
-        out = q.new_empty((q.shape[0], width)) if not single else None
-        for group, mask in zip(batch.groups, masks, strict=True):
-            group_q = q if single else q[group.tokens]
-            padded = q.new_zeros((group.n_rows * group.width, self.heads, self.head_dim))
-            padded[group.slots] = group_q
-            hi = group.lo + group.n_rows
-            attended = self._attention.attend(
-                padded.view(group.n_rows, group.width, self.heads, self.head_dim),
-                keys[group.lo : hi, :, : group.span], values[group.lo : hi, :, : group.span],
-                mask)  # [R, W, h, D]
-            attended = attended.reshape(-1, width)[group.slots]
-            if out is None:
-                return attended
-            out[group.tokens] = attended
-        assert out is not None
-        return out
 
     # -- buffers ------------------------------------------------------------------------
 

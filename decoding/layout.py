@@ -102,16 +102,24 @@ class Layout:
     # (row, first slot) when the pass is one sequence's plain addition: its keys and
     # values go to a slice of its row, its queries need no padding
     contiguous: tuple[int, int] | None
+    # for the native kernels, which attend without blocks: each token sees the keys
+    # [0, limit) of its row, and the key at ``extra`` too when that is >= its limit (an
+    # alternative's own key); -1: none
+    limits: torch.Tensor  # [T]
+    extras: torch.Tensor  # [T]
 
     @classmethod
     def build(cls, items: Sequence[BatchItem], device: torch.device,
-              invariant: bool = True) -> Layout:
+              invariant: bool = True, native: bool = False) -> Layout:
         """``invariant``: attention blocks as batch invariance needs them (``SPAN_ALIGN``,
-        ``MIN_WIDTH``); else the cheapest."""
+        ``MIN_WIDTH``); else the cheapest. ``native``: no attention blocks (the fused
+        kernels read ``limits`` and ``extras``)."""
         ids: list[int] = []
         positions: list[int] = []
         cache_slots: list[int] = []
         cache_rows: list[int] = []
+        limits: list[int] = []
+        extras: list[int] = []
         offsets = [0] * len(items)
         order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) > GROUP_WIDTH)
         for i in order:  # short additions first (stable)
@@ -125,9 +133,16 @@ class Layout:
             if item.alternative:
                 positions.append(start + 1)
             cache_rows.extend([item.state.row] * n)
+            if item.alternative:  # sees the cache and the pending token, and itself
+                limits.extend(range(start + 1, start + n))
+                limits.append(start + 1)
+                extras.extend([-1] * (n - 1) + [start + n - 1])
+            else:
+                limits.extend(range(start + 1, start + n + 1))
+                extras.extend([-1] * n)
         overhead = BLOCK_OVERHEAD if device.type == "cpu" else GPU_BLOCK_OVERHEAD
-        groups = [Group.build(items, members, offsets, device, invariant)
-                  for members in attention_blocks(items, overhead)]
+        groups = [] if native else [Group.build(items, members, offsets, device, invariant)
+                                    for members in attention_blocks(items, overhead)]
 
         short = sum(len(item.token_ids) for item in items if len(item.token_ids) <= GROUP_WIDTH)
         bulk = not invariant and len(ids) - short >= BULK_MIN_TOKENS
@@ -142,7 +157,8 @@ class Layout:
         return cls(ids=as_tensor(ids), positions=as_tensor(positions),
                    cache_slots=as_tensor(cache_slots),
                    cache_rows=as_tensor(cache_rows), offsets=offsets, groups=groups,
-                   bulk_from=bulk_from, contiguous=contiguous)
+                   bulk_from=bulk_from, contiguous=contiguous, limits=as_tensor(limits),
+                   extras=as_tensor(extras))
 
 
 def attention_blocks(items: Sequence[BatchItem], overhead: int = BLOCK_OVERHEAD

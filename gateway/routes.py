@@ -265,6 +265,7 @@ def _card(state: GatewayState) -> ModelCard:
             "dtype": engine.info.get("activations", settings.dtype),
             "weights": engine.info.get("weights", settings.dtype),
             "draft_dtype": engine.info.get("draft_dtype"),
+            "kernels": engine.info.get("kernels", "torch"),
             "aliases": sorted(state.aliases),
         },
     )

@@ -127,10 +127,12 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     target = load_target(settings.target, settings.dtype, quantize=settings.quantize)
     if isinstance(target, BatchedLM):
         target.batch_invariant = settings.batch_invariance
+        target.use_kernels(settings.kernels)
     cache = build_prefix_cache(settings, target)
     drafters, default, backend = build_drafters(settings, target, cache, draft_loader)
     info = {"draft_backend": backend, "weights": target_precision(target),
-            "activations": str(target.dtype).removeprefix("torch.")}
+            "activations": str(target.dtype).removeprefix("torch."),
+            "kernels": getattr(target, "kernels", "torch")}
     draft_dtype = draft_model_dtype(drafters.get(default or ""))
     if draft_dtype is not None:
         info["draft_dtype"] = draft_dtype

@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     decode_threads: int | None = Field(default=None, ge=1)
     check_invariance: float = Field(default=0.0, ge=0.0, le=1.0)
     batch_invariance: bool = True
+    kernels: Literal["auto", "native", "torch"] = "auto"
     api_keys: CommaList = Field(default_factory=list)
     max_queue: int = Field(default=64, ge=1)
     max_active: int = Field(default=16, ge=1)
@@ -159,6 +160,11 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                        "batch in the last bits, so greedy speculation equals "
                                        "plain decoding only to rounding outside float32's "
                                        "products (SPECSERVE_BATCH_INVARIANCE=false)"}),
+    ("--kernels", {"choices": ["auto", "native", "torch"],
+                   "help": "what runs a pass's norms, rotary embedding, attention and "
+                           "activation on a CPU: native (fused C++ kernels, built once with "
+                           "g++), torch (PyTorch's ops), auto (native where they build) "
+                           "(SPECSERVE_KERNELS; docs/performance.md)"}),
     ("--check-invariance", {"type": float, "metavar": "RATE",
                             "help": "debugging: on this fraction of rounds, recompute the "
                                     "last verified position as a one-token step and count "

@@ -5,6 +5,7 @@
 #   the linter shellcheck  for the image's entrypoint script
 #   chromium, chromedriver the playground page in a headless browser
 #   node, npm              the official openai npm package against a real server (tests/sdk)
+#   g++                    builds the fused CPU kernels (decoding/csrc), which the tests run
 # Idempotent and quick: when every program is on PATH it returns at once. As root with
 # apt-get it installs what is missing; otherwise it fails, naming the command to run.
 #
@@ -21,6 +22,7 @@ declare -A PACKAGE=(
     [chromedriver]=chromium-driver
     [node]=nodejs
     [npm]=npm
+    [g++]=g++
 )
 
 missing_packages() {

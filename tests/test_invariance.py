@@ -31,12 +31,17 @@ LENGTHS = (40, 170, 505)
 FUTURE = 20
 
 
-@pytest.fixture(scope="module", params=[("bfloat16", "auto"), ("bfloat16", "none"),
-                                        ("float32", "none")],
-                ids=["gguf-int4", "bfloat16", "float32"])
+@pytest.fixture(scope="module", params=[("bfloat16", "auto", "auto"), ("bfloat16", "none", "auto"),
+                                        ("float32", "none", "auto"),
+                                        ("bfloat16", "auto", "torch")],
+                ids=["gguf-int4", "bfloat16", "float32", "gguf-int4-torch-kernels"])
 def target(request: pytest.FixtureRequest, default_model_dir: object) -> CausalLM:
-    dtype, quantize = request.param
-    return load_target("default", dtype, "cpu", quantize)
+    """Each precision on the fused kernels where they build, and the GGUF on PyTorch's
+    ops (the path without a compiler)."""
+    dtype, quantize, kernels = request.param
+    target = load_target("default", dtype, "cpu", quantize)
+    target.use_kernels(kernels)  # type: ignore[attr-defined]
+    return target
 
 
 def _steps(target: CausalLM, state: object, tokens: Sequence[int]) -> list[torch.Tensor]:

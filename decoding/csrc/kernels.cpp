@@ -1,0 +1,400 @@
+// Fused CPU kernels for the batched runner's decoder layers (decoding/kernels.py loads them).
+//
+// Every kernel computes each token (a row of the packed batch) on its own, with a fixed
+// order of floating-point operations that depends on nothing but that token: its result
+// is bitwise the same whatever else shares the pass and however many threads run it.
+// Attention reads exactly the keys a query may see (no padding, no masks), so a verify
+// pass gives each position a one-token step's logits by construction.
+//
+// Tensors are float32 or bfloat16; arithmetic is float32 and each output is rounded once.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// float32 and bfloat16 only
+#define DISPATCH(TYPE, NAME, ...)                      \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                       \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+constexpr int64_t kLanes = 16;  // independent partial sums of a reduction (one AVX-512 register)
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
+
+// A row of n values as float32 into out (n <= capacity of out).
+template <typename T>
+inline void widen(const T* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = load(x, i);
+}
+
+// Sum of a[i] * b[i] in a fixed order: kLanes partial sums, then a fixed tree.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int64_t l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  for (int64_t w = kLanes / 2; w > 0; w /= 2)
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+inline void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [tokens, n] tensor");
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
+}
+
+// --- RMS norm, with the residual addition before it ----------------------------------
+
+template <typename T>
+void rms_norm_rows(const T* hidden, const T* delta, const T* weight, T* hidden_out, T* normed,
+                   int64_t tokens, int64_t n, double eps) {
+  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> x(n), w(n);
+    widen(weight, n, w.data());
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* h = hidden + t * n;
+      for (int64_t i = 0; i < n; ++i) {
+        float v = load(h, i);
+        if (delta != nullptr) {
+          // the residual stream is held in the activation dtype: round the sum
+          store(hidden_out + t * n, i, v + load(delta + t * n, i));
+          v = load(hidden_out + t * n, i);
+        }
+        x[i] = v;
+      }
+      float mean = dot(x.data(), x.data(), n) / static_cast<float>(n);
+      float scale = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+      T* out = normed + t * n;
+      for (int64_t i = 0; i < n; ++i) {
+        // as the model's norm does: x * rsqrt(mean(x^2) + eps) in the activation dtype,
+        // then times the weight
+        store(out, i, x[i] * scale);
+        store(out, i, w[i] * load(out, i));
+      }
+    }
+  });
+}
+
+// (hidden + delta, rms_norm(hidden + delta) * weight); without delta, (hidden, norm).
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
+                                     const at::Tensor& weight, double eps) {
+  check_rows(hidden, "hidden");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == hidden.scalar_type(),
+              "weight must be a contiguous [n] tensor of hidden's dtype");
+  const bool has_delta = delta.has_value() && delta->defined();
+  if (has_delta) {
+    check_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == hidden.sizes() && delta->scalar_type() == hidden.scalar_type(),
+                "delta must match hidden");
+  }
+  at::Tensor out = has_delta ? at::empty_like(hidden) : hidden;
+  at::Tensor normed = at::empty_like(hidden);
+  const int64_t tokens = hidden.size(0), n = hidden.size(1);
+  DISPATCH(hidden.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(hidden.data_ptr<scalar_t>(),
+                            has_delta ? delta->data_ptr<scalar_t>() : nullptr,
+                            weight.data_ptr<scalar_t>(),
+                            has_delta ? out.data_ptr<scalar_t>() : nullptr,
+                            normed.data_ptr<scalar_t>(), tokens, n, eps);
+  });
+  return {out, normed};
+}
+
+// --- rotary embedding, and the keys and values into the cache -------------------------
+
+template <typename T>
+void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* values, T* q_out,
+                     const int64_t* rows, const int64_t* slots, int64_t tokens, int64_t heads,
+                     int64_t kv_heads, int64_t dim, int64_t capacity) {
+  const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* x = qkv + t * width;
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      const int64_t row = rows[t], slot = slots[t];
+      for (int64_t head = 0; head < heads + kv_heads; ++head) {
+        const T* in = x + head * dim;
+        T* out = head < heads
+                     ? q_out + (t * heads + head) * dim
+                     : keys + ((row * kv_heads + (head - heads)) * capacity + slot) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load(in, i), x2 = load(in, i + half);
+          const float ci = load(c, i), si = load(s, i);
+          store(out, i, x1 * ci - x2 * si);
+          store(out, i + half, x2 * ci + x1 * si);
+        }
+      }
+      for (int64_t head = 0; head < kv_heads; ++head) {
+        const T* in = x + (heads + kv_heads + head) * dim;
+        std::memcpy(values + ((row * kv_heads + head) * capacity + slot) * dim, in,
+                    dim * sizeof(T));
+      }
+    }
+  });
+}
+
+// The rotated queries [tokens, heads, dim]; the rotated keys and the values go to
+// keys/values [rows, kv_heads, capacity, dim] at (rows[t], slots[t]).
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
+                      const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t tokens = qkv.size(0), dim = cos.size(1);
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "qkv must be [tokens, (heads + 2 kv_heads) * dim]");
+  TORCH_CHECK(cos.size(0) == tokens && sin.sizes() == cos.sizes(), "cos/sin must be [tokens, dim]");
+  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() &&
+                  keys.sizes() == values.sizes() && keys.size(1) == kv_heads &&
+                  keys.size(3) == dim,
+              "keys/values must be contiguous [rows, kv_heads, capacity, dim]");
+  for (const at::Tensor* t : {&cos, &sin, static_cast<const at::Tensor*>(&keys),
+                              static_cast<const at::Tensor*>(&values)})
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "every tensor must have qkv's dtype");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                  rows.numel() == tokens && slots.numel() == tokens && rows.is_contiguous() &&
+                  slots.is_contiguous(),
+              "rows/slots must be contiguous int64 [tokens]");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(row[t] >= 0 && row[t] < keys.size(0) && slot[t] >= 0 && slot[t] < keys.size(2),
+                "a token's cache row or slot is out of range");
+  at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
+  DISPATCH(qkv.scalar_type(), "rope_store", [&] {
+    rope_store_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
+                              sin.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(),
+                              values.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                              row, slot, tokens, heads, kv_heads, dim, keys.size(2));
+  });
+  return q;
+}
+
+// --- attention over the cache ----------------------------------------------------------
+
+// One (token, key/value head) task: the `group` query heads that share that key/value head
+// attend to keys [0, limit) and, when extra >= limit, the key at slot `extra` too.
+template <typename T>
+void attend_task(const T* q, const T* keys, const T* values, T* out, int64_t limit, int64_t extra,
+                 int64_t group, int64_t dim, float scale, std::vector<float>& scores,
+                 std::vector<float>& row) {
+  const int64_t seen = limit + (extra >= limit ? 1 : 0);
+  scores.resize(static_cast<size_t>(group * seen));
+  row.resize(static_cast<size_t>((group + 2) * dim));
+  float* qf = row.data();               // [group, dim]
+  float* kf = row.data() + group * dim;  // [dim]
+  float* acc = kf + dim;                 // [dim]
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < dim; ++i) qf[g * dim + i] = load(q + g * dim, i) * scale;
+  for (int64_t j = 0; j < seen; ++j) {
+    const int64_t slot = j < limit ? j : extra;
+    widen(keys + slot * dim, dim, kf);
+    for (int64_t g = 0; g < group; ++g) scores[g * seen + j] = dot(qf + g * dim, kf, dim);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * seen;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < seen; ++j) top = s[j] > top ? s[j] : top;
+    float total[kLanes] = {0};
+    int64_t j = 0;
+    for (; j + kLanes <= seen; j += kLanes)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        s[j + l] = std::exp(s[j + l] - top);
+        total[l] += s[j + l];
+      }
+    for (int64_t l = 0; j < seen; ++j, ++l) {
+      s[j] = std::exp(s[j] - top);
+      total[l] += s[j];
+    }
+    for (int64_t w = kLanes / 2; w > 0; w /= 2)
+      for (int64_t l = 0; l < w; ++l) total[l] += total[l + w];
+    const float inv = 1.0f / total[0];
+    for (int64_t i = 0; i < dim; ++i) acc[i] = 0.0f;
+    for (int64_t jj = 0; jj < seen; ++jj) {
+      const T* v = values + (jj < limit ? jj : extra) * dim;
+      const float p = s[jj];
+      for (int64_t i = 0; i < dim; ++i) acc[i] += p * load(v, i);
+    }
+    for (int64_t i = 0; i < dim; ++i) store(out + g * dim, i, acc[i] * inv);
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+constexpr int64_t kMaxChunks = 16;  // head_dim up to 256, in chunks of 16
+constexpr int64_t kMaxGroup = 8;    // query heads per key/value head
+
+// attend_task with AVX-512 (head_dim a multiple of 16): each key and value is read once
+// for the whole group; every score is one fixed sequence of instructions.
+template <typename T>
+void attend_task_avx512(const T* q, const T* keys, const T* values, T* out, int64_t limit,
+                        int64_t extra, int64_t group, int64_t dim, float scale,
+                        std::vector<float>& scores) {
+  const int64_t chunks = dim / 16;
+  const int64_t seen = limit + (extra >= limit ? 1 : 0);
+  scores.resize(static_cast<size_t>(group * seen));
+  __m512 qv[kMaxGroup][kMaxChunks];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      qv[g][c] = _mm512_mul_ps(load16(q + g * dim + c * 16), _mm512_set1_ps(scale));
+  __m512 kv[kMaxChunks];
+  for (int64_t j = 0; j < seen; ++j) {
+    const T* k = keys + (j < limit ? j : extra) * dim;
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(k + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      scores[g * seen + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  float inv[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * seen;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < seen; ++j) top = s[j] > top ? s[j] : top;
+    float total = 0.0f;
+    for (int64_t j = 0; j < seen; ++j) {
+      s[j] = std::exp(s[j] - top);
+      total += s[j];
+    }
+    inv[g] = 1.0f / total;
+  }
+  __m512 acc[kMaxGroup][kMaxChunks];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen; ++j) {
+    const T* v = values + (j < limit ? j : extra) * dim;
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(v + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * seen + j]);
+      for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, kv[c], acc[g][c]);
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm512_store_ps(lanes, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+      for (int64_t i = 0; i < 16; ++i) store(out + g * dim + c * 16, i, lanes[i]);
+    }
+}
+#endif
+
+// q [tokens, heads, dim] against keys/values [rows, kv_heads, capacity, dim]: token t sees
+// keys [0, limits[t]) of cache row rows[t], and the key at extras[t] when that is >= its limit
+// (an alternative's own key). Returns [tokens, heads * dim].
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& rows, const at::Tensor& limits, const at::Tensor& extras,
+                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [tokens, heads, dim]");
+  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() &&
+                  keys.sizes() == values.sizes() && keys.size(3) == q.size(2),
+              "keys/values must be contiguous [rows, kv_heads, capacity, dim]");
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "q, keys and values must share a dtype");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = keys.size(1), capacity = keys.size(2), kv_rows = keys.size(0);
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  for (const at::Tensor* t : {&rows, &limits, &extras})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == tokens && t->is_contiguous(),
+                "rows/limits/extras must be contiguous int64 [tokens]");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* limit = limits.data_ptr<int64_t>();
+  const int64_t* extra = extras.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(row[t] >= 0 && row[t] < kv_rows && limit[t] >= 1 && limit[t] <= capacity &&
+                    extra[t] < capacity,
+                "a token's cache row or key range is out of range");
+  const int64_t group = heads / kv_heads;
+  at::Tensor out = at::empty({tokens, heads * dim}, q.options());
+  DISPATCH(q.scalar_type(), "attend", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = keys.data_ptr<scalar_t>();
+    const scalar_t* vp = values.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scores, buffer;
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t t = task / kv_heads, h = task % kv_heads;
+        const int64_t base = (row[t] * kv_heads + h) * capacity * dim;
+#if defined(__AVX512F__)
+        if (dim % 16 == 0 && dim / 16 <= kMaxChunks && group <= kMaxGroup) {
+          attend_task_avx512<scalar_t>(qp + (t * heads + h * group) * dim, kp + base, vp + base,
+                                       op + (t * heads + h * group) * dim, limit[t], extra[t],
+                                       group, dim, static_cast<float>(scale), scores);
+          continue;
+        }
+#endif
+        attend_task<scalar_t>(qp + (t * heads + h * group) * dim, kp + base, vp + base,
+                              op + (t * heads + h * group) * dim, limit[t], extra[t], group, dim,
+                              static_cast<float>(scale), scores, buffer);
+      }
+    });
+  });
+  return out;
+}
+
+// --- the gated activation ---------------------------------------------------------------
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t n) {
+  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* g = gate_up + t * 2 * n;
+      const T* u = g + n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = load(g, i);
+        store(out + t * n, i, x / (1.0f + std::exp(-x)) * load(u, i));
+      }
+    }
+  });
+}
+
+// silu(gate) * up of a fused [tokens, 2n] gate/up product: [tokens, n].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t tokens = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({tokens, n}, gate_up.options());
+  DISPATCH(gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), tokens, n);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "(hidden + delta, RMS norm of it times weight)");
+  m.def("rope_store", &rope_store, "rotary embedding; keys and values into the cache");
+  m.def("attend", &attend, "attention of each token over the keys it may see");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}

@@ -1,0 +1,86 @@
+"""The batched runner's decoder layers through the fused CPU kernels
+(``decoding.kernels``): per layer four kernel calls and the four matrix products.
+
+Every kernel treats a token on its own and attention reads exactly the keys each token
+sees, so no attention blocks, padding or masks are built (``Layout.build(native=True)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from decoding import kernels
+from decoding.layout import Layout
+from decoding.weights import Product
+
+Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
+
+
+def unsupported(model: Any) -> str | None:
+    """Why the fused kernels cannot run ``model``'s layers, or None when they can (RMS
+    norms, a SiLU-gated MLP)."""
+    config = model.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    if not all(hasattr(m, "variance_epsilon") and hasattr(m, "weight") for m in _norms(model)):
+        return "its norms are not RMS norms"
+    return None
+
+
+def load(model: Any, choice: str, name: str) -> Any | None:
+    """The kernels module for ``model`` by ``choice`` (``kernels.resolve``), or None."""
+    reason = unsupported(model)
+    if reason is None:
+        return kernels.resolve(choice, next(model.parameters()).device)
+    if choice == "native":
+        raise kernels.KernelsUnavailable(f"{name}: {reason}")
+    if choice not in kernels.CHOICES:
+        raise ValueError(f"unknown kernels {choice!r}; choose one of {list(kernels.CHOICES)}")
+    return None
+
+
+def _norms(model: Any) -> list[Any]:
+    """Each layer's input and post-attention norms in order, then the final norm."""
+    inner = model.model
+    return [*(m for layer in inner.layers
+              for m in (layer.input_layernorm, layer.post_attention_layernorm)), inner.norm]
+
+
+def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
+    return [(m.weight.detach().to(dtype).contiguous(), float(m.variance_epsilon))
+            for m in _norms(model)]
+
+
+def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout) -> torch.Tensor:
+    """The decoder layers and the final norm over ``batch``'s packed tokens; ``[T, H]``.
+    ``runner`` is the ``BatchedLM`` (its modules, matrices and KV buffers)."""
+    inner = runner.model.model
+    hidden = inner.embed_tokens(batch.ids)  # [T, H]
+    cos, sin = inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
+    cos, sin = cos[0].contiguous(), sin[0].contiguous()
+    split, dtype = batch.bulk_from, runner.dtype
+
+    def product(m: Product, x: torch.Tensor) -> torch.Tensor:
+        if split >= x.shape[0]:
+            y = m(x)
+        elif split == 0:
+            y = m.bulk(x)
+        else:
+            y = torch.cat((m(x[:split]), m.bulk(x[split:])))
+        return y.to(dtype).contiguous()
+
+    rows, slots = batch.cache_rows, batch.cache_slots
+    hidden, x = native.add_rms_norm(hidden.contiguous(), None, *norms[0])
+    for index, w in enumerate(runner._weights):
+        keys, values = runner._keys[index], runner._values[index]
+        q = native.rope_store(product(w.qkv, x), cos, sin, keys, values, rows, slots,
+                              runner.heads, runner.kv_heads)  # [T, h, D]
+        out = native.attend(q, keys, values, rows, batch.limits, batch.extras,
+                            runner.scaling)  # [T, h * D]
+        hidden, x = native.add_rms_norm(hidden, product(w.o, out), *norms[2 * index + 1])
+        gated = native.silu_mul(product(w.gate_up, x))  # [T, I]
+        # the residual addition and the next layer's norm (the final norm after the last)
+        hidden, x = native.add_rms_norm(hidden, product(w.down, gated), *norms[2 * index + 2])
+    return x

@@ -1,0 +1,191 @@
+"""The fused CPU kernels (decoding/csrc/kernels.cpp): each against PyTorch's own ops, each
+token's result independent of the batch and of the thread count, bad calls refused with
+an error, and the runner's choice between them and PyTorch's path."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from decoding import kernels
+from decoding.attention import rotate
+from decoding.batched import BatchedLM
+from decoding.target import BatchItem, CausalLM
+
+
+@pytest.fixture(scope="module")
+def native() -> Any:
+    return kernels.native()  # this machine has g++: a build failure is a failure here
+
+
+@pytest.fixture()
+def threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _close(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_residual_sum_and_the_model_norm(native: Any,
+                                                            dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden, delta = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
+    weight = torch.rand(96, generator=g).to(dtype)
+    summed, normed = native.add_rms_norm(hidden, delta, weight, 1e-5)
+    assert torch.equal(summed, hidden + delta)  # rounded once, as the eager sum is
+    x = summed.float()
+    expected = weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(normed.float(), expected, **_close(dtype))
+    alone, normed_alone = native.add_rms_norm(hidden, None, weight, 1e-5)
+    assert alone is hidden
+    assert normed_alone.shape == hidden.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_and_writes_the_cache(native: Any, dtype: torch.dtype) -> None:
+    heads, kv, dim, tokens = 4, 2, 32, 3
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, (heads + 2 * kv) * dim, generator=g).to(dtype)
+    angles = torch.rand(tokens, dim // 2, generator=g) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    keys = torch.zeros(2, kv, 16, dim, dtype=dtype)
+    values = torch.zeros_like(keys)
+    rows, slots = torch.tensor([1, 1, 0]), torch.tensor([4, 5, 9])
+    q = native.rope_store(qkv, cos, sin, keys, values, rows, slots, heads, kv)
+    split = qkv.float().view(tokens, heads + 2 * kv, dim)
+    rotated = rotate(split[:, : heads + kv], cos.float()[:, None], sin.float()[:, None])
+    torch.testing.assert_close(q.float(), rotated[:, :heads], **_close(dtype))
+    for t in range(tokens):
+        torch.testing.assert_close(keys[rows[t], :, slots[t]].float(), rotated[t, heads:],
+                                   **_close(dtype))
+        assert torch.equal(values[rows[t], :, slots[t]], split[t, heads + kv :].to(dtype))
+    assert int((keys != 0).any(-1).sum()) == tokens * kv  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 24])  # a multiple of 16 (vector path) and not
+def test_attend_sees_exactly_the_keys_allowed(native: Any, dtype: torch.dtype,
+                                             dim: int) -> None:
+    heads, kv, capacity = 6, 2, 40
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(3, kv, capacity, dim, generator=g).to(dtype)
+    values = torch.randn(3, kv, capacity, dim, generator=g).to(dtype)
+    q = torch.randn(4, heads, dim, generator=g).to(dtype)
+    rows = torch.tensor([0, 2, 2, 1])
+    limits = torch.tensor([1, 17, 18, 30])
+    extras = torch.tensor([-1, -1, 33, -1])  # the third also sees key 33 (an alternative)
+    out = native.attend(q, keys, values, rows, limits, extras, 0.3)
+    for t in range(4):
+        seen = list(range(int(limits[t]))) + ([int(extras[t])] if extras[t] >= 0 else [])
+        k = keys[rows[t], :, seen].float().repeat_interleave(heads // kv, 0)  # [h, n, D]
+        v = values[rows[t], :, seen].float().repeat_interleave(heads // kv, 0)
+        expected = F.scaled_dot_product_attention(q[t].float()[:, None], k, v, scale=0.3)
+        torch.testing.assert_close(out[t].float(), expected.reshape(-1), **_close(dtype))
+
+
+def test_silu_mul(native: Any) -> None:
+    gate_up = torch.randn(3, 2 * 40)
+    torch.testing.assert_close(native.silu_mul(gate_up),
+                               F.silu(gate_up[:, :40]) * gate_up[:, 40:])
+
+
+def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) -> None:
+    """Bitwise: a token alone, beside others, and on one or two threads."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 3, 64, 64, generator=g).to(torch.bfloat16)
+    values = torch.randn(2, 3, 64, 64, generator=g).to(torch.bfloat16)
+    q = torch.randn(9, 9, 64, generator=g).to(torch.bfloat16)
+    rows, limits, extras = torch.tensor([0] * 5 + [1] * 4), torch.arange(30, 39), torch.full((9,), -1)
+    hidden = torch.randn(9, 576, generator=g).to(torch.bfloat16)
+    weight = torch.rand(576, generator=g).to(torch.bfloat16)
+    results = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        results.append((native.attend(q, keys, values, rows, limits, extras, 0.125),
+                        native.add_rms_norm(hidden, hidden, weight, 1e-5)[1],
+                        native.silu_mul(torch.cat((hidden, hidden), -1))))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    for t in (0, 4, 8):
+        one = native.attend(q[t : t + 1], keys, values, rows[t : t + 1], limits[t : t + 1],
+                            extras[t : t + 1], 0.125)
+        assert torch.equal(one[0], results[0][0][t])
+        assert torch.equal(native.add_rms_norm(hidden[t : t + 1], hidden[t : t + 1], weight,
+                                               1e-5)[1][0], results[0][1][t])
+
+
+def test_bad_calls_raise_instead_of_reading_out_of_bounds(native: Any) -> None:
+    keys = torch.zeros(1, 1, 8, 16)
+    q = torch.zeros(1, 2, 16)
+    one = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.attend(q, keys, keys, torch.tensor([1]), torch.tensor([1]), torch.tensor([-1]), 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.attend(q, keys, keys, one, torch.tensor([9]), torch.tensor([-1]), 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.rope_store(torch.zeros(1, 64), torch.zeros(1, 16), torch.zeros(1, 16), keys,
+                          keys.clone(), one, torch.tensor([8]), 2, 1)
+    with pytest.raises(RuntimeError, match="dtype"):
+        native.attend(q.double(), keys, keys, one, one + 1, one - 1, 1.0)
+    with pytest.raises(RuntimeError):
+        native.silu_mul(torch.zeros(2, 3))
+
+
+def test_the_runner_s_kernels_agree_with_its_pytorch_path(tiny_target: CausalLM) -> None:
+    """Same model, same tokens: the fused kernels' logits are PyTorch's to float32
+    rounding, and a verify pass with each is bitwise its one-token steps."""
+    assert isinstance(tiny_target, BatchedLM)
+    assert tiny_target.kernels == "native"  # auto, on a machine that builds them
+    prompt, future = list(range(5, 45)), [7, 8, 9, 10]
+    got = {}
+    try:
+        for choice in ("native", "torch"):
+            tiny_target.use_kernels(choice)
+            assert tiny_target.kernels == choice
+            state = tiny_target.new_state()
+            tiny_target.forward_batch([BatchItem(state, prompt, 1)])
+            steps = torch.cat([tiny_target.forward_batch([BatchItem(state, [t], 1)])[0]
+                               for t in future])
+            tiny_target.rollback(state, len(prompt))
+            verify = tiny_target.forward_batch([BatchItem(state, future, len(future))])[0]
+            tiny_target.release(state)
+            assert torch.equal(verify, steps), choice
+            got[choice] = steps
+    finally:
+        tiny_target.use_kernels("auto")
+    torch.testing.assert_close(got["native"], got["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_kernels_choice_is_checked(tiny_target: CausalLM) -> None:
+    assert isinstance(tiny_target, BatchedLM)
+    with pytest.raises(ValueError, match="unknown kernels"):
+        tiny_target.use_kernels("fast")
+    with pytest.raises(ValueError, match="unknown kernels"):
+        kernels.resolve("fast", torch.device("cpu"))
+    with pytest.raises(kernels.KernelsUnavailable, match="CPU only"):
+        kernels.resolve("native", torch.device("meta"))
+    assert kernels.resolve("auto", torch.device("meta")) is None
+
+
+def test_a_machine_that_cannot_build_them_runs_pytorch(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A failing build (here: an instruction set g++ does not know) is a clear error for
+    ``native`` and a warning and the PyTorch path for ``auto``."""
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    monkeypatch.setenv(kernels.ARCH_VARIABLE, "no-such-cpu")
+    monkeypatch.setattr(kernels, "native", kernels.native.__wrapped__)
+    with pytest.raises(kernels.KernelsUnavailable, match="could not be built"):
+        kernels.resolve("native", torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="decoding.kernels"):
+        assert kernels.resolve("auto", torch.device("cpu")) is None
+    assert "PyTorch path" in caplog.text
