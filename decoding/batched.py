@@ -86,9 +86,11 @@ class BatchedLM(CausalLM):
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
                  quantize: str = "none", weights: Sequence[LayerWeights] | None = None,
-                 head: Product | None = None, weights_format: str | None = None) -> None:
+                 head: Product | None = None, weights_format: str | None = None,
+                 kernels: str = "auto") -> None:
         """``quantize`` (int4, int8) quantizes the matrices at load; or ``weights`` and
-        ``head`` come ready-made (a GGUF file's; the model's own linears unused)."""
+        ``head`` come ready-made (a GGUF file's; the model's own linears unused).
+        ``kernels``: see ``use_kernels``."""
         super().__init__(model, tokenizer, name)
         reason = supports(model)
         if reason is not None:
@@ -100,6 +102,9 @@ class BatchedLM(CausalLM):
         self.scaling = float(self._layers[0].self_attn.scaling)
         self._weights = list(weights or [LayerWeights.of(x, quantize) for x in self._layers])
         self._head = head if head is not None else head_product(model, quantize)
+        self._kernels: Any = None  # the fused CPU kernels (decoding/fused.py), or None
+        self._norms: list[fused.Norm] = []
+        self.use_kernels(kernels)
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
         self.weights_format = weights_format or (quantize if quantize != "none" else dtype_name)
         self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
@@ -109,9 +114,6 @@ class BatchedLM(CausalLM):
         self._attention = GroupedAttention(  # see GroupedAttention.folds
             self.heads, self.kv_heads, self.head_dim, self.scaling,
             fold_single=self.device.type != "cpu" or self.dtype != torch.float32)
-        self._kernels: Any = None  # the fused CPU kernels (decoding/fused.py), or None
-        self._norms: list[fused.Norm] = []
-        self.use_kernels("auto")
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
@@ -120,15 +122,20 @@ class BatchedLM(CausalLM):
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", device: str = "cpu",
-             quantize: str = "auto") -> CausalLM:
-        """A model directory in ``dtype`` or quantized (int4, int8), or a GGUF file."""
+             quantize: str = "auto", kernels: str = "auto") -> CausalLM:
+        """A model directory in ``dtype`` or quantized (int4, int8), or a GGUF file;
+        ``kernels``: ``use_kernels``."""
         if str(path).endswith(".gguf"):
             from decoding import gguf_weights
 
-            return gguf_weights.load(path, dtype, device, quantize)
+            return gguf_weights.load(path, dtype, device, quantize, kernels)
         if quantize in ("none", "auto"):
-            return super().load(path, dtype, device)
-        return cls(*load_quantized(path, quantize, device), name=str(path), quantize=quantize)
+            runner = super().load(path, dtype, device)
+            if isinstance(runner, BatchedLM):
+                runner.use_kernels(kernels)
+            return runner
+        return cls(*load_quantized(path, quantize, device), name=str(path), quantize=quantize,
+                   kernels=kernels)
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:
@@ -149,7 +156,7 @@ class BatchedLM(CausalLM):
         """``native`` (the fused CPU kernels; raises where they cannot run), ``torch``,
         or ``auto`` (native where they build). Either is batch invariant on its own, but
         their logits differ in the last bits: choose before any sequence runs."""
-        self._kernels = fused.load(self.model, choice, self.name)
+        self._kernels = fused.load(self.model, choice, self.name, self.device)
         if self._kernels is not None and not self._norms:
             self._norms = fused.norm_weights(self.model, self.dtype)
 

@@ -29,11 +29,12 @@ def unsupported(model: Any) -> str | None:
     return None
 
 
-def load(model: Any, choice: str, name: str) -> Any | None:
-    """The kernels module for ``model`` by ``choice`` (``kernels.resolve``), or None."""
+def load(model: Any, choice: str, name: str, device: torch.device) -> Any | None:
+    """The kernels module for ``model`` on ``device`` by ``choice`` (``kernels.resolve``),
+    or None."""
     reason = unsupported(model)
     if reason is None:
-        return kernels.resolve(choice, next(model.parameters()).device)
+        return kernels.resolve(choice, device)
     if choice == "native":
         raise kernels.KernelsUnavailable(f"{name}: {reason}")
     if choice not in kernels.CHOICES:

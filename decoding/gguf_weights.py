@@ -40,19 +40,23 @@ class GGUFTypeError(ValueError):
 
 
 def load(path: str, dtype: str = "float32", device: str = "cpu",
-         quantize: str = "auto") -> CausalLM:
+         quantize: str = "auto", kernels: str = "auto") -> CausalLM:
     """The runner for a GGUF file: its own weights (``quantize`` auto), or dequantized
-    to ``dtype`` by transformers (``none``, the float model it stands for)."""
+    to ``dtype`` by transformers (``none``, the float model it stands for); ``kernels``:
+    ``BatchedLM.use_kernels``."""
     file = Path(path)
     if quantize == "none":
-        return _dequantized(file, dtype, device)
+        runner = _dequantized(file, dtype, device)
+        if isinstance(runner, BatchedLM):
+            runner.use_kernels(kernels)
+        return runner
     if quantize != "auto":
         raise ValueError(f"{file.name} is quantized already: --quantize {quantize} applies to "
                          "model directories (use auto for the file's own weights, or none)")
     if device != "cpu":
         raise ValueError("a GGUF file's own weights run on a CPU only (--quantize none "
                          "dequantizes it)")
-    return GGUFModel(file).runner()
+    return GGUFModel(file).runner(kernels)
 
 
 class GGUFModel:
@@ -82,7 +86,7 @@ class GGUFModel:
                     f"{self.file.name}: tensor {name!r} is of GGUF type {kind}, which this "
                     f"server cannot run; supported: {', '.join(sorted(SUPPORTED_TYPES))}")
 
-    def runner(self) -> BatchedLM:
+    def runner(self, kernels: str = "auto") -> BatchedLM:
         from transformers import AutoModelForCausalLM
 
         config = self.config
@@ -116,7 +120,7 @@ class GGUFModel:
         fmt = "gguf-" + "+".join(k.lower() for k in kinds)
         log.info("%s: %s, %d layers", self.file.name, fmt, len(layers))
         return BatchedLM(model, self.tokenizer, name=str(self.file), weights=layers,
-                         head=head, weights_format=fmt)
+                         head=head, weights_format=fmt, kernels=kernels)
 
     def product(self, names: list[str], rows: torch.Tensor | None = None) -> Product:
         """The matrices ``names`` (GGUF names without ``.weight``) as one product over

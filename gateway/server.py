@@ -124,10 +124,10 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     ``draft_loader``, which the command line injects), warm them up, start."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    target = load_target(settings.target, settings.dtype, quantize=settings.quantize)
+    target = load_target(settings.target, settings.dtype, quantize=settings.quantize,
+                         kernels=settings.kernels)
     if isinstance(target, BatchedLM):
         target.batch_invariant = settings.batch_invariance
-        target.use_kernels(settings.kernels)
     cache = build_prefix_cache(settings, target)
     drafters, default, backend = build_drafters(settings, target, cache, draft_loader)
     info = {"draft_backend": backend, "weights": target_precision(target),

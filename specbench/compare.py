@@ -80,6 +80,7 @@ class BenchConfig:
     methods: tuple[str, ...]
     quick: bool
     draft_dtype: str = "auto"  # of a PyTorch draft model; see factory.torch_draft_dtype
+    kernels: str = "auto"  # the target's elementwise work and attention (decoding.kernels)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
@@ -101,6 +102,7 @@ class BenchConfig:
             methods=select_methods(args.methods, has_draft=draft is not None, hf=not args.no_hf),
             quick=args.quick,
             draft_dtype=getattr(args, "draft_dtype", "auto"),
+            kernels=getattr(args, "kernels", "auto"),
         )
 
 
@@ -272,7 +274,7 @@ def _run_dtype(
 ) -> list[dict[str, Any]]:
     log.info("loading %s in %s", config.target, dtype)
     torch_dtype, quantize = PRECISIONS[dtype]  # gguf: the file's own; int8/int4: at load
-    target = load_target(config.target, torch_dtype, quantize=quantize)
+    target = load_target(config.target, torch_dtype, quantize=quantize, kernels=config.kernels)
     draft = _load_draft(config, target, dtype)
     spec_draft: Drafter | None = draft
     if draft is not None and draft_loader is not None and config.draft is not None:

@@ -16,6 +16,7 @@ from decoding import model_store
 from decoding.draft_format import DraftFormatError
 from decoding.drafters.base import Drafter
 from decoding.factory import DRAFT_DTYPES, QUANTIZE, DraftSpecError, load_target
+from decoding.kernels import CHOICES as KERNEL_CHOICES
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
 from decoding.target import CausalLM, TokenizerMismatchError
@@ -163,6 +164,9 @@ def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto")
                    help="target weights: auto (a GGUF file's own; the default model's Q4_1 "
                         "GGUF), none (as stored, in --dtype), int8/int4 (quantized at load)")
     _draft_dtype_flag(p)
+    p.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
+                   help="the target's norms, rotary embedding, attention and activation on a "
+                        "CPU: native (fused C++ kernels), torch (PyTorch's ops), auto")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -183,7 +187,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target, args.dtype, quantize=args.quantize)
+    target = load_target(args.target, args.dtype, quantize=args.quantize, kernels=args.kernels)
     try:
         drafter, _ = load_draft(args.draft, target, args.draft_backend, args.dtype,
                                 draft_dtype=args.draft_dtype)

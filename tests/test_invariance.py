@@ -39,9 +39,7 @@ def target(request: pytest.FixtureRequest, default_model_dir: object) -> CausalL
     """Each precision on the fused kernels where they build, and the GGUF on PyTorch's
     ops (the path without a compiler)."""
     dtype, quantize, kernels = request.param
-    target = load_target("default", dtype, "cpu", quantize)
-    target.use_kernels(kernels)  # type: ignore[attr-defined]
-    return target
+    return load_target("default", dtype, "cpu", quantize, kernels)
 
 
 def _steps(target: CausalLM, state: object, tokens: Sequence[int]) -> list[torch.Tensor]:

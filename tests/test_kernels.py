@@ -105,7 +105,8 @@ def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) ->
     keys = torch.randn(2, 3, 64, 64, generator=g).to(torch.bfloat16)
     values = torch.randn(2, 3, 64, 64, generator=g).to(torch.bfloat16)
     q = torch.randn(9, 9, 64, generator=g).to(torch.bfloat16)
-    rows, limits, extras = torch.tensor([0] * 5 + [1] * 4), torch.arange(30, 39), torch.full((9,), -1)
+    rows, limits = torch.tensor([0] * 5 + [1] * 4), torch.arange(30, 39)
+    extras = torch.full((9,), -1)
     hidden = torch.randn(9, 576, generator=g).to(torch.bfloat16)
     weight = torch.rand(576, generator=g).to(torch.bfloat16)
     results = []
