@@ -79,10 +79,11 @@ class BatchedLM(CausalLM):
 
     @property
     def capabilities(self) -> TargetCapabilities:  # type: ignore[override]
-        # an alternative attends with its own key at another index of the span than a
-        # one-token step has it, so its row is exact only to rounding: batch invariance
-        # takes no alternatives (docs/performance.md, "Batch invariance")
-        return TargetCapabilities(batched=True, branches=not self.batch_invariant)
+        # PyTorch's attention gives an alternative's row (its own key at another index of
+        # the span than a one-token step has it) only to rounding, so batch invariance
+        # takes none there; the native kernels read its keys in a step's order: exact
+        return TargetCapabilities(batched=True, branches=(not self.batch_invariant
+                                                          or self._kernels is not None))
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
                  quantize: str = "none", weights: Sequence[LayerWeights] | None = None,

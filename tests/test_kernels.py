@@ -167,6 +167,33 @@ def test_the_runner_s_kernels_agree_with_its_pytorch_path(tiny_target: CausalLM)
     torch.testing.assert_close(got["native"], got["torch"], atol=1e-4, rtol=1e-4)
 
 
+def test_an_alternative_gets_its_one_token_step_s_logits_bitwise(
+        tiny_target: CausalLM) -> None:
+    """With the native kernels an alternative reads the keys a one-token step reads, in
+    the same order: its logits are that step's bitwise, so batch invariance keeps them
+    (the PyTorch path does not offer alternatives while invariant)."""
+    assert isinstance(tiny_target, BatchedLM) and tiny_target.batch_invariant
+    assert tiny_target.capabilities.branches
+    prompt, pending, drafts, alternative = list(range(50, 90)), 11, [12, 13], 14
+    state = tiny_target.new_state()
+    tiny_target.forward_batch([BatchItem(state, prompt, 1)])
+    chain = torch.cat([tiny_target.forward_batch([BatchItem(state, [t], 1)])[0]
+                       for t in (pending, *drafts)])
+    tiny_target.rollback(state, len(prompt) + 1)
+    alone = tiny_target.forward_batch([BatchItem(state, [alternative], 1)])[0][0]
+    tiny_target.rollback(state, len(prompt))
+    tokens = [pending, *drafts, alternative]
+    got = tiny_target.forward_batch([BatchItem(state, tokens, len(tokens), alternative=True)])[0]
+    assert torch.equal(got[:-1], chain)
+    assert torch.equal(got[-1], alone)
+    tiny_target.release(state)
+    tiny_target.use_kernels("torch")
+    try:
+        assert not tiny_target.capabilities.branches
+    finally:
+        tiny_target.use_kernels("auto")
+
+
 def test_kernels_choice_is_checked(tiny_target: CausalLM) -> None:
     assert isinstance(tiny_target, BatchedLM)
     with pytest.raises(ValueError, match="unknown kernels"):

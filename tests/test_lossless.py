@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decoding.batched import BatchedLM
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
@@ -91,15 +92,29 @@ class _EveryAlternative(FixedSpeculation):
         return True
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("prompt", TINY_PROMPTS)
 def test_tiny_alternatives_taken_every_round_stay_lossless(
-        tiny_target: CausalLM, prompt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_target: CausalLM, prompt: str, kernels: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A draft whose first token is always the target's second choice: each round's
     alternative (its second choice, the target's first) is taken, the cache is
-    rearranged to hold it, and the output is still plain decoding's (alternatives run
-    without batch invariance: ``BatchedLM.capabilities``)."""
-    assert not tiny_target.capabilities.branches  # invariance takes none
-    monkeypatch.setattr(tiny_target, "batch_invariant", False)
+    rearranged to hold it, and the output is still plain decoding's. The native kernels
+    take alternatives under batch invariance; PyTorch's path only without it
+    (``BatchedLM.capabilities``)."""
+    assert isinstance(tiny_target, BatchedLM)
+    monkeypatch.setattr(tiny_target, "batch_invariant", True)
+    tiny_target.use_kernels(kernels)
+    try:
+        _alternatives_every_round(tiny_target, prompt, kernels, monkeypatch)
+    finally:
+        tiny_target.use_kernels("auto")
+
+
+def _alternatives_every_round(tiny_target: BatchedLM, prompt: str, kernels: str,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tiny_target.capabilities.branches == (kernels == "native")
+    monkeypatch.setattr(tiny_target, "batch_invariant", kernels == "native")
     assert tiny_target.capabilities.branches
     ids = tuple(encode_text(tiny_target.tokenizer, prompt))
     request = GenerationRequest(prompt_ids=ids, max_new_tokens=40, sampling=GREEDY)
