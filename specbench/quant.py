@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "threads": torch.get_num_threads(), "rows": []}
     for name in precisions:
         dtype, quantize = PRECISIONS[name]
-        target = load_target("default", dtype, quantize=quantize)
+        target = load_target("default", dtype, quantize=quantize, kernels=args.kernels)
         if not prompts:
             prompts = [encode_chat(target.tokenizer, p.messages)
                        for s in args.prompt_sets.split(",")
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="continuation tokens")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"],
+                        help="the targets' elementwise work and attention (decoding.kernels)")
     parser.add_argument("--rss", action="store_true", help="also a served process's RSS")
     parser.add_argument("--draft-cost", action="store_true",
                         help="also the shipped draft's step per draft dtype")

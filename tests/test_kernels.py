@@ -4,6 +4,7 @@ an error, and the runner's choice between them and PyTorch's path."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -217,3 +218,19 @@ def test_a_machine_that_cannot_build_them_runs_pytorch(
     with caplog.at_level(logging.WARNING, logger="decoding.kernels"):
         assert kernels.resolve("auto", torch.device("cpu")) is None
     assert "PyTorch path" in caplog.text
+
+
+@pytest.mark.real_model
+def test_the_kernels_benchmark_writes_its_table_and_json(
+        default_model_dir: object, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from specbench import kernels as bench
+
+    out = tmp_path / "kernels.json"
+    assert bench.main(["--precisions", "gguf", "--tokens", "1,3", "--rounds", "1",
+                       "--repeats", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["precision"], r["tokens"]) for r in report["rows"]] == [("gguf", 1), ("gguf", 3)]
+    for row in report["rows"]:
+        assert row["torch_ms"] > 0 and row["native_ms"] > 0
+        assert row["max_abs_logit_diff"] < 2.0  # the two paths round differently, no more
+    assert "native ms" in capsys.readouterr().out

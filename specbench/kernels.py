@@ -1,0 +1,113 @@
+"""The fused CPU kernels against PyTorch's ops: one-token steps and verify passes of a
+few tokens, per precision, the two paths interleaved on the same loaded weights.
+
+    python -m specbench.kernels --json bench-results/kernels.json
+
+Prints a table (median ms a pass at a 300-token context, and how far the two paths'
+logits are apart) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from decoding.batched import BatchedLM
+from decoding.factory import load_target
+from decoding.target import BatchItem
+from specbench.compare import json_output
+
+MS = 1000.0
+CONTEXT = 300
+PRECISIONS = {"gguf": ("bfloat16", "auto"), "bfloat16": ("bfloat16", "none"),
+              "float32": ("float32", "none")}
+PATHS = ("torch", "native")
+
+
+def _pass_ms(target: BatchedLM, tokens: int, repeats: int) -> tuple[float, torch.Tensor]:
+    """Median ms of a pass adding ``tokens`` after a ``CONTEXT``-token prompt, and the
+    logits of one such pass."""
+    state = target.new_state()
+    try:
+        target.forward_batch([BatchItem(state, [100 + i % 900 for i in range(CONTEXT)], 1)])
+        new = [123 + i for i in range(tokens)]
+        logits = target.forward_batch([BatchItem(state, new, tokens)])[0].float()
+        times = []
+        for _ in range(repeats):
+            target.rollback(state, CONTEXT)
+            start = time.perf_counter()
+            target.forward_batch([BatchItem(state, new, tokens)])
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * MS, logits
+    finally:
+        target.release(state)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.precisions.split(","):
+        dtype, quantize = PRECISIONS[name]
+        target = load_target("default", dtype, quantize=quantize)
+        assert isinstance(target, BatchedLM)
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            times: dict[str, list[float]] = {p: [] for p in PATHS}
+            logits: dict[str, torch.Tensor] = {}
+            for _ in range(args.rounds):  # interleaved: machine noise hits both alike
+                for path in PATHS:
+                    target.use_kernels(path)
+                    ms, logits[path] = _pass_ms(target, tokens, args.repeats)
+                    times[path].append(ms)
+            torch_ms, native_ms = (statistics.median(times[p]) for p in PATHS)
+            rows.append({"precision": name, "tokens": tokens, "torch_ms": round(torch_ms, 2),
+                         "native_ms": round(native_ms, 2),
+                         "speedup": round(torch_ms / native_ms, 2),
+                         "max_abs_logit_diff": round(float(
+                             (logits["torch"] - logits["native"]).abs().max()), 4),
+                         "same_argmax": bool(torch.equal(logits["torch"].argmax(-1),
+                                                         logits["native"].argmax(-1)))})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        del target
+    return {"context": CONTEXT, "threads": torch.get_num_threads(), "rows": rows}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = ["precision | tokens | torch ms | native ms | speed-up | max abs logit diff | "
+             "same argmax", "---|---|---|---|---|---|---"]
+    lines += [f"{r['precision']} | {r['tokens']} | {r['torch_ms']} | {r['native_ms']} | "
+              f"{r['speedup']}x | {r['max_abs_logit_diff']} | {r['same_argmax']}"
+              for r in report["rows"]]
+    lines.append(f"context {report['context']} tokens, {report['threads']} threads")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specbench.kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precisions", default="gguf,bfloat16,float32")
+    parser.add_argument("--tokens", default="1,2,5,9", help="tokens a pass adds")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per path")
+    parser.add_argument("--repeats", type=int, default=10, help="passes timed per round")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    unknown = set(args.precisions.split(",")) - set(PRECISIONS)
+    if unknown:
+        parser.error(f"unknown precisions {sorted(unknown)}; choose from {sorted(PRECISIONS)}")
+    path = json_output(args.json)
+    report = run(args)
+    sys.stdout.write(format_table(report))
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
