@@ -48,6 +48,23 @@ RUN python pyproject_requirements.py pyproject.toml "${EXTRAS}" > requirements.t
     && pip install -r requirements.txt
 
 # ---------------------------------------------------------------------------
+# The fused CPU kernels (decoding/csrc), built here with g++ so the slim runtime needs no
+# compiler. KERNELS_ARCH is the instruction set they may use: x86-64-v3 (AVX2) runs on
+# any recent x86 server; x86-64-v4 adds AVX-512 (faster attention) where every node has it.
+FROM cpu-deps AS cpu-kernels
+ARG KERNELS_ARCH=x86-64-v3
+ENV SPECSERVE_KERNELS_DIR=/opt/specserve/kernels \
+    SPECSERVE_KERNELS_ARCH=${KERNELS_ARCH}
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-deps /wheels/specserve-*.whl \
+    && python -m decoding.kernels \
+    && test -n "$(find /opt/specserve/kernels -name 'specserve_kernels.so')"
+
+# ---------------------------------------------------------------------------
 # GPU base: NVIDIA's CUDA runtime image with the distribution's Python.
 FROM ${CUDA_IMAGE} AS gpu-base
 ENV DEBIAN_FRONTEND=noninteractive
@@ -128,6 +145,7 @@ CMD []
 # CPU runtime (the default target, so it comes last).
 FROM ${PYTHON_IMAGE} AS cpu
 ARG BAKE_MODEL=false
+ARG KERNELS_ARCH=x86-64-v3
 LABEL org.opencontainers.image.title="specserve" \
       org.opencontainers.image.description="OpenAI-compatible LLM server with lossless speculative decoding (CPU)" \
       org.opencontainers.image.version="0.1.0" \
@@ -140,7 +158,9 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH \
     SPECSERVE_HOME=/var/lib/specserve \
     HF_HOME=/var/lib/specserve/huggingface \
-    XDG_CACHE_HOME=/tmp/.cache
+    XDG_CACHE_HOME=/tmp/.cache \
+    SPECSERVE_KERNELS_DIR=/opt/specserve/kernels \
+    SPECSERVE_KERNELS_ARCH=${KERNELS_ARCH}
 RUN groupadd --system --gid 10001 specserve \
     && useradd --system --uid 10001 --gid specserve --create-home --home-dir /home/specserve \
         --shell /usr/sbin/nologin specserve \
@@ -149,6 +169,7 @@ RUN groupadd --system --gid 10001 specserve \
 COPY --from=cpu-deps /opt/venv /opt/venv
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-deps /wheels/specserve-*.whl
+COPY --from=cpu-kernels /opt/specserve/kernels /opt/specserve/kernels
 COPY --chmod=0755 deploy/docker-entrypoint.sh /opt/specserve/docker-entrypoint.sh
 COPY deploy/healthcheck.py /opt/specserve/healthcheck.py
 RUN if [ "${BAKE_MODEL}" = "true" ]; then \

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -35,6 +36,8 @@ CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 # -march for the build: the machine's own instruction set; set it (x86-64-v3, say) when
 # the build is carried to other machines, as a container image is
 ARCH_VARIABLE = "SPECSERVE_KERNELS_ARCH"
+DIR_VARIABLE = "SPECSERVE_KERNELS_DIR"  # where builds live (default $SPECSERVE_HOME/kernels)
+MODULE = "specserve_kernels"
 
 
 class KernelsUnavailable(RuntimeError):
@@ -58,7 +61,20 @@ def build_dir() -> Path:
     key = hashlib.sha256("\0".join([
         SOURCE.read_text(), torch.__version__, arch, _cpu_flags() if arch == "native" else "",
     ]).encode()).hexdigest()[:16]
-    return model_store.home() / "kernels" / key
+    root = os.environ.get(DIR_VARIABLE)
+    return (Path(root) if root else model_store.home() / "kernels") / key
+
+
+def _import_built(directory: Path) -> Any | None:
+    """The module built in ``directory`` before, imported without ninja or a compiler
+    (the directory's name is the hash of what built it), or None."""
+    path = directory / f"{MODULE}.so"
+    spec = importlib.util.spec_from_file_location(MODULE, path) if path.is_file() else None
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
@@ -75,9 +91,15 @@ def native() -> Any:
     directory = build_dir()
     arch = os.environ.get(ARCH_VARIABLE, "native")
     try:
+        try:
+            built = _import_built(directory)
+        except (ImportError, OSError):  # a build another process is still writing
+            built = None
+        if built is not None:
+            return built
         directory.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
-            name="specserve_kernels", sources=[str(SOURCE)], build_directory=str(directory),
+            name=MODULE, sources=[str(SOURCE)], build_directory=str(directory),
             extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno"], verbose=False)
     except Exception as exc:  # a compiler error, no compiler, no ninja, a read-only home
         lines = str(exc).strip().splitlines() or [repr(exc)]

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -234,3 +237,16 @@ def test_the_kernels_benchmark_writes_its_table_and_json(
         assert row["torch_ms"] > 0 and row["native_ms"] > 0
         assert row["max_abs_logit_diff"] < 2.0  # the two paths round differently, no more
     assert "native ms" in capsys.readouterr().out
+
+
+def test_the_portable_build_passes_the_same_checks(tmp_path: Any) -> None:
+    """A build for x86-64-v3 (AVX2, as the container image makes it) takes the kernels'
+    generic paths instead of the AVX-512 ones: the same checks, in a process of its own."""
+    env = {**os.environ, "SPECSERVE_HOME": str(tmp_path), kernels.ARCH_VARIABLE: "x86-64-v3"}
+    env.pop(kernels.DIR_VARIABLE, None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "not portable and not benchmark and not cannot_build"],
+        env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert list(tmp_path.glob("kernels/*/specserve_kernels.so")), "nothing was built"
