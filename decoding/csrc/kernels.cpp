@@ -250,6 +250,29 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// e^x for x <= 0 (softmax after subtracting the maximum; silu's e^-x, clamped): 2^n e^r
+// with n = round(x / ln 2) and a degree-6 polynomial for e^r on [-ln2/2, ln2/2] (Cephes'
+// expf coefficients), a few ulp from expf; one fixed sequence of instructions
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 first(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256, in chunks of 16
 constexpr int64_t kMaxGroup = 8;    // query heads per key/value head
 
@@ -279,14 +302,18 @@ void attend_task_avx512(const T* q, const T* keys, const T* values, T* out, int6
   float inv[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * seen;
-    float top = -INFINITY;
-    for (int64_t j = 0; j < seen; ++j) top = s[j] > top ? s[j] : top;
-    float total = 0.0f;
-    for (int64_t j = 0; j < seen; ++j) {
-      s[j] = std::exp(s[j] - top);
-      total += s[j];
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < seen; j += 16)
+      most = _mm512_max_ps(most, _mm512_mask_loadu_ps(most, first(seen - j), s + j));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(most));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen; j += 16) {
+      const __mmask16 m = first(seen - j);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
     }
-    inv[g] = 1.0f / total;
+    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
   }
   __m512 acc[kMaxGroup][kMaxChunks];
   for (int64_t g = 0; g < group; ++g)
@@ -370,7 +397,18 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t n) {
     for (int64_t t = lo; t < hi; ++t) {
       const T* g = gate_up + t * 2 * n;
       const T* u = g + n;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      alignas(64) float lanes[16];
+      for (; i + 16 <= n; i += 16) {
+        const __m512 x = load16(g + i);
+        const __m512 silu = _mm512_div_ps(
+            x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        _mm512_store_ps(lanes, _mm512_mul_ps(silu, load16(u + i)));
+        for (int64_t l = 0; l < 16; ++l) store(out + t * n, i + l, lanes[l]);
+      }
+#endif
+      for (; i < n; ++i) {
         const float x = load(g, i);
         store(out + t * n, i, x / (1.0f + std::exp(-x)) * load(u, i));
       }
