@@ -103,7 +103,8 @@ def native() -> Any:
             extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno"], verbose=False)
     except Exception as exc:  # a compiler error, no compiler, no ninja, a read-only home
         lines = str(exc).strip().splitlines() or [repr(exc)]
-        reason = next((line for line in lines if "error" in line.lower()), lines[-1])
+        # the compiler's own message ("...: error: ..."), else the exception's last line
+        reason = next((line for line in lines if "error:" in line), lines[-1])
         raise KernelsUnavailable(f"the native kernels could not be built in {directory}: "
                                  f"{reason.strip()}") from exc
 
