@@ -160,6 +160,8 @@ class BatchedLM(CausalLM):
         self._kernels = fused.load(self.model, choice, self.name, self.device)
         if self._kernels is not None and not self._norms:
             self._norms = fused.norm_weights(self.model, self.dtype)
+        self._stack = (fused.int4_stack(self._kernels, self._norms, self)
+                       if self._kernels is not None else None)
 
     # -- sequences --------------------------------------------------------------------
 
@@ -293,8 +295,8 @@ class BatchedLM(CausalLM):
         native = self._kernels is not None
         batch = Layout.build(items, self.device, self.batch_invariant, native=native)
         # [T, H]: every real token, packed (normed by the final norm when native)
-        hidden = (fused.forward(self._kernels, self._norms, self, batch) if native
-                  else self._forward_layers(batch))
+        hidden = (fused.forward(self._kernels, self._norms, self, batch, self._stack)
+                  if native else self._forward_layers(batch))
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
                 for i in range(i + len(item.token_ids) - min(item.keep, len(item.token_ids)),

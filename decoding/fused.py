@@ -13,6 +13,7 @@ import torch
 
 from decoding import kernels
 from decoding.layout import Layout
+from decoding.quantized import ACTIVATIONS, Int4Matrix
 from decoding.weights import Product
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
@@ -54,14 +55,34 @@ def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
             for m in _norms(model)]
 
 
-def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout) -> torch.Tensor:
+def int4_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
+    """The kernels' whole-stack loop (``Int4Stack``) over ``runner``'s layers when every
+    matrix is PyTorch's packed int4 in bfloat16 (a GGUF's 4-bit tensors, ``--quantize
+    int4``), else None. It makes the calls ``forward`` makes, in C++."""
+    mats = [m for w in runner._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+    if runner.dtype != ACTIVATIONS or not all(type(m) is Int4Matrix for m in mats):
+        return None
+    if len({m.group for m in mats}) != 1:
+        return None
+    return native.Int4Stack([m.packed for m in mats], [m.scales_zeros for m in mats],
+                            [m.out_features for m in mats], [m.bias for m in mats],
+                            [w for w, _ in norms], [e for _, e in norms], mats[0].group,
+                            runner.heads, runner.kv_heads, runner.scaling)
+
+
+def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,
+            stack: Any = None) -> torch.Tensor:
     """The decoder layers and the final norm over ``batch``'s packed tokens; ``[T, H]``.
-    ``runner`` is the ``BatchedLM`` (its modules, matrices and KV buffers)."""
+    ``runner`` is the ``BatchedLM`` (its modules, matrices and KV buffers); ``stack``:
+    its ``int4_stack``, which runs the same loop in one call (not for bulk products)."""
     inner = runner.model.model
     hidden = inner.embed_tokens(batch.ids)  # [T, H]
     cos, sin = inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
     cos, sin = cos[0].contiguous(), sin[0].contiguous()
     split, dtype = batch.bulk_from, runner.dtype
+    if stack is not None and split >= hidden.shape[0]:
+        return stack.forward(hidden, cos, sin, runner._keys, runner._values, batch.cache_rows,
+                             batch.cache_slots, batch.limits, batch.extras)
 
     def product(m: Product, x: torch.Tensor) -> torch.Tensor:
         if split >= x.shape[0]:

@@ -250,3 +250,32 @@ def test_the_portable_build_passes_the_same_checks(tmp_path: Any) -> None:
         env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert list(tmp_path.glob("kernels/*/specserve_kernels.so")), "nothing was built"
+
+
+def test_the_int4_stack_is_the_python_loop_bitwise(tiny_target_dir: Any) -> None:
+    """An int4 model's layers run as one ``Int4Stack`` call: the same logits, bit for bit,
+    as the per-layer Python loop over the same kernels, for a prompt, steps and a
+    verify pass beside another sequence."""
+    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4")
+    assert isinstance(runner, BatchedLM) and runner._stack is not None
+    stack = runner._stack
+
+    def passes() -> list[torch.Tensor]:
+        a, b = runner.new_state(), runner.new_state()
+        out = runner.forward_batch([BatchItem(a, list(range(30, 70)), 1),
+                                    BatchItem(b, list(range(5, 12)), 2)])
+        out += runner.forward_batch([BatchItem(a, [7], 1)])
+        out += runner.forward_batch([BatchItem(a, [8, 9, 10], 3), BatchItem(b, [11], 1)])
+        runner.release(a)
+        runner.release(b)
+        return out
+
+    with_stack = passes()
+    runner._stack = None
+    try:
+        without = passes()
+    finally:
+        runner._stack = stack
+    assert len(with_stack) == len(without) == 5
+    for got, want in zip(with_stack, without, strict=True):
+        assert torch.equal(got, want)

@@ -428,11 +428,81 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// --- a whole decoder stack of int4 matrices in one call ----------------------------------
+
+// The layers of a model whose matrices are all PyTorch's packed int4 (a GGUF's 4-bit
+// tensors, --quantize int4): the same calls decoding/fused.py makes per layer, in the same
+// order, without a Python round trip per op. Its output is bitwise the Python loop's.
+class Int4Stack {
+ public:
+  Int4Stack(std::vector<at::Tensor> packed, std::vector<at::Tensor> scales_zeros,
+            std::vector<int64_t> out_features, std::vector<c10::optional<at::Tensor>> biases,
+            std::vector<at::Tensor> norms, std::vector<double> eps, int64_t group,
+            int64_t heads, int64_t kv_heads, double scale)
+      : packed_(std::move(packed)), scales_zeros_(std::move(scales_zeros)),
+        out_(std::move(out_features)), biases_(std::move(biases)), norms_(std::move(norms)),
+        eps_(std::move(eps)), group_(group), heads_(heads), kv_heads_(kv_heads), scale_(scale) {
+    const size_t n = packed_.size();
+    TORCH_CHECK(n % 4 == 0 && scales_zeros_.size() == n && out_.size() == n &&
+                    biases_.size() == n && norms_.size() == n / 2 + 1 && eps_.size() == norms_.size(),
+                "four matrices a layer, two norms a layer and the final one");
+  }
+
+  // hidden [T, H] bfloat16 -> the final norm of the last layer's output, [T, H]
+  at::Tensor forward(const at::Tensor& embedded, const at::Tensor& cos, const at::Tensor& sin,
+                     std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                     const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& limits,
+                     const at::Tensor& extras) const {
+    const size_t layers = packed_.size() / 4;
+    TORCH_CHECK(keys.size() == layers && values.size() == layers, "one cache per layer");
+    TORCH_CHECK(embedded.scalar_type() == at::kBFloat16, "int4 layers take bfloat16");
+    std::vector<at::Tensor> state = add_rms_norm(embedded.contiguous(), c10::nullopt, norms_[0], eps_[0]);
+    at::Tensor hidden = state[0], x = state[1];
+    for (size_t l = 0; l < layers; ++l) {
+      at::Tensor q = rope_store(product(x, 4 * l), cos, sin, keys[l], values[l], rows, slots,
+                                heads_, kv_heads_);
+      at::Tensor out = attend(q, keys[l], values[l], rows, limits, extras, scale_);
+      state = add_rms_norm(hidden, product(out, 4 * l + 1), norms_[2 * l + 1], eps_[2 * l + 1]);
+      hidden = state[0];
+      at::Tensor gated = silu_mul(product(state[1], 4 * l + 2));
+      state = add_rms_norm(hidden, product(gated, 4 * l + 3), norms_[2 * l + 2], eps_[2 * l + 2]);
+      hidden = state[0];
+      x = state[1];
+    }
+    return x;
+  }
+
+ private:
+  // as decoding/quantized.py Int4Matrix.__call__ and decoding/fused.py product do
+  at::Tensor product(const at::Tensor& x, size_t i) const {
+    at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, packed_[i], group_, scales_zeros_[i]);
+    if (y.size(1) != out_[i]) y = y.narrow(1, 0, out_[i]);
+    if (biases_[i].has_value() && biases_[i]->defined()) y = y + *biases_[i];
+    return y.contiguous();
+  }
+
+  std::vector<at::Tensor> packed_, scales_zeros_;
+  std::vector<int64_t> out_;
+  std::vector<c10::optional<at::Tensor>> biases_;
+  std::vector<at::Tensor> norms_;
+  std::vector<double> eps_;
+  int64_t group_, heads_, kv_heads_;
+  double scale_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "(hidden + delta, RMS norm of it times weight)");
-  m.def("rope_store", &rope_store, "rotary embedding; keys and values into the cache");
-  m.def("attend", &attend, "attention of each token over the keys it may see");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  using release = py::call_guard<py::gil_scoped_release>;  // the HTTP loop runs meanwhile
+  m.def("add_rms_norm", &add_rms_norm, "(hidden + delta, RMS norm of it times weight)",
+        release());
+  m.def("rope_store", &rope_store, "rotary embedding; keys and values into the cache",
+        release());
+  m.def("attend", &attend, "attention of each token over the keys it may see", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
+  py::class_<Int4Stack>(m, "Int4Stack")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<c10::optional<at::Tensor>>, std::vector<at::Tensor>,
+                    std::vector<double>, int64_t, int64_t, int64_t, double>())
+      .def("forward", &Int4Stack::forward, release());
 }
