@@ -351,7 +351,6 @@ class BatchedLM(CausalLM):
             hidden = hidden + product(w.down, w.act(gate) * up)
         return hidden
 
-
     # -- buffers ------------------------------------------------------------------------
 
     def _ensure_capacity(self, needed: int) -> None:

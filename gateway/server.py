@@ -70,6 +70,17 @@ UVICORN_GRACE_SECONDS = 5.0  # after our own drain, for responses still being wr
 ENGINE_JOIN_SECONDS = 0.0  # the drain already waited; cancel whatever is left
 
 
+def kernels_key(target: CausalLM) -> str:
+    """What computed the cached KV besides the weights: the two kernel paths round
+    differently, and so do native builds for other instruction sets (a replica reading
+    another's KV would then not continue as plain decoding would)."""
+    if getattr(target, "kernels", "torch") != "native":
+        return "torch"
+    from decoding.kernels import build_dir
+
+    return f"native-{build_dir().name}"
+
+
 def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | None:
     """The prompt/continuation cache: on Redis when a URL is set, else in process."""
     if not settings.prefix_cache:
@@ -83,7 +94,8 @@ def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | No
     else:
         store = InProcessStore(max_bytes=settings.prefix_cache_bytes, ttl_s=settings.cache_ttl)
     namespace = "|".join([settings.model_name, model_store.revision(target.name),
-                          str(target.dtype).removeprefix("torch."), target_precision(target)])
+                          str(target.dtype).removeprefix("torch."), target_precision(target),
+                          kernels_key(target)])
     return PrefixCache(store, namespace, block_tokens=settings.prefix_block_tokens)
 
 

@@ -279,3 +279,16 @@ def test_the_int4_stack_is_the_python_loop_bitwise(tiny_target_dir: Any) -> None
     assert len(with_stack) == len(without) == 5
     for got, want in zip(with_stack, without, strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_prefix_cache_namespace_names_the_kernels(tiny_target: CausalLM) -> None:
+    """KV computed by one path is never loaded by a replica on the other."""
+    from gateway.server import kernels_key
+
+    assert isinstance(tiny_target, BatchedLM)
+    assert kernels_key(tiny_target) == f"native-{kernels.build_dir().name}"
+    tiny_target.use_kernels("torch")
+    try:
+        assert kernels_key(tiny_target) == "torch"
+    finally:
+        tiny_target.use_kernels("auto")
