@@ -38,8 +38,8 @@ from decoding import fused
 from decoding.attention import GroupedAttention, rotate
 from decoding.layout import SPAN_ALIGN, Layout
 from decoding.quantized import load_quantized
-from decoding.target import BatchItem, CausalLM, TargetCapabilities, head_subset
-from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product
+from decoding.target import BatchItem, CausalLM, TargetCapabilities, head_subset, pretrained
+from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product, multiply
 
 log = logging.getLogger(__name__)
 
@@ -131,22 +131,19 @@ class BatchedLM(CausalLM):
 
             return gguf_weights.load(path, dtype, device, quantize, kernels)
         if quantize in ("none", "auto"):
-            runner = super().load(path, dtype, device)
-            if isinstance(runner, BatchedLM):
-                runner.use_kernels(kernels)
-            return runner
+            return cls.wrap(*pretrained(path, dtype, device), name=str(path), kernels=kernels)
         return cls(*load_quantized(path, quantize, device), name=str(path), quantize=quantize,
                    kernels=kernels)
 
     @classmethod
-    def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:
+    def wrap(cls, model: Any, tokenizer: Any, name: str, kernels: str = "auto") -> CausalLM:
         """Batched when the model's architecture allows, else a plain ``CausalLM``
         (``BatchedLM.load`` loads either)."""
         reason = supports(model)
         if reason is not None:
             log.warning("%s runs one sequence per forward pass: %s", name, reason)
             return CausalLM(model, tokenizer, name=name)
-        return cls(model, tokenizer, name=name)
+        return cls(model, tokenizer, name=name, kernels=kernels)
 
     @property
     def kernels(self) -> str:
@@ -332,11 +329,7 @@ class BatchedLM(CausalLM):
         split = batch.bulk_from
 
         def product(m: Product, x: torch.Tensor) -> torch.Tensor:
-            if split >= x.shape[0]:
-                return m(x)
-            if split == 0:
-                return m.bulk(x)
-            return torch.cat((m(x[:split]), m.bulk(x[split:])))
+            return multiply(m, x, split)
 
         masks = [self._attention.mask(g.mask, g.width, hidden.dtype) for g in batch.groups]
         for index, w in enumerate(self._weights):

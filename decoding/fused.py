@@ -14,7 +14,7 @@ import torch
 from decoding import kernels
 from decoding.layout import Layout
 from decoding.quantized import ACTIVATIONS, Int4Matrix
-from decoding.weights import Product
+from decoding.weights import Product, multiply
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
 
@@ -85,13 +85,7 @@ def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,
                              batch.cache_slots, batch.limits, batch.extras)
 
     def product(m: Product, x: torch.Tensor) -> torch.Tensor:
-        if split >= x.shape[0]:
-            y = m(x)
-        elif split == 0:
-            y = m.bulk(x)
-        else:
-            y = torch.cat((m(x[:split]), m.bulk(x[split:])))
-        return y.to(dtype).contiguous()
+        return multiply(m, x, split).to(dtype).contiguous()
 
     rows, slots = batch.cache_rows, batch.cache_slots
     hidden, x = native.add_rms_norm(hidden.contiguous(), None, *norms[0])

@@ -46,10 +46,7 @@ def load(path: str, dtype: str = "float32", device: str = "cpu",
     ``BatchedLM.use_kernels``."""
     file = Path(path)
     if quantize == "none":
-        runner = _dequantized(file, dtype, device)
-        if isinstance(runner, BatchedLM):
-            runner.use_kernels(kernels)
-        return runner
+        return _dequantized(file, dtype, device, kernels)
     if quantize != "auto":
         raise ValueError(f"{file.name} is quantized already: --quantize {quantize} applies to "
                          "model directories (use auto for the file's own weights, or none)")
@@ -206,7 +203,7 @@ def config_and_tokenizer(file: Path) -> tuple[Any, Any]:
             AutoTokenizer.from_pretrained(beside, gguf_file=file.name))
 
 
-def _dequantized(file: Path, dtype: str, device: str) -> CausalLM:
+def _dequantized(file: Path, dtype: str, device: str, kernels: str = "auto") -> CausalLM:
     from transformers import AutoModelForCausalLM
 
     from decoding.target import DTYPES
@@ -218,7 +215,7 @@ def _dequantized(file: Path, dtype: str, device: str) -> CausalLM:
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
     model = model.to(device)  # type: ignore[arg-type]
-    return BatchedLM.wrap(model, tokenizer, name=str(file))
+    return BatchedLM.wrap(model, tokenizer, name=str(file), kernels=kernels)
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:

@@ -150,12 +150,7 @@ class CausalLM:
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", device: str = "cpu") -> CausalLM:
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-        model = model.to(device)  # type: ignore[arg-type]
-        return cls.wrap(model, tokenizer, name=str(path))
+        return cls.wrap(*pretrained(path, dtype, device), name=str(path))
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:
@@ -268,3 +263,12 @@ def check_same_vocabulary(target_tokenizer: Any, draft_tokenizer: Any, draft_nam
         f"{len(draft_vocab)} and {len(target_vocab)} tokens differ on {differing} entries. "
         "A draft must use exactly the target's tokenizer."
     )
+
+
+def pretrained(path: str, dtype: str, device: str) -> tuple[Any, Any]:
+    """A model directory's (or hub id's) model in ``dtype`` on ``device``, and its tokenizer."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model.to(device), tokenizer  # type: ignore[arg-type]

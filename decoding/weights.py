@@ -42,6 +42,16 @@ class Product(Protocol):
     def bulk(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+def multiply(m: Product, x: torch.Tensor, bulk_from: int) -> torch.Tensor:
+    """``m(x)`` (``[T, in]`` -> ``[T, out]``), the rows from ``bulk_from`` on through
+    ``m.bulk`` (long prompt chunks, without batch invariance: ``Layout.bulk_from``)."""
+    if bulk_from >= x.shape[0]:
+        return m(x)
+    if bulk_from == 0:
+        return m.bulk(x)
+    return torch.cat((m(x[:bulk_from]), m.bulk(x[bulk_from:])))
+
+
 class Matrix:
     """A weight matrix kept in the layout a CPU multiplies fastest. On a CPU with oneDNN:
     packed once into oneDNN's blocked layout. A plain ``[out, in]`` matrix is reordered
