@@ -227,9 +227,13 @@ def test_generated_requests_honour_the_stream_options_rule(document: dict[str, A
     carry ``stream_options`` without ``stream: true`` (which the server refuses)."""
     operation = schemathesis.openapi.from_dict(document)[path]["POST"]
     seen: list[dict[str, Any]] = []
+    # only the bodies the rule is about: unfiltered, 150 draws held none of them in two
+    # whole-suite runs (alone, some); filtered, every draw is one (the filter is slow: 40)
+    with_options = operation.as_strategy(generation_mode=GenerationMode.POSITIVE).filter(
+        lambda case: isinstance(case.body, dict) and case.body.get("stream_options") is not None)
 
-    @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE))
-    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+    @given(case=with_options)
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     def collect(case: Any) -> None:
         if isinstance(case.body, dict) and case.body.get("stream_options") is not None:
