@@ -36,10 +36,9 @@ def load(model: Any, choice: str, name: str, device: torch.device) -> Any | None
     reason = unsupported(model)
     if reason is None:
         return kernels.resolve(choice, device)
+    kernels.check_choice(choice)
     if choice == "native":
         raise kernels.KernelsUnavailable(f"{name}: {reason}")
-    if choice not in kernels.CHOICES:
-        raise ValueError(f"unknown kernels {choice!r}; choose one of {list(kernels.CHOICES)}")
     return None
 
 

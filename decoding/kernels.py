@@ -22,17 +22,18 @@ import logging
 import os
 import platform
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from decoding import model_store
+
+if TYPE_CHECKING:  # torch is imported where a build is looked for: settings import this
+    import torch
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.cpp"
 KernelChoice = Literal["auto", "native", "torch"]
-CHOICES: tuple[str, ...] = ("auto", "native", "torch")
+CHOICES: tuple[str, ...] = get_args(KernelChoice)
 # -march for the build: the machine's own instruction set; set it (x86-64-v3, say) when
 # the build is carried to other machines, as a container image is
 ARCH_VARIABLE = "SPECSERVE_KERNELS_ARCH"
@@ -42,6 +43,11 @@ MODULE = "specserve_kernels"
 
 class KernelsUnavailable(RuntimeError):
     """The native kernels could not be built or loaded here."""
+
+
+def check_choice(choice: str) -> None:
+    if choice not in CHOICES:
+        raise ValueError(f"unknown kernels {choice!r}; choose one of {list(CHOICES)}")
 
 
 def _cpu_flags() -> str:
@@ -57,6 +63,8 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     """Where this source, PyTorch version and instruction set is built: a build made for
     another processor is never loaded."""
+    import torch
+
     arch = os.environ.get(ARCH_VARIABLE, "native")
     key = hashlib.sha256("\0".join([
         SOURCE.read_text(), torch.__version__, arch, _cpu_flags() if arch == "native" else "",
@@ -113,8 +121,7 @@ def resolve(choice: str, device: torch.device) -> Any | None:
     """The kernels module for ``choice`` on ``device``: ``native`` insists (raises when
     they cannot be built), ``auto`` takes them where they build (a CPU) and else warns
     once, ``torch`` never does."""
-    if choice not in CHOICES:
-        raise ValueError(f"unknown kernels {choice!r}; choose one of {list(CHOICES)}")
+    check_choice(choice)
     if choice == "torch":
         return None
     if device.type != "cpu":
@@ -136,7 +143,7 @@ def _warn_once(message: str) -> None:
 
 
 def main() -> None:
-    """``python -m decoding.kernels``: build the kernels now (``make install`` does)."""
+    """``python -m decoding.kernels``: build the kernels now (``make kernels`` does)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         native()

@@ -16,6 +16,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from decoding import model_store
+from decoding.kernels import CHOICES as KERNEL_CHOICES
+from decoding.kernels import KernelChoice
 
 ENV_PREFIX = "SPECSERVE_"
 MIB = 1 << 20
@@ -43,7 +45,7 @@ class Settings(BaseSettings):
     decode_threads: int | None = Field(default=None, ge=1)
     check_invariance: float = Field(default=0.0, ge=0.0, le=1.0)
     batch_invariance: bool = True
-    kernels: Literal["auto", "native", "torch"] = "auto"
+    kernels: KernelChoice = "auto"
     api_keys: CommaList = Field(default_factory=list)
     max_queue: int = Field(default=64, ge=1)
     max_active: int = Field(default=16, ge=1)
@@ -160,7 +162,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                        "batch in the last bits, so greedy speculation equals "
                                        "plain decoding only to rounding outside float32's "
                                        "products (SPECSERVE_BATCH_INVARIANCE=false)"}),
-    ("--kernels", {"choices": ["auto", "native", "torch"],
+    ("--kernels", {"choices": list(KERNEL_CHOICES),
                    "help": "what runs a pass's norms, rotary embedding, attention and "
                            "activation on a CPU: native (fused C++ kernels, built once with "
                            "g++), torch (PyTorch's ops), auto (native where they build) "

@@ -34,6 +34,7 @@ import torch
 
 from decoding import model_store
 from decoding.factory import PRECISIONS, load_target
+from decoding.kernels import CHOICES as KERNEL_CHOICES
 from decoding.prompting import encode_chat
 from decoding.quantized import Int4Matrix, Int8Matrix
 from decoding.target import CausalLM
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="continuation tokens")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"],
+    parser.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
                         help="the targets' elementwise work and attention (decoding.kernels)")
     parser.add_argument("--rss", action="store_true", help="also a served process's RSS")
     parser.add_argument("--draft-cost", action="store_true",
