@@ -101,7 +101,7 @@ def _engine_tokens(target: CausalLM, drafters: dict[str, Drafter], default: str 
     engine.start()
     try:
         requests = [GenerationRequest(prompt_ids=tuple(encode_chat(target.tokenizer, [
-            {"role": "user", "content": p}])), max_new_tokens=40, sampling=GREEDY)
+            {"role": "user", "content": p}])), max_new_tokens=64, sampling=GREEDY)
             for p in PROMPTS]
         submitted = [engine.submit(r) for r in requests]
         return [[t for e in s for t in e.token_ids] for s in submitted]
