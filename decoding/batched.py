@@ -37,7 +37,7 @@ import torch
 from decoding import fused
 from decoding.attention import GroupedAttention, rotate
 from decoding.layout import SPAN_ALIGN, Layout
-from decoding.quantized import load_quantized
+from decoding.quantized import BlockMatrix, block_kernels, load_quantized
 from decoding.target import BatchItem, CausalLM, TargetCapabilities, head_subset, pretrained
 from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product, multiply
 
@@ -88,10 +88,12 @@ class BatchedLM(CausalLM):
     def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
                  quantize: str = "none", weights: Sequence[LayerWeights] | None = None,
                  head: Product | None = None, weights_format: str | None = None,
-                 kernels: str = "auto") -> None:
+                 kernels: str = "auto", int8_activations: bool = True) -> None:
         """``quantize`` (int4, int8) quantizes the matrices at load; or ``weights`` and
         ``head`` come ready-made (a GGUF file's; the model's own linears unused).
-        ``kernels``: see ``use_kernels``."""
+        ``kernels``: see ``use_kernels``; ``int8_activations``: int4 matrices quantized
+        here run the native kernels' block products (``quantized.BlockMatrix``) where
+        those run."""
         super().__init__(model, tokenizer, name)
         reason = supports(model)
         if reason is not None:
@@ -101,8 +103,12 @@ class BatchedLM(CausalLM):
         self._inner = model.model
         self._layers = list(self._inner.layers)
         self.scaling = float(self._layers[0].self_attn.scaling)
-        self._weights = list(weights or [LayerWeights.of(x, quantize) for x in self._layers])
-        self._head = head if head is not None else head_product(model, quantize)
+        blocks = None
+        if weights is None and quantize == "int4":
+            blocks = block_kernels(fused.load(model, kernels, name, self.device), int8_activations)
+        self._weights = list(weights or [LayerWeights.of(x, quantize, blocks)
+                                         for x in self._layers])
+        self._head = head if head is not None else head_product(model, quantize, blocks)
         self._kernels: Any = None  # the fused CPU kernels (decoding/fused.py), or None
         self._norms: list[fused.Norm] = []
         self.use_kernels(kernels)
@@ -123,17 +129,20 @@ class BatchedLM(CausalLM):
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", device: str = "cpu",
-             quantize: str = "auto", kernels: str = "auto") -> CausalLM:
+             quantize: str = "auto", kernels: str = "auto",
+             int8_activations: bool = True) -> CausalLM:
         """A model directory in ``dtype`` or quantized (int4, int8), or a GGUF file;
-        ``kernels``: ``use_kernels``."""
+        ``kernels``: ``use_kernels``; ``int8_activations``: 4-bit (and a GGUF's 8-bit)
+        matrices multiply int8-quantized activations where the native kernels can
+        (``quantized.BlockMatrix``)."""
         if str(path).endswith(".gguf"):
             from decoding import gguf_weights
 
-            return gguf_weights.load(path, dtype, device, quantize, kernels)
+            return gguf_weights.load(path, dtype, device, quantize, kernels, int8_activations)
         if quantize in ("none", "auto"):
             return cls.wrap(*pretrained(path, dtype, device), name=str(path), kernels=kernels)
         return cls(*load_quantized(path, quantize, device), name=str(path), quantize=quantize,
-                   kernels=kernels)
+                   kernels=kernels, int8_activations=int8_activations)
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, name: str, kernels: str = "auto") -> CausalLM:
@@ -144,6 +153,16 @@ class BatchedLM(CausalLM):
             log.warning("%s runs one sequence per forward pass: %s", name, reason)
             return CausalLM(model, tokenizer, name=name)
         return cls(model, tokenizer, name=name, kernels=kernels)
+
+    @property
+    def product_activations(self) -> str:
+        """What the matrix products multiply: ``int8`` (block matrices, activations
+        quantized per block of 32) or the activations' dtype."""
+        mats = [m for w in self._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+        parts = [p for m in [*mats, self._head] for p in getattr(m, "parts", [m])]
+        if any(isinstance(p, BlockMatrix) for p in parts):
+            return "int8"
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def kernels(self) -> str:

@@ -37,12 +37,15 @@ CHEAP_DRAFTS = frozenset({NO_DRAFT, NGRAM, CACHE})  # drafters that run no model
 
 
 def load_target(spec: str = "default", dtype: str = "float32", device: str = "cpu",
-                quantize: str = "none", kernels: str = "auto") -> CausalLM:
+                quantize: str = "none", kernels: str = "auto",
+                int8_activations: bool = True) -> CausalLM:
     """The target ``spec`` names, in ``dtype``; ``quantize``: ``auto`` serves a GGUF file's
     own weights (for the default model, its GGUF file: int4 with bfloat16 activations);
     ``none`` a model directory as it is (the default model dequantized to ``dtype``);
     ``int8``/``int4`` a model directory quantized at load. ``kernels``: what runs the
-    elementwise work and attention (``BatchedLM.use_kernels``)."""
+    elementwise work and attention (``BatchedLM.use_kernels``); ``int8_activations``: 4-bit
+    and Q8_0 matrices multiply int8-quantized activations where the native kernels can
+    (``BatchedLM.load``)."""
     if quantize not in QUANTIZE:
         raise ValueError(f"unknown quantization {quantize!r}; choose one of {list(QUANTIZE)}")
     if spec in model_store.DEFAULT_ALIASES and quantize == "auto" and device == "cpu":
@@ -50,7 +53,8 @@ def load_target(spec: str = "default", dtype: str = "float32", device: str = "cp
     else:
         path = model_store.resolve(spec)
     log.info("loading target %s (%s, quantize %s, %s)", path, dtype, quantize, device)
-    return BatchedLM.load(path, dtype=dtype, device=device, quantize=quantize, kernels=kernels)
+    return BatchedLM.load(path, dtype=dtype, device=device, quantize=quantize, kernels=kernels,
+                          int8_activations=int8_activations)
 
 
 def target_precision(target: CausalLM) -> str:

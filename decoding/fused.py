@@ -13,7 +13,7 @@ import torch
 
 from decoding import kernels
 from decoding.layout import Layout
-from decoding.quantized import ACTIVATIONS, Int4Matrix
+from decoding.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix
 from decoding.weights import Product, multiply
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
@@ -56,17 +56,23 @@ def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
 
 def int4_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
     """The kernels' whole-stack loop (``Int4Stack``) over ``runner``'s layers when every
-    matrix is PyTorch's packed int4 in bfloat16 (a GGUF's 4-bit tensors, ``--quantize
-    int4``), else None. It makes the calls ``forward`` makes, in C++."""
+    matrix is 4-bit in bfloat16, all PyTorch's packed int4 or all 4-bit ``BlockMatrix``
+    (a GGUF's 4-bit tensors, ``--quantize int4``), else None. It makes the calls
+    ``forward`` makes, in C++."""
     mats = [m for w in runner._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
-    if runner.dtype != ACTIVATIONS or not all(type(m) is Int4Matrix for m in mats):
+    if runner.dtype != ACTIVATIONS:
         return None
-    if len({m.group for m in mats}) != 1:
+    if all(type(m) is BlockMatrix and m.bits == 4 for m in mats):
+        return native.Int4Stack([m.packed for m in mats], [m.packed for m in mats],
+                                [m.out_features for m in mats], [m.bias for m in mats],
+                                [w for w, _ in norms], [e for _, e in norms], 32,
+                                runner.heads, runner.kv_heads, runner.scaling, True)
+    if not all(type(m) is Int4Matrix for m in mats) or len({m.group for m in mats}) != 1:
         return None
     return native.Int4Stack([m.packed for m in mats], [m.scales_zeros for m in mats],
                             [m.out_features for m in mats], [m.bias for m in mats],
                             [w for w, _ in norms], [e for _, e in norms], mats[0].group,
-                            runner.heads, runner.kv_heads, runner.scaling)
+                            runner.heads, runner.kv_heads, runner.scaling, False)
 
 
 def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,

@@ -6,7 +6,10 @@ bfloat16, and every matrix in a weight-only format (``decoding.quantized``).
 Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32 weights over 4-bit codes,
 so their codes go unchanged into the int4 kernel's groups of 32 (only the scales round
 to bfloat16). Q8_0, Q6_K and float tensors are dequantized to bfloat16 (no weight-only
-kernel takes their groups of 32 and 16). Any other type is refused, naming the tensor.
+kernel takes their groups of 32 and 16). Where the native kernels have block products
+(AVX512-VNNI; ``quantized.BlockMatrix``), the 4-bit and Q8_0 tensors keep their codes and
+their float16 scales and minimums exactly, and multiply int8-quantized activations as
+llama.cpp does. Any other type is refused, naming the tensor.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from decoding import fused
 from decoding.batched import BatchedLM
-from decoding.quantized import ACTIVATIONS, Int4Matrix, Int4Rows
+from decoding.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix, Int4Rows, block_kernels
 from decoding.target import CausalLM
 from decoding.weights import LayerWeights, Matrix, Product, Stacked
 
@@ -40,10 +44,10 @@ class GGUFTypeError(ValueError):
 
 
 def load(path: str, dtype: str = "float32", device: str = "cpu",
-         quantize: str = "auto", kernels: str = "auto") -> CausalLM:
+         quantize: str = "auto", kernels: str = "auto", int8_activations: bool = True) -> CausalLM:
     """The runner for a GGUF file: its own weights (``quantize`` auto), or dequantized
     to ``dtype`` by transformers (``none``, the float model it stands for); ``kernels``:
-    ``BatchedLM.use_kernels``."""
+    ``BatchedLM.use_kernels``; ``int8_activations``: ``GGUFModel.runner``."""
     file = Path(path)
     if quantize == "none":
         return _dequantized(file, dtype, device, kernels)
@@ -53,7 +57,7 @@ def load(path: str, dtype: str = "float32", device: str = "cpu",
     if device != "cpu":
         raise ValueError("a GGUF file's own weights run on a CPU only (--quantize none "
                          "dequantizes it)")
-    return GGUFModel(file).runner(kernels)
+    return GGUFModel(file).runner(kernels, int8_activations)
 
 
 class GGUFModel:
@@ -83,12 +87,16 @@ class GGUFModel:
                     f"{self.file.name}: tensor {name!r} is of GGUF type {kind}, which this "
                     f"server cannot run; supported: {', '.join(sorted(SUPPORTED_TYPES))}")
 
-    def runner(self, kernels: str = "auto") -> BatchedLM:
+    def runner(self, kernels: str = "auto", int8_activations: bool = True) -> BatchedLM:
+        """The batched runner over the file's weights; ``int8_activations``: its 4-bit and
+        Q8_0 matrices as ``BlockMatrix`` where the native kernels have block products."""
         from transformers import AutoModelForCausalLM
 
         config = self.config
         with torch.device("meta"):
             model: Any = AutoModelForCausalLM.from_config(config, dtype=ACTIVATIONS)
+        self.blocks = block_kernels(fused.load(model, kernels, self.file.name,
+                                               torch.device("cpu")), int8_activations)
         inner = model.model
         embedding = self.wide("token_embd.weight")  # [vocab, hidden]
         inner.embed_tokens = nn.Embedding.from_pretrained(embedding, freeze=True)
@@ -125,7 +133,12 @@ class GGUFModel:
         tensors = [self.tensors[n + ".weight"] for n in names]
         kinds = [t.tensor_type.name in INT4_TYPES for t in tensors]
         if all(kinds):
-            return Int4Matrix(Int4Rows.cat([self.int4(n) for n in names]))
+            rows4 = Int4Rows.cat([self.int4(n) for n in names])
+            return (BlockMatrix.int4(self.blocks, rows4) if self.blocks is not None
+                    else Int4Matrix(rows4))
+        if self.blocks is not None and all(t.tensor_type.name == "Q8_0" for t in tensors):
+            codes, scales = zip(*(self.int8(n) for n in names), strict=True)
+            return BlockMatrix.int8(self.blocks, torch.cat(codes), torch.cat(scales))
         if not any(kinds):
             if rows is None:
                 rows = torch.cat([self.wide(n + ".weight") for n in names])
@@ -137,6 +150,22 @@ class GGUFModel:
         rows = int4_rows(tensor.tensor_type.name, np.asarray(tensor.data), int(tensor.shape[0]))
         order = self.row_order(name)
         return rows.take(order) if order is not None else rows
+
+    def int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Q8_0 tensor's int8 codes ``[out, in]`` and float16 scales (as float32)
+        ``[out, in / 32]``, q/k rows reordered."""
+        tensor = self.tensors[name + ".weight"]
+        data = np.asarray(tensor.data)
+        out, inputs = data.shape[0], int(tensor.shape[0])
+        blocks = data.reshape(-1, 34)  # a float16 scale, then 32 int8 codes
+        scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        codes = blocks[:, 2:].copy().view(np.int8)
+        codes_t = torch.from_numpy(codes.reshape(out, inputs))
+        scale_t = torch.from_numpy(scale.reshape(out, inputs // 32))
+        order = self.row_order(name)
+        if order is not None:
+            codes_t, scale_t = codes_t[order], scale_t[order]
+        return codes_t, scale_t
 
     def wide(self, key: str) -> torch.Tensor:  # the tensor in bfloat16, q/k rows reordered
         import gguf

@@ -100,6 +100,86 @@ class Int4Matrix:
         return ((self.codes().to(ACTIVATIONS) - 8) * scale + zero).to(ACTIVATIONS)
 
 
+class BlockMatrix:
+    """A matrix of 4- or 8-bit codes with a float16 scale and minimum per block of 32
+    inputs (``code * scale + low``), multiplied by the native kernels' ``block_product``:
+    each token's activations are quantized to int8 per block of 32, as llama.cpp does,
+    and AVX512-VNNI sums the block exactly in int32 (docs/quantization.md, "Int8
+    activations"). A row's result depends on that row alone, at any row count."""
+
+    def __init__(self, native: Any, codes: torch.Tensor, scale: torch.Tensor,
+                 low: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = codes.shape
+        self.bits = bits
+        self.packed = native.block_pack(codes.contiguous(), scale.float().contiguous(),
+                                        low.float().contiguous(), bits)
+        self.bias = bias.to(ACTIVATIONS) if bias is not None else None
+        self._native = native
+
+    @classmethod
+    def int4(cls, native: Any, rows: Int4Rows, bias: torch.Tensor | None = None) -> BlockMatrix:
+        if rows.group != 32:
+            raise ValueError(f"block matrices take groups of 32 inputs; got {rows.group}")
+        return cls(native, rows.codes, rows.scale, rows.low, 4, bias)
+
+    @classmethod
+    def int8(cls, native: Any, codes: torch.Tensor, scale: torch.Tensor) -> BlockMatrix:
+        """Signed 8-bit codes ``[out, in]`` with a scale per block of 32 (a GGUF's Q8_0):
+        held as code + 128 with the minimum -128 scale."""
+        unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
+        return cls(native, unsigned, scale, -128 * scale.float(), 8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return self._native.block_product(x.to(ACTIVATIONS).contiguous(), self.packed,
+                                          self.out_features, self.bits, self.bias)
+
+    def bulk(self, x: torch.Tensor) -> torch.Tensor:  # as fast as a dense product here
+        return self(x)
+
+    def _tiles(self) -> torch.Tensor:  # [tiles, blocks, bytes]: the packing's layout
+        blocks = self.in_features // 32
+        return self.packed.view(-1, blocks, self.packed.numel() // blocks
+                                // -(-self.out_features // 16))
+
+    def codes(self) -> torch.Tensor:  # [out, in] uint8, as given (8-bit: code + 128)
+        tiles = self._tiles()
+        n, blocks = tiles.shape[0], tiles.shape[1]
+        if self.bits == 4:  # [tile, block, group j, row, 4 inputs]; high nibbles: j + 4
+            groups = tiles[:, :, :256].reshape(n, blocks, 4, 16, 4)
+            groups = torch.cat([groups & 15, groups >> 4], dim=2)
+        else:
+            groups = tiles[:, :, :512].reshape(n, blocks, 8, 16, 4)
+        codes = groups.permute(0, 3, 1, 2, 4).reshape(n * 16, self.in_features)
+        return codes[: self.out_features]
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each block's float16 scale and minimum, ``[out, in / 32]`` each."""
+        tiles = self._tiles()
+        size = tiles.shape[2]
+
+        def part(lo: int) -> torch.Tensor:
+            half = tiles[:, :, lo : lo + 32].contiguous().view(torch.float16)  # [n, blocks, 16]
+            return half.permute(0, 2, 1).reshape(-1, tiles.shape[1])[: self.out_features]
+
+        return part(size - 64), part(size - 32)
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32: what a product multiplies by
+        scale, low = (s.float().repeat_interleave(32, 1) for s in self.scales())
+        return self.codes().float() * scale + low
+
+
+def block_kernels(native: Any, int8_activations: bool) -> Any | None:
+    """``native`` (the kernels module) where its block products run and int8 activations
+    are wanted, else None (the matrices stay PyTorch's int4/int8/bfloat16 ones)."""
+    if native is None or not int8_activations or not native.has_block_products():
+        return None
+    return native
+
+
 class Int8Matrix:
     """A matrix of int8 codes with a bfloat16 scale per output row (symmetric)."""
 
@@ -148,11 +228,15 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-def quantized(weight: torch.Tensor, bias: torch.Tensor | None,
-              method: str) -> Int4Matrix | Int8Matrix:
-    """``weight`` (``[out, in]``) quantized by ``method`` (int4 or int8)."""
+def quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
+              blocks: Any = None) -> Int4Matrix | Int8Matrix | BlockMatrix:
+    """``weight`` (``[out, in]``) quantized by ``method`` (int4 or int8); int4 as a
+    ``BlockMatrix`` when ``blocks`` (``block_kernels``) is given."""
     if method == "int4":
-        return Int4Matrix(quantize_int4(weight), bias)
+        rows = quantize_int4(weight)
+        if blocks is not None:
+            return BlockMatrix.int4(blocks, rows, bias)
+        return Int4Matrix(rows, bias)
     if method == "int8":
         return Int8Matrix(*quantize_int8(weight), bias)
     raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")

@@ -169,12 +169,13 @@ class LayerWeights:
     down: Product
 
     @classmethod
-    def of(cls, layer: Any, quantize: str = "none") -> LayerWeights:
+    def of(cls, layer: Any, quantize: str = "none", blocks: Any = None) -> LayerWeights:
         """The layer's matrices, fused; quantized by ``quantize`` (int4, int8) unless
-        ``none`` (then the modules' weights become views of the fused ones)."""
+        ``none`` (then the modules' weights become views of the fused ones); ``blocks``:
+        ``quantized``'s."""
         attention, mlp = layer.self_attn, layer.mlp
         make = fuse if quantize == "none" else functools.partial(fuse_quantized,
-                                                                 method=quantize)
+                                                                 method=quantize, blocks=blocks)
         return cls(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
                    act=mlp.act_fn,
                    qkv=make((attention.q_proj, attention.k_proj, attention.v_proj)),
@@ -203,7 +204,7 @@ def fuse(linears: Sequence[Any]) -> Matrix:
     return Matrix(fused, bias)
 
 
-def fuse_quantized(linears: Sequence[Any], method: str) -> Product:
+def fuse_quantized(linears: Sequence[Any], method: str, blocks: Any = None) -> Product:
     """One quantized ``[sum(out), in]`` matrix for ``linears``; the modules' own weights
     are dropped (left on the meta device), since only the quantized copy runs."""
     from decoding.quantized import quantized
@@ -214,7 +215,8 @@ def fuse_quantized(linears: Sequence[Any], method: str) -> Product:
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
                           for b, w in zip(biases, weights, strict=True)])
-    matrix = quantized(torch.cat(weights) if len(weights) > 1 else weights[0], bias, method)
+    matrix = quantized(torch.cat(weights) if len(weights) > 1 else weights[0], bias, method,
+                       blocks)
     for module in linears:
         drop_weight(module)
     return matrix
@@ -225,8 +227,9 @@ def drop_weight(module: Any) -> None:
     module.weight = torch.nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
 
 
-def head_product(model: Any, quantize: str = "none") -> Product:
-    """The output head as a matrix, quantized by ``quantize`` unless ``none``."""
+def head_product(model: Any, quantize: str = "none", blocks: Any = None) -> Product:
+    """The output head as a matrix, quantized by ``quantize`` unless ``none`` (``blocks``:
+    ``quantized``'s)."""
     head = model.get_output_embeddings()
     weight = head.weight.detach()
     bias = getattr(head, "bias", None)
@@ -235,6 +238,6 @@ def head_product(model: Any, quantize: str = "none") -> Product:
         return Matrix(weight, bias)
     from decoding.quantized import quantized
 
-    matrix = quantized(weight, bias, quantize)
+    matrix = quantized(weight, bias, quantize, blocks)
     drop_weight(head)  # a tied input embedding keeps its own reference
     return matrix

@@ -266,6 +266,7 @@ def _card(state: GatewayState) -> ModelCard:
             "weights": engine.info.get("weights", settings.dtype),
             "draft_dtype": engine.info.get("draft_dtype"),
             "kernels": engine.info.get("kernels", "torch"),
+            "product_activations": engine.info.get("product_activations", settings.dtype),
             "aliases": sorted(state.aliases),
         },
     )

@@ -74,11 +74,12 @@ def kernels_key(target: CausalLM) -> str:
     """What computed the cached KV besides the weights: the two kernel paths round
     differently, and so do native builds for other instruction sets (a replica reading
     another's KV would then not continue as plain decoding would)."""
+    products = getattr(target, "product_activations", "")
     if getattr(target, "kernels", "torch") != "native":
-        return "torch"
+        return "torch" if products != "int8" else "torch-int8"
     from decoding.kernels import build_dir
 
-    return f"native-{build_dir().name}"
+    return f"native-{build_dir().name}" + ("-int8" if products == "int8" else "")
 
 
 def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | None:
@@ -137,14 +138,16 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     if settings.threads:
         torch.set_num_threads(settings.threads)
     target = load_target(settings.target, settings.dtype, quantize=settings.quantize,
-                         kernels=settings.kernels)
+                         kernels=settings.kernels, int8_activations=settings.int8_activations)
     if isinstance(target, BatchedLM):
         target.batch_invariant = settings.batch_invariance
     cache = build_prefix_cache(settings, target)
     drafters, default, backend = build_drafters(settings, target, cache, draft_loader)
     info = {"draft_backend": backend, "weights": target_precision(target),
             "activations": str(target.dtype).removeprefix("torch."),
-            "kernels": getattr(target, "kernels", "torch")}
+            "kernels": getattr(target, "kernels", "torch"),
+            "product_activations": getattr(target, "product_activations",
+                                           str(target.dtype).removeprefix("torch."))}
     draft_dtype = draft_model_dtype(drafters.get(default or ""))
     if draft_dtype is not None:
         info["draft_dtype"] = draft_dtype

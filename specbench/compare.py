@@ -81,6 +81,7 @@ class BenchConfig:
     quick: bool
     draft_dtype: str = "auto"  # of a PyTorch draft model; see factory.torch_draft_dtype
     kernels: str = "auto"  # the target's elementwise work and attention (decoding.kernels)
+    int8_activations: bool = True  # 4-bit/Q8_0 matrices with int8 activations (BlockMatrix)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
@@ -103,6 +104,7 @@ class BenchConfig:
             quick=args.quick,
             draft_dtype=getattr(args, "draft_dtype", "auto"),
             kernels=getattr(args, "kernels", "auto"),
+            int8_activations=getattr(args, "int8_activations", True),
         )
 
 
@@ -274,7 +276,8 @@ def _run_dtype(
 ) -> list[dict[str, Any]]:
     log.info("loading %s in %s", config.target, dtype)
     torch_dtype, quantize = PRECISIONS[dtype]  # gguf: the file's own; int8/int4: at load
-    target = load_target(config.target, torch_dtype, quantize=quantize, kernels=config.kernels)
+    target = load_target(config.target, torch_dtype, quantize=quantize, kernels=config.kernels,
+                         int8_activations=config.int8_activations)
     draft = _load_draft(config, target, dtype)
     spec_draft: Drafter | None = draft
     if draft is not None and draft_loader is not None and config.draft is not None:

@@ -1,7 +1,9 @@
 """What quantized targets cost and change: step time, weights read, quality, memory.
 
 ``python -m specbench.quant`` measures, for each precision of the default model (float32,
-bfloat16, int8, int4 quantized at load, and the GGUF file's own weights):
+bfloat16, int8, int4 quantized at load, and the GGUF file's own weights; a name ending in
+``-bf16act`` keeps bfloat16 activations where the native kernels would quantize them to
+int8, ``quantized.BlockMatrix``):
 
 - the one-token step at a ~300-token context against the floor for the bytes of
   weights a step reads (memory bandwidth measured here, as ``specbench.concurrency``);
@@ -36,7 +38,7 @@ from decoding import model_store
 from decoding.factory import PRECISIONS, load_target
 from decoding.kernels import CHOICES as KERNEL_CHOICES
 from decoding.prompting import encode_chat
-from decoding.quantized import Int4Matrix, Int8Matrix
+from decoding.quantized import BlockMatrix, Int4Matrix, Int8Matrix
 from decoding.target import CausalLM
 from decoding.weights import Matrix, Stacked
 from specbench.compare import load_prompts
@@ -44,11 +46,12 @@ from specbench.concurrency import measure_bandwidth
 
 MS = 1e3
 CONTEXT = 300
+BF16_ACTIVATIONS = "-bf16act"  # a precision's suffix: no int8 activations
 
 
 def product_bytes(product: Any) -> int:
     """Bytes of one weight matrix as the step reads it."""
-    if isinstance(product, Int4Matrix | Int8Matrix):
+    if isinstance(product, Int4Matrix | Int8Matrix | BlockMatrix):
         return product.nbytes
     if isinstance(product, Stacked):
         return sum(product_bytes(p) for p in product.parts)
@@ -206,8 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"bandwidth_gb_s": round(bandwidth / 1e9, 1), "context": CONTEXT,
                               "threads": torch.get_num_threads(), "rows": []}
     for name in precisions:
-        dtype, quantize = PRECISIONS[name]
-        target = load_target("default", dtype, quantize=quantize, kernels=args.kernels)
+        dtype, quantize = PRECISIONS[name.removesuffix(BF16_ACTIVATIONS)]
+        target = load_target("default", dtype, quantize=quantize, kernels=args.kernels,
+                             int8_activations=not name.endswith(BF16_ACTIVATIONS))
         if not prompts:
             prompts = [encode_chat(target.tokenizer, p.messages)
                        for s in args.prompt_sets.split(",")
@@ -216,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step = step_time(target, args.steps)
         row: dict[str, Any] = {
             "precision": name, "weights": getattr(target, "weights_format", dtype),
+            "products": getattr(target, "product_activations", dtype),
             "weights_mb": round(size / 1e6, 1), "step_ms": round(step * MS, 2),
             "floor_ms": round(size / bandwidth * MS, 2),
             "step_over_floor": round(step * bandwidth / size, 2)}
@@ -233,15 +238,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["draft_cost"] = draft_costs(args.steps)
     if args.rss:
         for name in precisions:
-            dtype, quantize = PRECISIONS[name]
+            dtype, quantize = PRECISIONS[name.removesuffix(BF16_ACTIVATIONS)]
             rss = serve_rss(quantize, dtype)
             next(r for r in report["rows"] if r["precision"] == name)["serve_rss_mb"] = round(rss)
     return report
 
 
 def write_table(report: dict[str, Any]) -> None:
-    cols = ["precision", "weights", "weights_mb", "step_ms", "floor_ms", "step_over_floor",
-            "top1_agreement", "mean_abs_logit_diff", "serve_rss_mb"]
+    cols = ["precision", "weights", "products", "weights_mb", "step_ms", "floor_ms",
+            "step_over_floor", "top1_agreement", "mean_abs_logit_diff", "serve_rss_mb"]
     print(" | ".join(cols))
     for row in report["rows"]:
         print(" | ".join(str(row.get(c, "")) for c in cols))
@@ -255,7 +260,8 @@ def write_table(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precisions", default="float32,bfloat16,int8,int4,gguf")
+    parser.add_argument("--precisions",
+                        default="float32,bfloat16,int8,int4,int4-bf16act,gguf,gguf-bf16act")
     parser.add_argument("--prompt-sets", default="chat,grounded")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per set (all)")
     parser.add_argument("--tokens", type=int, default=32, help="continuation tokens")

@@ -167,6 +167,9 @@ def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto")
     p.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
                    help="the target's norms, rotary embedding, attention and activation on a "
                         "CPU: native (fused C++ kernels), torch (PyTorch's ops), auto")
+    p.add_argument("--no-int8-activations", dest="int8_activations", action="store_false",
+                   help="bfloat16 activations for 4-bit and Q8_0 matrices (default: int8 per "
+                        "block of 32 where the native kernels can)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -187,7 +190,8 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target, args.dtype, quantize=args.quantize, kernels=args.kernels)
+    target = load_target(args.target, args.dtype, quantize=args.quantize, kernels=args.kernels,
+                         int8_activations=args.int8_activations)
     try:
         drafter, _ = load_draft(args.draft, target, args.draft_backend, args.dtype,
                                 draft_dtype=args.draft_dtype)

@@ -31,15 +31,19 @@ LENGTHS = (40, 170, 505)
 FUTURE = 20
 
 
-@pytest.fixture(scope="module", params=[("bfloat16", "auto", "auto"), ("bfloat16", "none", "auto"),
-                                        ("float32", "none", "auto"),
-                                        ("bfloat16", "auto", "torch")],
-                ids=["gguf-int4", "bfloat16", "float32", "gguf-int4-torch-kernels"])
+@pytest.fixture(scope="module", params=[("bfloat16", "auto", "auto", True),
+                                        ("bfloat16", "auto", "auto", False),
+                                        ("bfloat16", "none", "auto", True),
+                                        ("float32", "none", "auto", True),
+                                        ("bfloat16", "auto", "torch", True)],
+                ids=["gguf-int4", "gguf-int4-bfloat16-activations", "bfloat16", "float32",
+                     "gguf-int4-torch-kernels"])
 def target(request: pytest.FixtureRequest, default_model_dir: object) -> CausalLM:
-    """Each precision on the fused kernels where they build, and the GGUF on PyTorch's
-    ops (the path without a compiler)."""
-    dtype, quantize, kernels = request.param
-    return load_target("default", dtype, "cpu", quantize, kernels)
+    """Each precision on the fused kernels where they build (the GGUF's matrices with int8
+    activations where the kernels have block products, and without), and the GGUF on
+    PyTorch's ops (the path without a compiler)."""
+    dtype, quantize, kernels, int8_activations = request.param
+    return load_target("default", dtype, "cpu", quantize, kernels, int8_activations)
 
 
 def _steps(target: CausalLM, state: object, tokens: Sequence[int]) -> list[torch.Tensor]:

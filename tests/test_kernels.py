@@ -252,11 +252,15 @@ def test_the_portable_build_passes_the_same_checks(tmp_path: Any) -> None:
     assert list(tmp_path.glob("kernels/*/specserve_kernels.so")), "nothing was built"
 
 
-def test_the_int4_stack_is_the_python_loop_bitwise(tiny_target_dir: Any) -> None:
+@pytest.mark.parametrize("int8_activations", [True, False], ids=["blocks", "torch-int4"])
+def test_the_int4_stack_is_the_python_loop_bitwise(tiny_target_dir: Any,
+                                                   int8_activations: bool) -> None:
     """An int4 model's layers run as one ``Int4Stack`` call: the same logits, bit for bit,
     as the per-layer Python loop over the same kernels, for a prompt, steps and a
-    verify pass beside another sequence."""
-    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4")
+    verify pass beside another sequence; with block matrices (int8 activations) and
+    with PyTorch's int4 ones."""
+    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4",
+                            int8_activations=int8_activations)
     assert isinstance(runner, BatchedLM) and runner._stack is not None
     stack = runner._stack
 

@@ -428,6 +428,197 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// --- products of 4- and 8-bit block matrices with int8 activations ------------------------
+
+// A matrix of 4-bit (or 8-bit) codes with a float16 scale and minimum per block of 32 inputs,
+// w = code * scale + low (a GGUF's Q4_0/Q4_1/Q4_K blocks, its Q8_0 as code + 128 with
+// low = -128 scale), multiplied the way llama.cpp does on a CPU: each token's activations
+// are quantized to int8 per block of 32 (scale max|x| / 127), and AVX512-VNNI sums four
+// code * activation products per instruction in int32. A block's sum is exact; the blocks
+// add up in float32 in input order. Packed per tile of 16 output rows and block of 32
+// inputs: the codes as eight 64-byte groups (group j: inputs 4j..4j+3 of the 16 rows,
+// four bytes a row; 4-bit codes hold group j + 4 in the high nibbles of group j's bytes),
+// then the 16 scales and the 16 minimums in float16.
+
+constexpr int64_t kTile = 16, kBlock = 32;
+
+inline int64_t block_bytes(int64_t bits) { return (bits == 4 ? 256 : 512) + 64; }
+
+// codes [out, in] uint8 (0..15 for 4 bits), scale/low [out, in / 32] float32 -> the packing
+at::Tensor block_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& low,
+                      int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.device().is_cpu(),
+              "codes must be a contiguous uint8 [out, in] CPU tensor");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(k % kBlock == 0 && k > 0 && n > 0, "the input size must be a multiple of 32");
+  const int64_t blocks = k / kBlock, tiles = (n + kTile - 1) / kTile;
+  for (const at::Tensor* t : {&scale, &low})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == blocks &&
+                    t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "scale/low must be contiguous float32 [out, in / 32]");
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  if (bits == 4)
+    for (int64_t i = 0; i < n * k; ++i) TORCH_CHECK(c[i] < 16, "4-bit codes must be 0..15");
+  const int64_t size = block_bytes(bits);
+  at::Tensor out = at::zeros({tiles * blocks * size}, codes.options());
+  const float* s = scale.data_ptr<float>();
+  const float* m = low.data_ptr<float>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* dst = o + (t * blocks + b) * size;
+      for (int64_t r = 0; r < kTile && t * kTile + r < n; ++r) {
+        const int64_t row = t * kTile + r;
+        const uint8_t* q = c + row * k + b * kBlock;
+        for (int64_t j = 0; j < (bits == 4 ? 4 : 8); ++j)
+          for (int64_t i = 0; i < 4; ++i)
+            dst[j * 64 + 4 * r + i] =
+                bits == 4 ? static_cast<uint8_t>(q[4 * j + i] | (q[4 * (j + 4) + i] << 4))
+                          : q[4 * j + i];
+        const c10::Half d(s[row * blocks + b]), low_(m[row * blocks + b]);
+        std::memcpy(dst + size - 64 + 2 * r, &d, 2);
+        std::memcpy(dst + size - 32 + 2 * r, &low_, 2);
+      }
+    }
+  return out;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kBlockProducts = true;
+
+// A row's activations per block of 32: int8 codes round(x / d) with d = max|x| / 127, d,
+// and d * sum(codes) (what a block's minimums multiply)
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m512 lo = load16(x + b * kBlock), hi = load16(x + b * kBlock + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    scale[b] = d;
+    sum[b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+  }
+}
+
+// R rows (tokens) against one tile of 16 output rows: [R, 16] float32 into out
+template <int R, int BITS>
+inline void block_tile(const uint8_t* w, int64_t blocks, const int8_t* codes, const float* scale,
+                       const float* sum, int64_t k, float* out) {
+  constexpr int64_t size = (BITS == 4 ? 256 : 512) + 64;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b, w += size) {
+    __m512i group[8];
+    if (BITS == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i bytes = _mm512_loadu_si512(w + 64 * j);
+        group[j] = _mm512_and_si512(bytes, nibble);
+        group[j + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) group[j] = _mm512_loadu_si512(w + 64 * j);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + size - 64)));
+    const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + size - 32)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = codes + r * k + b * kBlock;
+      __m512i dot = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        int32_t four;
+        std::memcpy(&four, a + 4 * j, 4);
+        dot = _mm512_dpbusd_epi32(dot, group[j], _mm512_set1_epi32(four));
+      }
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(scale[r * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, acc[r]);
+      acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(sum[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+template <int BITS>
+void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* codes,
+                     const float* scale, const float* sum, int64_t k, float* out) {
+  switch (rows) {
+#define SPECSERVE_ROWS(R) \
+  case R:                 \
+    return block_tile<R, BITS>(w, blocks, codes, scale, sum, k, out);
+    SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
+    SPECSERVE_ROWS(5) SPECSERVE_ROWS(6) SPECSERVE_ROWS(7) SPECSERVE_ROWS(8)
+#undef SPECSERVE_ROWS
+  }
+}
+#else
+constexpr bool kBlockProducts = false;
+#endif
+
+constexpr int kBlockRows = 8;  // tokens a tile's codes are unpacked for at once
+
+// x [tokens, in] (float32 or bfloat16) times a block_pack-ed [out, in] matrix (+ bias): [tokens, out]
+at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         int64_t bits, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kBlockProducts, "these kernels were built without AVX512-VNNI block products");
+  check_rows(x, "x");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t tokens = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(k % kBlock == 0 && n > 0, "the input size must be a multiple of 32");
+  const int64_t blocks = k / kBlock, tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == tiles * blocks * block_bytes(bits),
+              "packed does not hold a [", n, ", ", k, "] ", bits, "-bit block matrix");
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor b32;
+  if (has_bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [out]");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({tokens, n}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  at::Tensor codes = at::empty({tokens, k}, x.options().dtype(at::kChar));
+  at::Tensor stats = at::empty({2, tokens, blocks}, x.options().dtype(at::kFloat));
+  int8_t* cp = codes.data_ptr<int8_t>();
+  float* scale = stats.data_ptr<float>();
+  float* sum = scale + tokens * blocks;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* bp = has_bias ? b32.data_ptr<float>() : nullptr;
+  const int64_t size = block_bytes(bits);
+  DISPATCH(x.scalar_type(), "block_product", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t)
+        quantize_row(xp + t * k, k, cp + t * k, scale + t * blocks, sum + t * blocks);
+    });
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+      alignas(64) float tile[kBlockRows * kTile];
+      for (int64_t t = lo; t < hi; ++t)
+        for (int64_t r = 0; r < tokens; r += kBlockRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, tokens - r));
+          const uint8_t* w = wp + t * blocks * size;
+          if (bits == 4)
+            block_tile_rows<4>(rows, w, blocks, cp + r * k, scale + r * blocks, sum + r * blocks, k, tile);
+          else
+            block_tile_rows<8>(rows, w, blocks, cp + r * k, scale + r * blocks, sum + r * blocks, k, tile);
+          const int64_t width = std::min<int64_t>(kTile, n - t * kTile);
+          for (int i = 0; i < rows; ++i)
+            for (int64_t c = 0; c < width; ++c)
+              store(yp + (r + i) * n + t * kTile, c,
+                    bp != nullptr ? tile[i * kTile + c] + bp[t * kTile + c] : tile[i * kTile + c]);
+        }
+    });
+  });
+#endif
+  return y;
+}
+
+bool has_block_products() { return kBlockProducts; }
+
 // --- a whole decoder stack of int4 matrices in one call ----------------------------------
 
 // The layers of a model whose matrices are all PyTorch's packed int4 (a GGUF's 4-bit
@@ -438,10 +629,11 @@ class Int4Stack {
   Int4Stack(std::vector<at::Tensor> packed, std::vector<at::Tensor> scales_zeros,
             std::vector<int64_t> out_features, std::vector<c10::optional<at::Tensor>> biases,
             std::vector<at::Tensor> norms, std::vector<double> eps, int64_t group,
-            int64_t heads, int64_t kv_heads, double scale)
+            int64_t heads, int64_t kv_heads, double scale, bool blocks)
       : packed_(std::move(packed)), scales_zeros_(std::move(scales_zeros)),
         out_(std::move(out_features)), biases_(std::move(biases)), norms_(std::move(norms)),
-        eps_(std::move(eps)), group_(group), heads_(heads), kv_heads_(kv_heads), scale_(scale) {
+        eps_(std::move(eps)), group_(group), heads_(heads), kv_heads_(kv_heads), scale_(scale),
+        blocks_(blocks) {
     const size_t n = packed_.size();
     TORCH_CHECK(n % 4 == 0 && scales_zeros_.size() == n && out_.size() == n &&
                     biases_.size() == n && norms_.size() == n / 2 + 1 && eps_.size() == norms_.size(),
@@ -473,8 +665,10 @@ class Int4Stack {
   }
 
  private:
-  // as decoding/quantized.py Int4Matrix.__call__ and decoding/fused.py product do
+  // as decoding/quantized.py Int4Matrix.__call__ (or BlockMatrix.__call__) and
+  // decoding/fused.py product do
   at::Tensor product(const at::Tensor& x, size_t i) const {
+    if (blocks_) return block_product(x, packed_[i], out_[i], 4, biases_[i]);
     at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, packed_[i], group_, scales_zeros_[i]);
     if (y.size(1) != out_[i]) y = y.narrow(1, 0, out_[i]);
     if (biases_[i].has_value() && biases_[i]->defined()) y = y + *biases_[i];
@@ -488,6 +682,7 @@ class Int4Stack {
   std::vector<double> eps_;
   int64_t group_, heads_, kv_heads_;
   double scale_;
+  bool blocks_;  // BlockMatrix packings (4-bit), else PyTorch's int4 ones
 };
 
 }  // namespace
@@ -500,9 +695,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("attend", &attend, "attention of each token over the keys it may see", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
+  m.def("block_pack", &block_pack, "a 4- or 8-bit block matrix packed for block_product");
+  m.def("block_product", &block_product, "x times a block matrix, with int8 activations",
+        release());
+  m.def("has_block_products", &has_block_products, "whether block_product runs (AVX512-VNNI)");
   py::class_<Int4Stack>(m, "Int4Stack")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<c10::optional<at::Tensor>>, std::vector<at::Tensor>,
-                    std::vector<double>, int64_t, int64_t, int64_t, double>())
+                    std::vector<double>, int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &Int4Stack::forward, release());
 }

@@ -1,0 +1,221 @@
+"""Block matrices (decoding.quantized.BlockMatrix): 4- and 8-bit codes with float16 scales
+and minimums per block of 32 inputs, multiplied with int8 activations by the native
+kernels' AVX512-VNNI ``block_product``. Each product against a reference computed here
+from the same int8 activations, a token's result independent of the batch and the thread
+count, the packing holding a GGUF file's own codes and scales, bad calls refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GT
+
+from decoding import kernels, model_store
+from decoding.batched import BatchedLM
+from decoding.factory import load_target
+from decoding.gguf_weights import GGUFModel, int4_rows
+from decoding.quantized import BlockMatrix, Int4Matrix, quantize_int4
+from tests.test_gguf import NAMES, dense, encode, file_weights, tiny_dir, write_gguf
+
+__all__ = ["tiny_dir"]  # a fixture, shared
+
+
+@pytest.fixture(scope="module")
+def native() -> Any:
+    module = kernels.native()
+    if not module.has_block_products():
+        pytest.skip("this CPU has no AVX512-VNNI: block matrices stay PyTorch's int4 ones")
+    return module
+
+
+@pytest.fixture()
+def threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def reference(m: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
+    """``x @ m.T`` as the kernel defines it: x quantized per block of 32 to int8
+    (round(x * 127 / max|x|)), each block's code sum exact, blocks summed in float64."""
+    tokens, inputs = x.shape
+    blocks = inputs // 32
+    xb = x.float().view(tokens, blocks, 32)
+    top = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    q = torch.round(xb * inv).clamp(-127, 127)  # [T, blocks, 32]
+    d = (top / 127.0).double()  # [T, blocks, 1]
+    codes = m.codes().double().view(m.out_features, blocks, 32)
+    scale, low = (s.double() for s in m.scales())  # [out, blocks]
+    dots = torch.einsum("tbk,obk->tob", q.double(), codes)  # exact integers
+    sums = q.double().sum(-1)  # [T, blocks]
+    return (dots * scale[None] * d[:, None, :, 0]
+            + low[None] * (d[..., 0] * sums)[:, None, :]).sum(-1)
+
+
+def _random(native: Any, bits: int, out: int, inputs: int, seed: int) -> BlockMatrix:
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        return BlockMatrix.int4(native, quantize_int4(torch.randn(out, inputs, generator=g)))
+    codes = torch.randint(-127, 128, (out, inputs), generator=g, dtype=torch.int8)
+    return BlockMatrix.int8(native, codes, torch.rand(out, inputs // 32, generator=g) / 50)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(40, 96), (53, 64), (16, 32)])  # whole and partial tiles
+@pytest.mark.parametrize("tokens", [1, 3, 11])  # one, a few, more than a pass of 8
+def test_a_product_is_the_int8_reference(native: Any, bits: int, shape: tuple[int, int],
+                                         tokens: int) -> None:
+    m = _random(native, bits, *shape, seed=bits + tokens)
+    # bfloat16 values: what the products take (BlockMatrix rounds float32 activations)
+    x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens))
+    x = x.bfloat16().float()
+    want = reference(m, x)
+    got = m(x.float())
+    assert got.dtype == torch.bfloat16  # the products take and give bfloat16
+    torch.testing.assert_close(got.double(), want.to(torch.bfloat16).double(), rtol=8e-3,
+                               atol=1e-3 * float(want.abs().max()))
+    exact = native.block_product(x, m.packed, m.out_features, bits, None)  # float32 out
+    torch.testing.assert_close(exact.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    # against the dense product of the same weights: only the activations' rounding
+    dense = x.double() @ m.dequantize().double().t()
+    assert (exact.double() - dense).abs().max() <= 0.02 * dense.abs().max()
+
+
+def test_a_bias_is_added(native: Any) -> None:
+    weight = torch.randn(24, 64)
+    bias = torch.randn(24)
+    m = BlockMatrix.int4(native, quantize_int4(weight), bias)
+    x = torch.randn(2, 64)
+    plain = BlockMatrix.int4(native, quantize_int4(weight))
+    torch.testing.assert_close(m(x).float(), plain(x).float() + bias.bfloat16().float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) -> None:
+    """Bitwise: each token alone, within passes of every size, on one or two threads."""
+    m = _random(native, 4, 200, 576, seed=5)
+    x = torch.randn(19, 576).bfloat16()
+    results = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        results.append(m(x))
+    assert torch.equal(results[0], results[1])
+    for size in (1, 2, 5, 8, 9):
+        for start in range(0, 19 - size + 1, size):
+            assert torch.equal(m(x[start : start + size]), results[0][start : start + size])
+
+
+def test_the_packing_keeps_the_codes_and_float16_scales(native: Any) -> None:
+    rows = quantize_int4(torch.randn(37, 128))
+    m = BlockMatrix.int4(native, rows)
+    assert torch.equal(m.codes(), rows.codes)
+    scale, low = m.scales()
+    assert torch.equal(scale, rows.scale.half()) and torch.equal(low, rows.low.half())
+    codes = torch.randint(-128, 128, (20, 64), dtype=torch.int8)
+    m8 = BlockMatrix.int8(native, codes, torch.ones(20, 2))
+    assert torch.equal(m8.codes().to(torch.int16) - 128, codes.to(torch.int16))
+    assert torch.equal(m8.dequantize(), codes.float())
+
+
+def test_bad_calls_raise_instead_of_reading_out_of_bounds(native: Any) -> None:
+    m = _random(native, 4, 40, 64, seed=1)
+    x = torch.zeros(2, 64)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        native.block_product(x, m.packed, 80, 4, None)  # more rows than packed
+    with pytest.raises(RuntimeError, match="does not hold"):
+        native.block_product(x, m.packed, 40, 8, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native.block_product(torch.zeros(2, 48), m.packed, 40, 4, None)
+    with pytest.raises(RuntimeError, match="bits"):
+        native.block_product(x, m.packed, 40, 5, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        native.block_product(x, m.packed, 40, 4, torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"0\.\.15"):
+        native.block_pack(torch.full((16, 32), 16, dtype=torch.uint8), torch.ones(16, 1),
+                          torch.zeros(16, 1), 4)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native.block_pack(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1),
+                          torch.zeros(16, 1), 4)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.block_product(torch.zeros(64), m.packed, 40, 4, None)
+
+
+@pytest.mark.parametrize("kind", [GT.Q4_0, GT.Q4_1, GT.Q4_K])
+def test_gguf_4_bit_blocks_keep_the_files_weights(native: Any, kind: GT) -> None:
+    """gguf's own dequantization, from the packing: exact for Q4_0/Q4_1 (their scales
+    are float16 in the file); Q4_K's scale products round once to float16."""
+    weight = np.random.default_rng(1).normal(0, 0.1, (192, 512)).astype(np.float32)
+    data = encode(weight, kind, seed=3)
+    want = torch.from_numpy(gguf.quants.dequantize(data, kind).copy())
+    m = BlockMatrix.int4(native, int4_rows(kind.name, data, 512))
+    error = (m.dequantize() - want).abs().max() / want.abs().max()
+    assert error <= (0 if kind != GT.Q4_K else 2 ** -10), error
+
+
+def test_the_default_model_s_file_is_served_as_is(native: Any,
+                                                 default_model_dir: Path) -> None:
+    """The real default GGUF: every matrix and the head (Q8_0) is a block matrix whose
+    weights are gguf's own dequantization, exactly; without int8 activations it is
+    PyTorch's int4 format again."""
+    path = model_store.default_gguf()
+    model = GGUFModel(path)
+    runner = model.runner("native")
+    assert runner.product_activations == "int8" and runner._stack is not None
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for name, product in (("blk.3.ffn_down.weight", runner._weights[3].down),
+                          ("token_embd.weight", runner._head)):
+        assert isinstance(product, BlockMatrix)
+        tensor = reader[name]
+        want = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        assert torch.equal(product.dequantize(), torch.from_numpy(want.copy()))
+    plain = GGUFModel(path).runner("native", int8_activations=False)
+    assert plain.product_activations == "bfloat16"
+    assert isinstance(plain._weights[0].down, Int4Matrix)
+
+
+def test_quantize_int4_runs_block_matrices(native: Any, tiny_target_dir: Path) -> None:
+    runner = load_target(str(tiny_target_dir), "bfloat16", quantize="int4")
+    assert isinstance(runner, BatchedLM) and runner.product_activations == "int8"
+    assert isinstance(runner._weights[0].qkv, BlockMatrix) and isinstance(runner._head, BlockMatrix)
+    torch_path = load_target(str(tiny_target_dir), "bfloat16", quantize="int4", kernels="torch")
+    assert isinstance(torch_path, BatchedLM) and torch_path.product_activations == "bfloat16"
+    assert isinstance(torch_path._weights[0].qkv, Int4Matrix)
+
+
+@pytest.mark.parametrize("kinds", [
+    {}, {part: GT.Q8_0 for part in NAMES.values()},
+    {"attn_q": GT.Q4_K, "attn_k": GT.Q4_K, "attn_v": GT.Q6_K, "attn_output": GT.Q4_K,
+     "ffn_gate": GT.Q4_K, "ffn_up": GT.Q4_K, "ffn_down": GT.Q6_K, "embed": GT.Q6_K},
+], ids=["q4_1", "q8_0", "q4_k_m"])
+def test_a_gguf_target_runs_its_blocks_with_int8_activations(
+        native: Any, tmp_path: Path, tiny_dir: Path, kinds: dict[str, GT]) -> None:
+    """Its 4-bit and Q8_0 matrices multiply the file's own weights (Q6_K stays bfloat16),
+    and its logits follow those of the same file with bfloat16 activations."""
+    path = write_gguf(tmp_path, tiny_dir, kinds)
+    target = load_target(str(path), quantize="auto")
+    assert isinstance(target, BatchedLM) and target.product_activations == "int8"
+    want = file_weights(path)
+    layer = target._weights[1]
+    for product, names in ((layer.qkv, ("attn_q", "attn_k", "attn_v")),
+                           (layer.down, ("ffn_down",))):
+        expected = torch.cat([want[f"blk.1.{n}.weight"] for n in names])
+        error = (dense(product).float() - expected).abs().max() / expected.abs().max()
+        wide = any(kinds.get(n) == GT.Q6_K for n in names)
+        assert error <= (2 ** -7 if wide else 2 ** -10 if kinds else 0), (names, error)
+    wide_target = load_target(str(path), quantize="auto", int8_activations=False)
+    ids = list(range(500, 540))
+    got = target.score(target.new_state(), ids).float()
+    ref = wide_target.score(wide_target.new_state(), ids).float()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+    centred = got - got.mean(-1, keepdim=True), ref - ref.mean(-1, keepdim=True)
+    cosine = torch.nn.functional.cosine_similarity(*centred, dim=-1)
+    # a random tiny model's logits are flat: near-ties flip under the activations'
+    # rounding (the real model's agreement: docs/quantization.md)
+    assert agree >= 0.7 and cosine.mean() >= 0.95, (agree, cosine.mean())
