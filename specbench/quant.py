@@ -124,13 +124,21 @@ def compare(reference: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str,
 def scale_error(gguf_path: Path) -> dict[str, Any]:
     """Max relative error of the int4 kernel's weights (bfloat16 scale and zero) against
     gguf's own dequantization, over every int4 tensor of the file; also checks that the
-    packed codes reproduce the file's values with float32 scales."""
+    packed codes reproduce the file's values with float32 scales, and, where the native
+    kernels have block products, how far the block matrices' float16 scales move them."""
     import gguf
 
+    from decoding import kernels
     from decoding.gguf_weights import INT4_TYPES, int4_rows
+    from decoding.quantized import BlockMatrix, block_kernels
 
+    try:
+        blocks = block_kernels(kernels.native(), int8_activations=True)
+    except kernels.KernelsUnavailable:
+        blocks = None
     worst = 0.0
     worst_exact = 0.0
+    worst_block = 0.0
     reader = gguf.GGUFReader(str(gguf_path))
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
@@ -144,7 +152,13 @@ def scale_error(gguf_path: Path) -> dict[str, Any]:
         scale = want.abs().max()
         worst = max(worst, float((got - want).abs().max() / scale))
         worst_exact = max(worst_exact, float((exact - want).abs().max() / scale))
-    return {"max_rel_error_bf16_scales": worst, "max_rel_error_float32_scales": worst_exact}
+        if blocks is not None:
+            block = BlockMatrix.int4(blocks, rows).dequantize()
+            worst_block = max(worst_block, float((block - want).abs().max() / scale))
+    report = {"max_rel_error_bf16_scales": worst, "max_rel_error_float32_scales": worst_exact}
+    if blocks is not None:
+        report["max_rel_error_block_float16_scales"] = worst_block
+    return report
 
 
 def serve_rss(quantize: str, dtype: str, timeout: float = 600) -> float:

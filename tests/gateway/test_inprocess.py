@@ -3,6 +3,7 @@ every error status."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
 from decoding.engine import Engine
@@ -17,7 +19,7 @@ from decoding.prompting import encode_chat, encode_text
 from decoding.target import CausalLM
 from decoding.types import GenerationRequest
 from gateway.server import build_engine, create_app
-from gateway.settings import Settings
+from gateway.settings import Settings, add_settings_flags, settings_from_args
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 
 
@@ -293,7 +295,29 @@ async def test_models_report_quantized_weights(tiny_target_dir: Path,
     assert card["metadata"]["weights"] == "int4"
     assert card["metadata"]["dtype"] == "bfloat16"
     assert card["metadata"]["draft_dtype"] == "bfloat16"  # int4 codes, bf16 activations
+    # int4 matrices as block matrices, where the native kernels have block products
+    from decoding import kernels
+
+    blocks = kernels.native().has_block_products()
+    assert card["metadata"]["product_activations"] == ("int8" if blocks else "bfloat16")
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+    settings = tiny_settings(target=str(tiny_target_dir), quantize="int4", draft="none",
+                             prefix_cache=False, int8_activations=False)
+    card, reply = await _card_and_completion(settings)
+    assert card["metadata"]["product_activations"] == "bfloat16"
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+
+
+def test_int8_activations_setting_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSERVE_INT8_ACTIVATIONS", "false")
+    assert Settings().int8_activations is False
+    monkeypatch.delenv("SPECSERVE_INT8_ACTIVATIONS")
+    assert Settings().int8_activations is True
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser)
+    assert settings_from_args(parser.parse_args([])).int8_activations is True
+    flag = parser.parse_args(["--no-int8-activations"])
+    assert settings_from_args(flag).int8_activations is False
 
 
 async def _card_and_completion(settings: Settings) -> tuple[dict[str, Any], httpx.Response]:
