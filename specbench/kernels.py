@@ -4,7 +4,9 @@ few tokens, per precision, the two paths interleaved on the same loaded weights.
     python -m specbench.kernels --json bench-results/kernels.json
 
 Prints a table (median ms a pass at a 300-token context, and how far the two paths'
-logits are apart) and writes JSON.
+logits are apart) and writes JSON. With ``--products``, also each of the default model's
+matrix shapes as PyTorch's int4 product against the native block product with int8
+activations (``decoding.quantized.BlockMatrix``), the same codes, interleaved.
 """
 
 from __future__ import annotations
@@ -78,6 +80,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"context": CONTEXT, "threads": torch.get_num_threads(), "rows": rows}
 
 
+# the default model's matrices (out, in): q/k/v, o, gate/up, down, the head
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
+
+
+def _call_us(product: Any, x: torch.Tensor, repeats: int) -> float:
+    product(x)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        product(x)
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def products(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """PyTorch's int4 product against the block product, per shape and token count."""
+    from decoding import kernels
+    from decoding.quantized import BlockMatrix, Int4Matrix, quantize_int4
+
+    native = kernels.native()
+    if not native.has_block_products():
+        print("these kernels have no block products (no AVX512-VNNI)", file=sys.stderr)
+        return []
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for out, inputs in SHAPES:
+        codes = quantize_int4(torch.randn(out, inputs, generator=g) / 20)
+        pair = {"torch-int4": Int4Matrix(codes), "block": BlockMatrix.int4(native, codes)}
+        repeats = max(5, 2_000_000 // (out * inputs) * 20)
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(tokens, inputs, generator=g).to(torch.bfloat16)
+            times: dict[str, list[float]] = {name: [] for name in pair}
+            for _ in range(args.rounds):
+                for name, product in pair.items():
+                    times[name].append(_call_us(product, x, repeats))
+            torch_us, block_us = (statistics.median(times[n]) for n in pair)
+            rows.append({"matrix": f"{out}x{inputs}", "tokens": tokens,
+                         "torch_int4_us": round(torch_us, 1), "block_us": round(block_us, 1),
+                         "speedup": round(torch_us / block_us, 2)})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def format_table(report: dict[str, Any]) -> str:
     lines = ["precision | tokens | torch ms | native ms | speed-up | max abs logit diff | "
              "same argmax", "---|---|---|---|---|---|---"]
@@ -85,6 +128,11 @@ def format_table(report: dict[str, Any]) -> str:
               f"{r['speedup']}x | {r['max_abs_logit_diff']} | {r['same_argmax']}"
               for r in report["rows"]]
     lines.append(f"context {report['context']} tokens, {report['threads']} threads")
+    if report.get("products"):
+        lines += ["", "matrix | tokens | PyTorch int4 us | block us | speed-up",
+                  "---|---|---|---|---"]
+        lines += [f"{r['matrix']} | {r['tokens']} | {r['torch_int4_us']} | {r['block_us']} | "
+                  f"{r['speedup']}x" for r in report["products"]]
     return "\n".join(lines) + "\n"
 
 
@@ -96,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per path")
     parser.add_argument("--repeats", type=int, default=10, help="passes timed per round")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--products", action="store_true",
+                        help="also PyTorch's int4 product against the block product per "
+                             "matrix shape")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     unknown = set(args.precisions.split(",")) - set(PRECISIONS)
@@ -103,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown precisions {sorted(unknown)}; choose from {sorted(PRECISIONS)}")
     path = json_output(args.json)
     report = run(args)
+    if args.products:
+        report["products"] = products(args)
     sys.stdout.write(format_table(report))
     if path is not None:
         path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

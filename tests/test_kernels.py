@@ -230,13 +230,19 @@ def test_the_kernels_benchmark_writes_its_table_and_json(
 
     out = tmp_path / "kernels.json"
     assert bench.main(["--precisions", "gguf", "--tokens", "1,3", "--rounds", "1",
-                       "--repeats", "2", "--json", str(out)]) == 0
+                       "--repeats", "2", "--products", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [(r["precision"], r["tokens"]) for r in report["rows"]] == [("gguf", 1), ("gguf", 3)]
     for row in report["rows"]:
         assert row["torch_ms"] > 0 and row["native_ms"] > 0
         assert row["max_abs_logit_diff"] < 2.0  # the two paths round differently, no more
-    assert "native ms" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "native ms" in printed
+    if kernels.native().has_block_products():
+        shapes = [(r["matrix"], r["tokens"]) for r in report["products"]]
+        assert shapes == [(f"{o}x{i}", t) for o, i in bench.SHAPES for t in (1, 3)]
+        assert all(r["torch_int4_us"] > 0 and r["block_us"] > 0 for r in report["products"])
+        assert "block us" in printed
 
 
 def test_the_portable_build_passes_the_same_checks(tmp_path: Any) -> None:

@@ -505,10 +505,10 @@ void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum
   }
 }
 
-// R rows (tokens) against one tile of 16 output rows: [R, 16] float32 into out
+// R rows (tokens) against one tile of 16 output rows: [R, 16] float32 into out (rows ldo apart)
 template <int R, int BITS>
 inline void block_tile(const uint8_t* w, int64_t blocks, const int8_t* codes, const float* scale,
-                       const float* sum, int64_t k, float* out) {
+                       const float* sum, int64_t k, float* out, int64_t ldo) {
   constexpr int64_t size = (BITS == 4 ? 256 : 512) + 64;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -539,18 +539,18 @@ inline void block_tile(const uint8_t* w, int64_t blocks, const int8_t* codes, co
       acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(sum[r * blocks + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
 template <int BITS>
 void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* codes,
-                     const float* scale, const float* sum, int64_t k, float* out) {
+                     const float* scale, const float* sum, int64_t k, float* out, int64_t ldo) {
   switch (rows) {
 #define SPECSERVE_ROWS(R) \
   case R:                 \
-    return block_tile<R, BITS>(w, blocks, codes, scale, sum, k, out);
+    return block_tile<R, BITS>(w, blocks, codes, scale, sum, k, out, ldo);
     SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
-    SPECSERVE_ROWS(5) SPECSERVE_ROWS(6) SPECSERVE_ROWS(7) SPECSERVE_ROWS(8)
+    SPECSERVE_ROWS(5) SPECSERVE_ROWS(6)
 #undef SPECSERVE_ROWS
   }
 }
@@ -558,7 +558,8 @@ void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* c
 constexpr bool kBlockProducts = false;
 #endif
 
-constexpr int kBlockRows = 8;  // tokens a tile's codes are unpacked for at once
+constexpr int kBlockRows = 6;  // the most tokens a pass over the matrix serves
+constexpr int64_t kGroupTiles = 16;  // tiles whose results are stored together
 
 // x [tokens, in] (float32 or bfloat16) times a block_pack-ed [out, in] matrix (+ bias): [tokens, out]
 at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
@@ -595,23 +596,38 @@ at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
         quantize_row(xp + t * k, k, cp + t * k, scale + t * blocks, sum + t * blocks);
     });
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-      alignas(64) float tile[kBlockRows * kTile];
-      for (int64_t t = lo; t < hi; ++t)
-        for (int64_t r = 0; r < tokens; r += kBlockRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, tokens - r));
-          const uint8_t* w = wp + t * blocks * size;
-          if (bits == 4)
-            block_tile_rows<4>(rows, w, blocks, cp + r * k, scale + r * blocks, sum + r * blocks, k, tile);
-          else
-            block_tile_rows<8>(rows, w, blocks, cp + r * k, scale + r * blocks, sum + r * blocks, k, tile);
-          const int64_t width = std::min<int64_t>(kTile, n - t * kTile);
+    // tiles in groups whose results are written out a token's row at a time (rows of
+    // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
+    // most kBlockRows tokens a pass over the matrix, the passes evenly filled (7 or 8
+    // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head)
+    const int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
+    const int64_t passes = (tokens + kBlockRows - 1) / kBlockRows;
+    const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
+    for (int64_t r = 0; r < tokens; r += per_pass) {
+      const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
+      at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+        alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
+        constexpr int64_t ldo = kGroupTiles * kTile;
+        for (int64_t g = lo; g < hi; ++g) {
+          const int64_t first = g * kGroupTiles, last = std::min(tiles, first + kGroupTiles);
+          const int64_t col = first * kTile, width = std::min(n, last * kTile) - col;
+          for (int64_t t = first; t < last; ++t) {
+            const uint8_t* w = wp + t * blocks * size;
+            float* out = buffer + (t - first) * kTile;
+            if (bits == 4)
+              block_tile_rows<4>(rows, w, blocks, cp + r * k, scale + r * blocks,
+                                 sum + r * blocks, k, out, ldo);
+            else
+              block_tile_rows<8>(rows, w, blocks, cp + r * k, scale + r * blocks,
+                                 sum + r * blocks, k, out, ldo);
+          }
           for (int i = 0; i < rows; ++i)
             for (int64_t c = 0; c < width; ++c)
-              store(yp + (r + i) * n + t * kTile, c,
-                    bp != nullptr ? tile[i * kTile + c] + bp[t * kTile + c] : tile[i * kTile + c]);
+              store(yp + (r + i) * n + col, c,
+                    bp != nullptr ? buffer[i * ldo + c] + bp[col + c] : buffer[i * ldo + c]);
         }
-    });
+      });
+    }
   });
 #endif
   return y;
