@@ -110,6 +110,7 @@ class BatchedLM(CausalLM):
                                          for x in self._layers])
         self._head = head if head is not None else head_product(model, quantize, blocks)
         self._kernels: Any = None  # the fused CPU kernels (decoding/fused.py), or None
+        self._rotary = fused.Rotary(self._inner.rotary_emb)  # cos/sin for the kernels
         self._norms: list[fused.Norm] = []
         self.use_kernels(kernels)
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
@@ -320,7 +321,11 @@ class BatchedLM(CausalLM):
         if not kept:
             logits = hidden.new_empty((0, self.vocab_size))  # [K, V]
         else:
-            logits = self._logits(hidden[kept] if native else self._inner.norm(hidden[kept]))
+            if kept == list(range(hidden.shape[0])):  # every token's, in order: no gather
+                logits = self._logits(hidden if native else self._inner.norm(hidden))
+            else:
+                logits = self._logits(hidden[kept] if native
+                                      else self._inner.norm(hidden[kept]))
         outputs: list[torch.Tensor] = []
         offset = 0
         for item in items:

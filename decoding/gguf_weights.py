@@ -173,7 +173,7 @@ class GGUFModel:
         tensor = self.tensors[key]
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         shape = [int(n) for n in reversed(tensor.shape.tolist())]
-        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+        out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy
         order = self.row_order(key.removesuffix(".weight"))
         return (out[order] if order is not None else out).to(ACTIVATIONS)
 

@@ -302,3 +302,30 @@ def test_the_prefix_cache_namespace_names_the_kernels(tiny_target: CausalLM) -> 
         assert kernels_key(tiny_target) == "torch"
     finally:
         tiny_target.use_kernels("auto")
+
+
+def test_the_rotary_table_is_the_model_s_rotary_embedding_bitwise(tiny_target: CausalLM) -> None:
+    """A pass looks its positions' cos/sin up in a table the model's own rotary embedding
+    filled (grown as positions pass its end): bitwise what running it per pass gives."""
+    from decoding.fused import Rotary
+
+    assert isinstance(tiny_target, BatchedLM)
+    module = tiny_target.model.model.rotary_emb
+    table = Rotary(module)
+    assert table.static
+    hidden = torch.zeros(3, tiny_target.model.config.hidden_size, dtype=tiny_target.dtype)
+    for positions in ([0], [7, 3, 511], list(range(40)), [1500], [1024, 0, 2047]):
+        index = torch.tensor(positions)
+        cos, sin = table(hidden, index)
+        want_cos, want_sin = module(hidden, index[None])
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), positions
+    assert table._cos is not None and table._cos.shape[0] == 2048  # grown once, doubled
+    module.rope_type = "dynamic"  # cos/sin that depend on the length: computed per pass
+    try:
+        per_pass = Rotary(module)
+    finally:
+        module.rope_type = "default"
+    assert not per_pass.static
+    cos, _ = per_pass(hidden, torch.tensor([5, 6]))
+    assert torch.equal(cos, module(hidden, torch.tensor([[5, 6]]))[0][0])
+    assert per_pass._cos is None
