@@ -49,8 +49,10 @@ RUN python pyproject_requirements.py pyproject.toml "${EXTRAS}" > requirements.t
 
 # ---------------------------------------------------------------------------
 # The fused CPU kernels (decoding/csrc), built here with g++ so the slim runtime needs no
-# compiler. KERNELS_ARCH is the instruction set they may use: x86-64-v3 (AVX2) runs on
-# any recent x86 server; x86-64-v4 adds AVX-512 (faster attention) where every node has it.
+# compiler. KERNELS_ARCH is the instruction set they may use: x86-64-v3 (AVX2, with the
+# int8-activation block products) runs on any recent x86 server; x86-64-v4 adds AVX-512
+# (faster attention), and a -march with AVX512-VNNI (icelake-server, znver4) the faster
+# block products, where every node has it.
 FROM cpu-deps AS cpu-kernels
 ARG KERNELS_ARCH=x86-64-v3
 ENV SPECSERVE_KERNELS_DIR=/opt/specserve/kernels \

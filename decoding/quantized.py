@@ -104,7 +104,7 @@ class BlockMatrix:
     """A matrix of 4- or 8-bit codes with a float16 scale and minimum per block of 32
     inputs (``code * scale + low``), multiplied by the native kernels' ``block_product``:
     each token's activations are quantized to int8 per block of 32, as llama.cpp does,
-    and AVX512-VNNI sums the block exactly in int32 (docs/quantization.md, "Int8
+    and AVX512-VNNI (or AVX2) sums the block exactly in int32 (docs/quantization.md, "Int8
     activations"). A row's result depends on that row alone, at any row count."""
 
     def __init__(self, native: Any, codes: torch.Tensor, scale: torch.Tensor,

@@ -99,7 +99,8 @@ def products(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     native = kernels.native()
     if not native.has_block_products():
-        print("these kernels have no block products (no AVX512-VNNI)", file=sys.stderr)
+        print("these kernels have no block products (built for neither AVX512-VNNI nor "
+              "AVX2)", file=sys.stderr)
         return []
     rows = []
     g = torch.Generator().manual_seed(0)

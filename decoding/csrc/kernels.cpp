@@ -12,7 +12,7 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -433,7 +433,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // A matrix of 4-bit (or 8-bit) codes with a float16 scale and minimum per block of 32 inputs,
 // w = code * scale + low (a GGUF's Q4_0/Q4_1/Q4_K blocks, its Q8_0 as code + 128 with
 // low = -128 scale), multiplied the way llama.cpp does on a CPU: each token's activations
-// are quantized to int8 per block of 32 (scale max|x| / 127), and AVX512-VNNI sums four
+// are quantized to int8 per block of 32 (scale max|x| / 127), and AVX512-VNNI (or AVX2) sums four
 // code * activation products per instruction in int32. A block's sum is exact; the blocks
 // add up in float32 in input order. Packed per tile of 16 output rows and block of 32
 // inputs: the codes as eight 64-byte groups (group j: inputs 4j..4j+3 of the 16 rows,
@@ -554,17 +554,114 @@ void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* c
 #undef SPECSERVE_ROWS
   }
 }
+#define SPECSERVE_BLOCK_PRODUCTS 1
+constexpr int kBlockRows = 6;  // the most tokens a pass over the matrix serves
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The same products with AVX2 (the container image's x86-64-v3 build): vpmaddubsw and
+// vpmaddwd sum the same four code x activation products per int32 lane as vpdpbusd
+// (8-bit codes as two nibbles, so no 16-bit sum saturates), the float steps are the same
+// per lane: bitwise the AVX512-VNNI build's results, half a tile (8 rows) at a time.
+constexpr bool kBlockProducts = true;
+
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const T* v = x + b * kBlock;
+    float top = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) top = std::max(top, std::fabs(load(v, i)));
+    const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+    int total = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      // round half to even, as the AVX-512 conversion does; saturated to int8 as it is
+      const float q = std::nearbyint(load(v, i) * inv);
+      const int c = q >= 127.0f ? 127 : q <= -128.0f ? -128 : static_cast<int>(q);
+      codes[b * kBlock + i] = static_cast<int8_t>(c);
+      total += c;
+    }
+    scale[b] = d;
+    sum[b] = d * static_cast<float>(total);
+  }
+}
+
+// four code x activation products per int32 lane, summed into dot
+inline __m256i dot4(__m256i dot, __m256i codes, __m256i four, __m256i ones) {
+  return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, four), ones));
+}
+
+template <int R, int BITS>
+inline void block_tile(const uint8_t* w0, int64_t blocks, const int8_t* codes, const float* scale,
+                       const float* sum, int64_t k, float* out, int64_t ldo) {
+  constexpr int64_t size = (BITS == 4 ? 256 : 512) + 64;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {  // rows 0-7, then 8-15 of the tile
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* w = w0;
+    for (int64_t b = 0; b < blocks; ++b, w += size) {
+      __m256i group[8];
+      if (BITS == 4)
+        for (int j = 0; j < 4; ++j) {
+          const __m256i bytes =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * half));
+          group[j] = _mm256_and_si256(bytes, nibble);
+          group[j + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+        }
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + size - 64 + 16 * half)));
+      const __m256 low = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + size - 32 + 16 * half)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = codes + r * k + b * kBlock;
+        __m256i dot = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          int32_t four;
+          std::memcpy(&four, a + 4 * j, 4);
+          const __m256i spread = _mm256_set1_epi32(four);
+          if (BITS == 4) {
+            dot = dot4(dot, group[j], spread, ones);
+          } else {  // 16 x (high nibbles' sum) + the low nibbles' sum: the bytes' sum
+            const __m256i bytes =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * half));
+            const __m256i high = dot4(_mm256_setzero_si256(),
+                                      _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble),
+                                      spread, ones);
+            dot = dot4(_mm256_add_epi32(dot, _mm256_slli_epi32(high, 4)),
+                       _mm256_and_si256(bytes, nibble), spread, ones);
+          }
+        }
+        const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(scale[r * blocks + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc[r]);
+        acc[r] = _mm256_fmadd_ps(low, _mm256_set1_ps(sum[r * blocks + b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * half, acc[r]);
+  }
+}
+
+template <int BITS>
+void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* codes,
+                     const float* scale, const float* sum, int64_t k, float* out, int64_t ldo) {
+  switch (rows) {
+#define SPECSERVE_ROWS(R) \
+  case R:                 \
+    return block_tile<R, BITS>(w, blocks, codes, scale, sum, k, out, ldo);
+    SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
+#undef SPECSERVE_ROWS
+  }
+}
+#define SPECSERVE_BLOCK_PRODUCTS 1
+constexpr int kBlockRows = 4;  // the most tokens a pass over the matrix serves (16 registers)
 #else
 constexpr bool kBlockProducts = false;
+constexpr int kBlockRows = 1;
 #endif
 
-constexpr int kBlockRows = 6;  // the most tokens a pass over the matrix serves
 constexpr int64_t kGroupTiles = 16;  // tiles whose results are stored together
 
 // x [tokens, in] (float32 or bfloat16) times a block_pack-ed [out, in] matrix (+ bias): [tokens, out]
 at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          int64_t bits, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kBlockProducts, "these kernels were built without AVX512-VNNI block products");
+  TORCH_CHECK(kBlockProducts, "these kernels were built without block products (AVX512-VNNI or AVX2)");
   check_rows(x, "x");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   const int64_t tokens = x.size(0), k = x.size(1), n = out_features;
@@ -580,7 +677,7 @@ at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
     b32 = bias->to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({tokens, n}, x.options());
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECSERVE_BLOCK_PRODUCTS)
   at::Tensor codes = at::empty({tokens, k}, x.options().dtype(at::kChar));
   at::Tensor stats = at::empty({2, tokens, blocks}, x.options().dtype(at::kFloat));
   int8_t* cp = codes.data_ptr<int8_t>();
@@ -714,7 +811,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_pack", &block_pack, "a 4- or 8-bit block matrix packed for block_product");
   m.def("block_product", &block_product, "x times a block matrix, with int8 activations",
         release());
-  m.def("has_block_products", &has_block_products, "whether block_product runs (AVX512-VNNI)");
+  m.def("has_block_products", &has_block_products,
+        "whether block_product runs (built for AVX512-VNNI or AVX2)");
   py::class_<Int4Stack>(m, "Int4Stack")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<c10::optional<at::Tensor>>, std::vector<at::Tensor>,
