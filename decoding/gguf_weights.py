@@ -7,9 +7,9 @@ Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32 weights over 4-bit c
 so their codes go unchanged into the int4 kernel's groups of 32 (only the scales round
 to bfloat16). Q8_0, Q6_K and float tensors are dequantized to bfloat16 (no weight-only
 kernel takes their groups of 32 and 16). Where the native kernels have block products
-(AVX512-VNNI or AVX2; ``quantized.BlockMatrix``), the 4-bit and Q8_0 tensors keep their codes and
-their float16 scales and minimums exactly, and multiply int8-quantized activations as
-llama.cpp does. Any other type is refused, naming the tensor.
+(AVX512-VNNI or AVX2; ``quantized.BlockMatrix``), the 4-bit and Q8_0 tensors keep their
+codes and their float16 scales and minimums exactly, and multiply int8-quantized
+activations as llama.cpp does. Any other type is refused, naming the tensor.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class GGUFModel:
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = str(self.field("general.architecture"))
         self.config, self.tokenizer = config_and_tokenizer(file)
+        self.blocks: Any = None  # the kernels for BlockMatrix products (runner), or None
         self.check_types()
 
     def field(self, key: str) -> Any:

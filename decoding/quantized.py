@@ -140,10 +140,8 @@ class BlockMatrix:
     def bulk(self, x: torch.Tensor) -> torch.Tensor:  # as fast as a dense product here
         return self(x)
 
-    def _tiles(self) -> torch.Tensor:  # [tiles, blocks, bytes]: the packing's layout
-        blocks = self.in_features // 32
-        return self.packed.view(-1, blocks, self.packed.numel() // blocks
-                                // -(-self.out_features // 16))
+    def _tiles(self) -> torch.Tensor:  # [tiles of 16 rows, blocks of 32 inputs, bytes]
+        return self.packed.view(-(-self.out_features // 16), self.in_features // 32, -1)
 
     def codes(self) -> torch.Tensor:  # [out, in] uint8, as given (8-bit: code + 128)
         tiles = self._tiles()
