@@ -126,8 +126,10 @@ def test_timeout_while_waiting_in_the_queue(tiny_target: CausalLM) -> None:
     engine = Engine(tiny_target, max_active=1)
     engine.start()
     try:
-        busy = engine.submit(_request(tiny_target, "busy", n=300))
-        waiting = engine.submit(_request(tiny_target, "waits", n=5, timeout_s=0.2))
+        # the busy request must outlast the other's timeout by far: with the native kernels
+        # the tiny model decodes 300 tokens in about 0.2 s
+        busy = engine.submit(_request(tiny_target, "busy", n=450))
+        waiting = engine.submit(_request(tiny_target, "waits", n=5, timeout_s=0.05))
         events = list(waiting)
         assert events[-1].finish_reason is FinishReason.TIMEOUT
         assert events[-1].completion_tokens == 0
