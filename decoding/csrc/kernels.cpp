@@ -542,18 +542,6 @@ inline void block_tile(const uint8_t* w, int64_t blocks, const int8_t* codes, co
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-template <int BITS>
-void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* codes,
-                     const float* scale, const float* sum, int64_t k, float* out, int64_t ldo) {
-  switch (rows) {
-#define SPECSERVE_ROWS(R) \
-  case R:                 \
-    return block_tile<R, BITS>(w, blocks, codes, scale, sum, k, out, ldo);
-    SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
-    SPECSERVE_ROWS(5) SPECSERVE_ROWS(6)
-#undef SPECSERVE_ROWS
-  }
-}
 #define SPECSERVE_BLOCK_PRODUCTS 1
 constexpr int kBlockRows = 6;  // the most tokens a pass over the matrix serves
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -638,22 +626,30 @@ inline void block_tile(const uint8_t* w0, int64_t blocks, const int8_t* codes, c
   }
 }
 
-template <int BITS>
-void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* codes,
-                     const float* scale, const float* sum, int64_t k, float* out, int64_t ldo) {
-  switch (rows) {
-#define SPECSERVE_ROWS(R) \
-  case R:                 \
-    return block_tile<R, BITS>(w, blocks, codes, scale, sum, k, out, ldo);
-    SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
-#undef SPECSERVE_ROWS
-  }
-}
 #define SPECSERVE_BLOCK_PRODUCTS 1
 constexpr int kBlockRows = 4;  // the most tokens a pass over the matrix serves (16 registers)
 #else
 constexpr bool kBlockProducts = false;
 constexpr int kBlockRows = 1;
+#endif
+
+#if defined(SPECSERVE_BLOCK_PRODUCTS)
+// block_tile for a run-time number of rows (at most kBlockRows)
+template <int BITS>
+void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* codes,
+                     const float* scale, const float* sum, int64_t k, float* out, int64_t ldo) {
+  static_assert(kBlockRows <= 6, "a case per row count");
+  switch (rows) {
+#define SPECSERVE_ROWS(R)      \
+  case R:                     \
+    if constexpr (R <= kBlockRows) \
+      return block_tile<R, BITS>(w, blocks, codes, scale, sum, k, out, ldo);
+    SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
+    SPECSERVE_ROWS(5) SPECSERVE_ROWS(6)
+#undef SPECSERVE_ROWS
+  }
+  TORCH_CHECK(false, "block_tile_rows: ", rows, " rows");
+}
 #endif
 
 constexpr int64_t kGroupTiles = 16;  // tiles whose results are stored together
