@@ -321,11 +321,9 @@ class BatchedLM(CausalLM):
         if not kept:
             logits = hidden.new_empty((0, self.vocab_size))  # [K, V]
         else:
-            if kept == list(range(hidden.shape[0])):  # every token's, in order: no gather
-                logits = self._logits(hidden if native else self._inner.norm(hidden))
-            else:
-                logits = self._logits(hidden[kept] if native
-                                      else self._inner.norm(hidden[kept]))
+            # every token's, in order (a plain step): no gather
+            kept_hidden = hidden if kept == list(range(hidden.shape[0])) else hidden[kept]
+            logits = self._logits(kept_hidden if native else self._inner.norm(kept_hidden))
         outputs: list[torch.Tensor] = []
         offset = 0
         for item in items:
