@@ -95,7 +95,9 @@ def verify(
 
 def _verify_greedy(draft_tokens: Sequence[int], target_scores: torch.Tensor,
                    alternative: int | None) -> Verdict:
-    best = target_scores.argmax(dim=-1).tolist()  # [k + 1 (+ 1)], one host sync
+    # [k + 1 (+ 1)], one host sync. Widened first: the CPU's bfloat16 argmax is the slow
+    # one (186 against 40 us over a 49k vocabulary), and widening is exact (same ties).
+    best = target_scores.float().argmax(dim=-1).tolist()
     k = len(draft_tokens)
     if alternative is not None and best[0] == alternative != draft_tokens[0]:
         return Verdict(accepted=0, next_token=alternative, bonus=False,

@@ -43,6 +43,19 @@ def test_empty_draft_is_plain_decoding() -> None:
     assert (verdict.accepted, verdict.next_token, verdict.bonus) == (0, 2, True)
 
 
+def test_greedy_bfloat16_scores_pick_what_their_own_argmax_picks() -> None:
+    """bfloat16 logits tie often; verification widens them before its argmax, which
+    must keep the first of tied maxima, as argmax on the bfloat16 rows does."""
+    torch.manual_seed(0)
+    scores = (torch.randn(3, 49152) * 4).to(torch.bfloat16)
+    scores[0, 7] = scores[0, 9000] = scores[0, 40000] = 60.0  # a three-way tie
+    scores[2, 123] = scores[2, 5] = 60.0
+    expected = scores.argmax(dim=-1).tolist()
+    assert expected[0] == 7 and expected[2] == 5
+    verdict = verify([7, expected[1]], None, scores, None)
+    assert (verdict.accepted, verdict.next_token, verdict.bonus) == (2, 5, True)
+
+
 def test_row_count_is_checked() -> None:
     with pytest.raises(ValueError, match="rows"):
         verify([1, 2], None, _one_hot_logits([1, 2]), None)
