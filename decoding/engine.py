@@ -293,7 +293,8 @@ class Engine:
     def _draft_lengths(self, decoding: list[_Active]) -> list[int]:
         """Per sequence: its own policy's k, or (batch planning) k chosen for the batch."""
         decoders = [a.decoder for a in decoding]
-        if not self.batch_planning or not self.target.capabilities.batched:
+        if (not self.batch_planning or not self.target.capabilities.batched
+                or all(d.drafter is None for d in decoders)):  # nothing to plan
             return [d.draft_length() for d in decoders]
         policies = [d.policy if d.drafter is not None else None for d in decoders]
         limits = [d.max_new - len(d.output) - 1 for d in decoders]
