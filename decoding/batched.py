@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from decoding import fused
+from decoding import fused, handoff
 from decoding.attention import GroupedAttention, rotate
 from decoding.layout import SPAN_ALIGN, Layout
 from decoding.quantized import BlockMatrix, block_kernels, load_quantized
@@ -344,6 +344,7 @@ class BatchedLM(CausalLM):
 
     def _forward_layers(self, batch: Layout) -> torch.Tensor:
         """The decoder layers over packed tokens; attention per group over padded rows."""
+        handoff.pass_starts(self)  # no one long call here: hand over at the start
         hidden = self._inner.embed_tokens(batch.ids)  # [T, H]
         cos, sin = self._inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]

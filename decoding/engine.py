@@ -7,7 +7,9 @@ running streams) and one speculation round for every running stream, with
 draft lengths chosen for the batch as a whole (``plan_batch``:
 speculation shrinks as the batch grows and stops where plain batched decoding
 is faster). Requests join and leave at round boundaries. Each round's event is
-handed to the request's stream as soon as its forward pass returns.
+handed to the request's stream when the next pass starts its long native call (the
+HTTP event loop, which shares the GIL, then runs beside the pass: decoding.handoff), or
+as soon as the engine has nothing more to run.
 A cancelled request (client gone) is dropped before its next round and its KV
 caches are freed; a request past its deadline ends with ``timeout``; a model
 error ends only the request that hit it.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from decoding.drafters.base import Drafter
+from decoding.handoff import before_pass
 from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
@@ -103,6 +106,8 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        # what the model thread has for streams and not yet handed over, in order
+        self._outbox: list[tuple[RequestStream, object]] = []
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -193,10 +198,17 @@ class Engine:
 
     # -- the model thread ----------------------------------------------------------
 
+    def _idle(self) -> bool:
+        return not self._stopping and not self._waiting and not self._active
+
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._waiting and not self._active:
+                idle = self._idle()
+            if idle:  # nothing more to run: no pass will hand over what waits
+                self._hand_over()
+            with self._lock:
+                while self._idle():
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -209,6 +221,18 @@ class Engine:
                 log.exception("a decoding iteration failed; its requests end with an error")
                 self._fail_batch(batch)
         self._drain_all()
+        self._hand_over()
+
+    def _send(self, stream: RequestStream, item: object) -> None:
+        """Queue ``item`` (an event, or ``END``) for ``stream``; it leaves with the next
+        hand-over."""
+        self._outbox.append((stream, item))
+
+    def _hand_over(self) -> None:
+        """Give every stream what was queued for it, in order."""
+        outbox, self._outbox = self._outbox, []
+        for stream, item in outbox:
+            stream._put(item)
 
     def _fail_batch(self, batch: list[_Active]) -> None:
         """End every request of ``batch`` still running, with an error (the engine goes
@@ -238,12 +262,14 @@ class Engine:
         lengths = self._draft_lengths(decoding)
         by_decoder = {id(a.decoder): a for a in live}
         if not self.target.capabilities.batched:  # one sequence per forward pass: take turns
+            self._hand_over()
             for decoder, limit in prompts:
                 self._deliver(by_decoder, speculative_round(self.target, [(decoder, limit)], []))
             for active, k in zip(decoding, lengths, strict=True):
                 self._deliver(by_decoder, speculative_round(self.target, [], [(active.decoder, k)]))
             return
-        with cpu_threads(None if prompts else self.decode_threads):  # decoding.threads
+        with (cpu_threads(None if prompts else self.decode_threads),  # decoding.threads
+              before_pass(self.target, self._hand_over)):  # decoding.handoff
             result = speculative_round(self.target, prompts, [
                 (a.decoder, k) for a, k in zip(decoding, lengths, strict=True)],
                 self.invariance_check)
@@ -265,7 +291,7 @@ class Engine:
             if event.finished:
                 self._finish(active, event)
             else:
-                active.stream._put(event)
+                self._send(active.stream, event)
 
     def _still_running(self, active: _Active) -> bool:
         stream = active.stream
@@ -310,10 +336,10 @@ class Engine:
         for stream in [s for s in self._waiting if s.request.timeout_s is not None
                        and now > s.submitted_at + s.request.timeout_s]:
             self._waiting.remove(stream)
-            stream._put(RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,
-                                   finish_reason=FinishReason.TIMEOUT,
-                                   prompt_tokens=len(stream.request.prompt_ids)))
-            stream._put(END)
+            self._send(stream, RoundEvent(token_ids=(), text="", draft_tokens=0,
+                                          accepted_tokens=0, finish_reason=FinishReason.TIMEOUT,
+                                          prompt_tokens=len(stream.request.prompt_ids)))
+            self._send(stream, END)
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_active:
@@ -322,7 +348,7 @@ class Engine:
                 break  # it waits (first in line) until running requests free their KV
             self._waiting.popleft()
             if stream.cancelled:
-                stream._put(END)
+                self._send(stream, END)
                 continue
             try:
                 drafter = self.drafters[stream.drafter] if stream.drafter else None
@@ -379,14 +405,14 @@ class Engine:
                 self._active.remove(active)
                 self._fit_kv()
         if last is not None:
-            active.stream._put(last)
-        active.stream._put(END)
+            self._send(active.stream, last)
+        self._send(active.stream, END)
 
     def _fail(self, stream: RequestStream, message: str) -> None:
-        stream._put(RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,
-                               finish_reason=FinishReason.ERROR, error=message,
-                               prompt_tokens=len(stream.request.prompt_ids)))
-        stream._put(END)
+        self._send(stream, RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,
+                                      finish_reason=FinishReason.ERROR, error=message,
+                                      prompt_tokens=len(stream.request.prompt_ids)))
+        self._send(stream, END)
 
     def _drain_all(self) -> None:
         with self._lock:
@@ -394,7 +420,7 @@ class Engine:
             waiting, self._waiting = list(self._waiting), deque()
         for item in active:
             item.decoder.close()
-            item.stream._put(item.decoder.final_event(FinishReason.CANCELLED))
-            item.stream._put(END)
+            self._send(item.stream, item.decoder.final_event(FinishReason.CANCELLED))
+            self._send(item.stream, END)
         for stream in waiting:
             self._fail(stream, "the server is shutting down")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from decoding import kernels
+from decoding import handoff, kernels
 from decoding.layout import Layout
 from decoding.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix
 from decoding.weights import Product, multiply
@@ -116,6 +116,7 @@ def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,
     cos, sin = runner._rotary(hidden, batch.positions)  # [T, D] each
     split, dtype = batch.bulk_from, runner.dtype
     if stack is not None and split >= hidden.shape[0]:
+        handoff.pass_starts(runner)  # the whole pass is the next call
         return stack.forward(hidden, cos, sin, runner._keys, runner._values, batch.cache_rows,
                              batch.cache_slots, batch.limits, batch.extras)
 
@@ -123,6 +124,7 @@ def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,
         return multiply(m, x, split).to(dtype).contiguous()
 
     rows, slots = batch.cache_rows, batch.cache_slots
+    handoff.pass_starts(runner)  # the layers' calls release the GIL for most of the pass
     hidden, x = native.add_rms_norm(hidden.contiguous(), None, *norms[0])
     for index, w in enumerate(runner._weights):
         keys, values = runner._keys[index], runner._values[index]

@@ -1,0 +1,45 @@
+"""When the model thread hands a round's events to the HTTP event loop.
+
+Both run Python, so they share the GIL. Every PyTorch op releases it; an event loop woken
+by a round's events takes it at the model thread's first op and keeps it for its whole
+turn (a streamed chunk: its JSON, metrics and span, ~0.5-1 ms of Python), while the
+model thread, back from a microsecond op, waits for it. Measured through the streamed
+chat endpoint (plain decoding, one stream, the GGUF default): the embedding lookup that
+opens a pass took 0.87 ms (median) instead of ~0.03.
+
+So the engine holds a round's events back and hands them over when the target's next
+pass enters its long native call (``pass_starts``, where the GIL stays released for
+milliseconds): the loop's turn runs beside the pass instead of in front of it. The
+events then leave up to one round's preparation later (drafting, the pass's layout),
+which never holds up a token's successor. Figures: docs/performance.md, "Handing
+events over".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+_local = threading.local()
+
+
+@contextmanager
+def before_pass(target: object, hand_over: Callable[[], None]) -> Iterator[None]:
+    """Within the block, in this thread: call ``hand_over`` when ``target``'s next pass
+    starts its long call, and in any case when the block ends."""
+    _local.pending = (target, hand_over)
+    try:
+        yield
+    finally:
+        _local.pending = None
+        hand_over()
+
+
+def pass_starts(runner: object) -> None:
+    """Called by a runner right before its long GIL-free call: hands over what the
+    thread's ``before_pass`` holds for this runner (once)."""
+    pending = getattr(_local, "pending", None)
+    if pending is not None and pending[0] is runner:
+        _local.pending = None
+        pending[1]()
