@@ -4,7 +4,9 @@ Attribute names follow the GenAI semantic conventions (``gen_ai.*``); our own
 per-round attributes live under ``specserve.round.*``. Spans are exported over
 OTLP only when an endpoint is configured (the serve flag or the standard
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``);
-otherwise they are recorded and dropped. No global provider is installed.
+otherwise nothing is recorded (the sampler drops every span, and a request's rounds
+start no spans: a recorded round span cost ~0.25 ms of the event loop's time per
+streamed token). No global provider is installed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -38,13 +41,14 @@ def build_tracer_provider(
     """A provider with a ``service.name`` resource; exports over OTLP/HTTP when an
     endpoint is configured, or to ``exporter`` when given (tests)."""
     attributes = {"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}
-    provider = TracerProvider(resource=Resource.create(attributes))
     endpoint = (otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     if exporter is None and endpoint:
         exporter = _otlp_exporter(endpoint, explicit=otlp_endpoint is not None)
-    if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+    if exporter is None:  # spans would go nowhere: record none
+        return TracerProvider(resource=Resource.create(attributes), sampler=ALWAYS_OFF)
+    provider = TracerProvider(resource=Resource.create(attributes))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
 
@@ -82,7 +86,10 @@ class RequestSpan:
         self._context = set_span_in_context(self.span)
 
     def round(self, event: RoundEvent, drafter: str | None) -> None:
-        """A child span covering the round that produced ``event`` (ended now)."""
+        """A child span covering the round that produced ``event`` (ended now); none
+        where the request's span is not recorded."""
+        if not self.span.is_recording():
+            return
         end = time.time_ns()
         t = event.timing
         duration_ns = int((t.draft_s + t.verify_s + t.bookkeeping_s) * 1e9)

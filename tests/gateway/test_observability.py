@@ -19,10 +19,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from decoding.engine import Engine
+from decoding.types import RoundEvent
 from gateway.server import create_app
 from observability.metrics import Metrics, start_metrics_server
 from observability.telemetry import Telemetry
-from observability.tracing import build_tracer_provider
+from observability.tracing import RequestSpan, build_tracer_provider
 from tests.conftest import free_port, require_program
 from tests.gateway.conftest import TINY, in_process, live_server, openai_client, tiny_settings
 
@@ -146,6 +147,28 @@ async def test_one_span_per_request_and_one_child_per_round(tiny_engine: Engine)
         a = dict(span.attributes or {})
         source = a["specserve.round.drafter"] if a["specserve.round.draft_tokens"] else "none"
         assert a["specserve.round.draft_source"] == source
+
+
+def test_without_an_exporter_no_span_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No endpoint, no exporter: spans would go nowhere, so none is recorded and a
+    round starts no child (they cost the event loop time per streamed token); the
+    caller's trace id still carries through."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    event = RoundEvent(token_ids=(1, 2), text="ab", draft_tokens=2, accepted_tokens=1)
+    for exporter in (None, InMemorySpanExporter()):
+        provider = build_tracer_provider(exporter=exporter)
+        span = RequestSpan(provider.get_tracer("t"), "chat", TINY, {},
+                           {"traceparent": TRACEPARENT})
+        assert f"{span.span.get_span_context().trace_id:032x}" == TRACE_ID
+        assert span.span.is_recording() is (exporter is not None)
+        span.round(event, "ngram")
+        span.finish("id", ["stop"], 3, 2)
+        provider.force_flush()
+        if exporter is not None:
+            assert [s.name for s in exporter.get_finished_spans()] == [
+                "speculation_round", f"chat {TINY}"]
+        provider.shutdown()
 
 
 async def test_one_json_log_line_per_request(tiny_engine: Engine,
