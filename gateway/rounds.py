@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from decoding.text import text_decoder
 from decoding.types import RoundEvent
 from gateway.responses import RoundInfo, SpeculationStats, StreamSpeculation
 
@@ -43,15 +44,14 @@ class TextOrigins:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self.token_ids: list[int] = []
         self.segments: list[tuple[int, str]] = []  # (end offset in the text, origin)
         self.sent = 0  # characters of text sent so far
         self._anchor = (0, 0)  # (tokens, their text's length) at the end of the last round
 
     def _decoded(self, start: int, stop: int) -> int:
-        text = self.tokenizer.decode(self.token_ids[start:stop], skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
-        return len(str(text))
+        return len(self._decode(self.token_ids[start:stop]))
 
     def _length(self, count: int) -> int:
         """The text length of the first ``count`` tokens, decoding only a window from a

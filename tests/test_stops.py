@@ -8,7 +8,7 @@ from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.prompting import encode_text
 from decoding.sequence import decode
 from decoding.target import CausalLM
-from decoding.text import TextStream
+from decoding.text import TextStream, _backend
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -117,7 +117,7 @@ def test_text_stream_decodes_through_the_backend_as_the_wrapper_does(
     per call); with special tokens among the ids its text is still the wrapper's."""
     tok = default_target.tokenizer
     stream = TextStream(tok)
-    assert stream._backend is tok._tokenizer
+    assert _backend(tok) is tok._tokenizer
     special = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     ids = [special[0], *encode_text(tok, "assistant\nHi — Grüße 🚲"), special[1], 198,
            special[0], *encode_text(tok, " and  spaces")]
@@ -132,7 +132,7 @@ def test_text_stream_decodes_through_the_backend_as_the_wrapper_does(
     tok.__class__, before = OwnDecoding, tok.__class__
     try:
         stream = TextStream(tok)
-        assert stream._backend is None
+        assert _backend(tok) is None
         assert stream.push(ids[:3]).delta == "own"
     finally:
         tok.__class__ = before
