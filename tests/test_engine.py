@@ -136,3 +136,66 @@ def test_timeout_while_waiting_in_the_queue(tiny_target: CausalLM) -> None:
         busy.cancel()
     finally:
         engine.shutdown()
+
+
+def test_before_pass_hands_over_once_for_its_own_runner() -> None:
+    from decoding.handoff import before_pass, pass_starts
+
+    runner, other, calls = object(), object(), []
+    with before_pass(runner, lambda: calls.append("handed")):
+        pass_starts(other)  # another runner's pass (a draft model's): not this one
+        assert calls == []
+        pass_starts(runner)
+        assert calls == ["handed"]
+        pass_starts(runner)  # once per block
+        assert calls == ["handed"]
+    assert calls == ["handed", "handed"]  # and again as the block ends (an empty outbox)
+    pass_starts(runner)  # outside any block: nothing
+    assert len(calls) == 2
+
+
+def test_events_leave_while_the_next_pass_runs(tiny_target: CausalLM,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round's event reaches its stream from inside the next pass (right before its
+    long native call), not between passes where the event loop would hold up the
+    model thread; the last ones leave when the engine has nothing more to run. Every
+    event arrives, in order."""
+    import threading
+
+    from decoding import handoff
+    from decoding.streams import RequestStream
+
+    inside = threading.local()
+    puts: list[tuple[bool, object]] = []
+    starts = handoff.pass_starts
+
+    def pass_starts(runner: object) -> None:
+        inside.flag = True
+        try:
+            starts(runner)
+        finally:
+            inside.flag = False
+
+    put = RequestStream._put
+
+    def recording_put(self: RequestStream, item: object) -> None:
+        if threading.current_thread().name == "specserve-model":
+            puts.append((getattr(inside, "flag", False), item))
+        put(self, item)
+
+    monkeypatch.setattr(handoff, "pass_starts", pass_starts)
+    monkeypatch.setattr(RequestStream, "_put", recording_put)
+    engine = Engine(tiny_target)
+    engine.start()
+    try:
+        request = _request(tiny_target, "one two three", n=12,
+                           speculation=SpeculationParams(enabled=False))
+        events = list(engine.submit(request))
+    finally:
+        engine.shutdown()
+    alone = [t for e in decode(tiny_target, None, request) for t in e.token_ids]
+    assert [t for e in events for t in e.token_ids] == alone
+    assert [item for _, item in puts][:-1] == events  # then END
+    assert len(events) == 12
+    # each event but the last leaves within the next round's pass
+    assert [during for during, _ in puts] == [True] * 11 + [False, False]
