@@ -169,6 +169,34 @@ class BlockMatrix:
         scale, low = (s.float().repeat_interleave(32, 1) for s in self.scales())
         return self.codes().float() * scale + low
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``dequantize()[ids].to(dtype)``, reading only those rows' bytes; ``[n, in]``."""
+        return self._native.block_rows(self.packed, ids, self.out_features, self.in_features,
+                                       self.bits, dtype)
+
+
+class BlockEmbedding(torch.nn.Module):
+    """An input embedding read from a ``BlockMatrix`` of its rows (a GGUF's tied head):
+    each looked-up row dequantized in float32, then cast to ``dtype``. Where the file's
+    dequantization is ``code * scale + low`` exactly (Q4_0, Q4_1, Q8_0), that is bitwise
+    the row of the dequantized table, which is then never held (54 MB for the default
+    model in bfloat16)."""
+
+    def __init__(self, matrix: BlockMatrix, dtype: torch.dtype = ACTIVATIONS) -> None:
+        super().__init__()
+        self.matrix = matrix
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = matrix.out_features, matrix.in_features
+        # no weights of its own: an empty parameter still tells whoever asks the model's
+        # first parameter (CausalLM, a draft sharing the embedding) its device and dtype
+        self.anchor = torch.nn.Parameter(torch.empty(0, dtype=dtype,
+                                                     device=matrix.packed.device),
+                                         requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
+        flat = self.matrix.rows(ids.reshape(-1), self.dtype)
+        return flat.view(*ids.shape, self.embedding_dim)
+
 
 def block_kernels(native: Any, int8_activations: bool) -> Any | None:
     """``native`` (the kernels module) where its block products run and int8 activations

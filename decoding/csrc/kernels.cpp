@@ -485,6 +485,47 @@ at::Tensor block_pack(const at::Tensor& codes, const at::Tensor& scale, const at
   return out;
 }
 
+// Rows ``ids`` [n] (int64) of a block_pack-ed [out, in] matrix, dequantized: code * scale + low
+// in float32, then cast to ``dtype`` (an input embedding read from a tied head's blocks)
+at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t out_features,
+                      int64_t in_features, int64_t bits, at::ScalarType dtype) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(in_features % kBlock == 0 && in_features > 0, "the input size must be a multiple of 32");
+  const int64_t blocks = in_features / kBlock, size = block_bytes(bits);
+  const int64_t tiles = (out_features + kTile - 1) / kTile;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == tiles * blocks * size,
+              "packed is not a block_pack-ed matrix of this shape");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be int64 [n]");
+  const at::Tensor index = ids.contiguous();
+  const int64_t n = index.size(0);
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < out_features, "row ", id[i], " is out of range");
+  at::Tensor out = at::empty({n, in_features}, packed.options().dtype(at::kFloat));
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tile = id[i] / kTile, r = id[i] % kTile;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* src = p + (tile * blocks + b) * size;
+      c10::Half d, low;
+      std::memcpy(&d, src + size - 64 + 2 * r, 2);
+      std::memcpy(&low, src + size - 32 + 2 * r, 2);
+      const float scale = static_cast<float>(d), minimum = static_cast<float>(low);
+      float* dst = o + i * in_features + b * kBlock;
+      for (int64_t j = 0; j < 8; ++j)
+        for (int64_t k = 0; k < 4; ++k) {
+          const uint8_t byte = src[(bits == 4 ? j % 4 : j) * 64 + 4 * r + k];
+          const int code = bits == 4 ? (j < 4 ? byte & 15 : byte >> 4) : byte;
+          // the product is exact (8 by 11 bits), so this rounds once, fused or not
+          dst[4 * j + k] = static_cast<float>(code) * scale + minimum;
+        }
+    }
+  }
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kBlockProducts = true;
 
@@ -805,6 +846,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "attention of each token over the keys it may see", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
   m.def("block_pack", &block_pack, "a 4- or 8-bit block matrix packed for block_product");
+  m.def("block_rows", &block_rows, "rows of a block matrix, dequantized");
   m.def("block_product", &block_product, "x times a block matrix, with int8 activations",
         release());
   m.def("has_block_products", &has_block_products,
