@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import logging
 import os
 import socket
@@ -46,6 +44,7 @@ from decoding.factory import (
     torch_draft_loader,
 )
 from decoding.invariance import InvarianceCheck
+from decoding.memory import release_freed_memory
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import CausalLM
 from decoding.threads import default_decode_threads
@@ -164,13 +163,6 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     release_freed_memory()
     engine.start()
     return engine
-
-
-def release_freed_memory() -> None:
-    """Give the heap that loading freed (the file's arrays, float copies) back to the
-    system: glibc keeps it otherwise, and it would count as the server's memory."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def create_app(
