@@ -130,24 +130,32 @@ def default_draft_fits(target: CausalLM) -> bool:
     return True
 
 
+def _embedding_rows(embed: Any, count: int) -> torch.Tensor:  # [count, hidden]
+    """The first ``count`` rows of an input embedding (an ``nn.Embedding``, or a
+    ``quantized.BlockEmbedding`` that holds no table), by looking them up."""
+    anchor = next(embed.parameters())
+    return embed(torch.arange(count, device=anchor.device))
+
+
 def target_identity(target_model: Any, name: str) -> dict[str, Any]:
-    embed = target_model.get_input_embeddings().weight
-    probe = embed[:PROBE_ROWS].float().norm(dim=-1)  # [PROBE_ROWS]
+    embed = target_model.get_input_embeddings()
+    probe = _embedding_rows(embed, PROBE_ROWS).float().norm(dim=-1)  # [PROBE_ROWS]
     config = target_model.config
-    return {"name": name, "vocab_size": int(embed.shape[0]), "hidden_size": int(embed.shape[1]),
+    return {"name": name, "vocab_size": int(embed.num_embeddings),
+            "hidden_size": int(embed.embedding_dim),
             "num_layers": int(config.num_hidden_layers),
             "embedding_probe": [round(float(x), 5) for x in probe]}
 
 
 def check_target(info: DraftInfo, target_model: Any, where: Path | str) -> None:
-    embed = target_model.get_input_embeddings().weight
+    embed = target_model.get_input_embeddings()
     want = info.target
-    if (int(embed.shape[0]), int(embed.shape[1])) != (want["vocab_size"], want["hidden_size"]):
+    vocab, hidden = int(embed.num_embeddings), int(embed.embedding_dim)
+    if (vocab, hidden) != (want["vocab_size"], want["hidden_size"]):
         raise DraftFormatError(
             f"draft {where} was made for {want['name']!r} (vocab {want['vocab_size']}, hidden "
-            f"{want['hidden_size']}); this target has vocab {embed.shape[0]}, hidden "
-            f"{embed.shape[1]}")
-    probe = embed[:PROBE_ROWS].float().norm(dim=-1).cpu()
+            f"{want['hidden_size']}); this target has vocab {vocab}, hidden {hidden}")
+    probe = _embedding_rows(embed, PROBE_ROWS).float().norm(dim=-1).cpu()
     expected = torch.tensor(want["embedding_probe"])
     if not torch.allclose(probe, expected, rtol=PROBE_RTOL, atol=1e-3):
         raise DraftFormatError(
@@ -222,19 +230,21 @@ def load_model(directory: Path, target_model: Any, dtype: str = "float32") -> An
     head_weight = state.pop("lm_head.weight").to(torch_dtype)
     draft: Any = LlamaForCausalLM(config)
     draft = draft.to(torch_dtype)
-    draft.lm_head = SubsetHead(head_weight, ids, int(embed.weight.shape[0]))
+    draft.lm_head = SubsetHead(head_weight, ids, int(embed.num_embeddings))
     expected = {k for k in draft.model.state_dict() if k != "embed_tokens.weight"}
     got = {k.removeprefix("model.") for k in state}
     if expected - got:
         raise DraftFormatError(f"{directory}: {WEIGHTS_NAME} lacks {sorted(expected - got)[:4]}")
     draft.model.load_state_dict(
         {k.removeprefix("model."): v.to(torch_dtype) for k, v in state.items()}, strict=False)
-    device = embed.weight.device
-    if embed.weight.dtype == torch_dtype:
+    anchor = next(embed.parameters())  # the embedding's device and dtype
+    device = anchor.device
+    if anchor.dtype == torch_dtype:
         draft.model.embed_tokens = embed
     else:
         draft.model.embed_tokens = nn.Embedding.from_pretrained(
-            embed.weight.detach().to(torch_dtype), freeze=True)
+            _embedding_rows(embed, int(embed.num_embeddings)).detach().to(torch_dtype),
+            freeze=True)
     return draft.to(device).eval()
 
 

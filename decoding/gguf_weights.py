@@ -15,6 +15,7 @@ activations as llama.cpp does. Any other type is refused, naming the tensor.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,15 @@ from torch import nn
 
 from decoding import fused
 from decoding.batched import BatchedLM
-from decoding.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix, Int4Rows, block_kernels
+from decoding.memory import release_freed_memory
+from decoding.quantized import (
+    ACTIVATIONS,
+    BlockEmbedding,
+    BlockMatrix,
+    Int4Matrix,
+    Int4Rows,
+    block_kernels,
+)
 from decoding.target import CausalLM
 from decoding.weights import LayerWeights, Matrix, Product, Stacked
 
@@ -33,6 +42,9 @@ log = logging.getLogger(__name__)
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # codes kept, as int4 groups of 32
 WIDE_TYPES = frozenset({"Q8_0", "Q6_K", "F32", "F16", "BF16"})  # dequantized to bfloat16
 SUPPORTED_TYPES = INT4_TYPES | WIDE_TYPES
+# block matrices hold their file's dequantization exactly (code * scale + low): a tied
+# embedding is read from the head's blocks (Q4_K's are a 6-bit sub-scale times d, rounded)
+EXACT_BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 # GGUF tensor names of one layer, by the part of the fused matrices they make
 QKV = ("attn_q", "attn_k", "attn_v")
 GATE_UP = ("ffn_gate", "ffn_up")
@@ -60,6 +72,21 @@ def load(path: str, dtype: str = "float32", device: str = "cpu",
     return GGUFModel(file).runner(kernels, int8_activations)
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """What the loader reads of a GGUF tensor record, made anew so that the reader can go."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF order: inputs first
+    data: np.ndarray  # a view of the mapped file
+
+    @classmethod
+    def of(cls, record: Any) -> Tensor:
+        return cls(str(record.name), record.tensor_type, np.array(record.shape),
+                   record.data.view())
+
+
 class GGUFModel:
     """One GGUF file: its config, tokenizer and tensors."""
 
@@ -67,18 +94,18 @@ class GGUFModel:
         import gguf
 
         self.file = file
-        self.reader = gguf.GGUFReader(str(file))
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self.arch = str(self.field("general.architecture"))
+        reader = gguf.GGUFReader(str(file))
+        self.tensors = {t.name: Tensor.of(t) for t in reader.tensors}
+        self.arch = _field(reader, file, "general.architecture")
+        # The reader (its metadata: the vocabulary and merges as an array object per entry,
+        # ~160 MB for the default model, and its tensor records among them) goes now,
+        # before any weight is built, so its memory returns to the system rather than
+        # staying pinned by a few live objects (51 MB did while its records were kept).
+        del reader
+        release_freed_memory()
         self.config, self.tokenizer = config_and_tokenizer(file)
         self.blocks: Any = None  # the kernels for BlockMatrix products (runner), or None
         self.check_types()
-
-    def field(self, key: str) -> Any:
-        value = self.reader.get_field(key)
-        if value is None:
-            raise ValueError(f"{self.file.name}: no {key} in its metadata")
-        return value.contents()
 
     def check_types(self) -> None:
         for name, tensor in self.tensors.items():
@@ -99,8 +126,17 @@ class GGUFModel:
         self.blocks = block_kernels(fused.load(model, kernels, self.file.name,
                                                torch.device("cpu")), int8_activations)
         inner = model.model
-        embedding = self.wide("token_embd.weight")  # [vocab, hidden]
-        inner.embed_tokens = nn.Embedding.from_pretrained(embedding, freeze=True)
+        tied = "output.weight" not in self.tensors
+        head: Product | None = None
+        if tied and self.blocks is not None and self.tensors[
+                "token_embd.weight"].tensor_type.name in EXACT_BLOCK_TYPES:
+            head = self.product(["token_embd"])  # a BlockMatrix, the input embedding's rows
+            assert isinstance(head, BlockMatrix)
+            inner.embed_tokens = BlockEmbedding(head)  # bitwise wide()'s rows, no table
+            embedding = None
+        else:
+            embedding = self.wide("token_embd.weight")  # [vocab, hidden]
+            inner.embed_tokens = nn.Embedding.from_pretrained(embedding, freeze=True)
         inner.norm.weight = _param(self.wide("output_norm.weight"))
         inner.rotary_emb = type(inner.rotary_emb)(config=config)
         layers = []
@@ -115,11 +151,10 @@ class GGUFModel:
                 o=self.product([block + "attn_output"]),
                 gate_up=self.product([block + n for n in GATE_UP]),
                 down=self.product([block + "ffn_down"])))
-        tied = "output.weight" not in self.tensors
-        if tied:  # the head is the input embedding
+        if head is None and tied:  # the head is the input embedding
             model.lm_head.weight = inner.embed_tokens.weight
-            head: Product = self.product(["token_embd"], rows=embedding)
-        else:
+            head = self.product(["token_embd"], rows=embedding)
+        elif head is None:
             head = self.product(["output"])
         kinds = sorted({t.tensor_type.name for t in self.tensors.values()
                         if t.tensor_type.name in INT4_TYPES or len(t.shape) > 1})
@@ -219,6 +254,13 @@ def int4_rows(kind: str, data: np.ndarray, inputs: int) -> Int4Rows:
     return Int4Rows(torch.from_numpy(np.ascontiguousarray(codes).reshape(out, inputs)),
                     torch.from_numpy(np.ascontiguousarray(scale).reshape(out, groups)),
                     torch.from_numpy(np.ascontiguousarray(low).reshape(out, groups)), 32)
+
+
+def _field(reader: Any, file: Path, key: str) -> Any:
+    value = reader.get_field(key)
+    if value is None:
+        raise ValueError(f"{file.name}: no {key} in its metadata")
+    return value.contents()
 
 
 def config_and_tokenizer(file: Path) -> tuple[Any, Any]:

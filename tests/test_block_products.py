@@ -125,6 +125,24 @@ def test_the_packing_keeps_the_codes_and_float16_scales(native: Any) -> None:
     assert torch.equal(m8.dequantize(), codes.float())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(40, 96), (53, 64), (16, 32)])  # whole and partial tiles
+def test_rows_are_the_dequantized_rows(native: Any, bits: int, shape: tuple[int, int]) -> None:
+    """``rows`` decodes only the rows asked for, in any order and with repeats: the
+    rows of ``dequantize()``, and in bfloat16 those rows rounded."""
+    m = _random(native, bits, *shape, seed=bits)
+    whole = m.dequantize()
+    ids = torch.tensor([0, shape[0] - 1, 17 % shape[0], 0, 5, shape[0] - 1])
+    assert torch.equal(m.rows(ids), whole[ids])
+    assert torch.equal(m.rows(ids, torch.bfloat16), whole[ids].to(torch.bfloat16))
+    assert m.rows(torch.zeros(0, dtype=torch.long)).shape == (0, shape[1])
+    for bad in (torch.tensor([shape[0]]), torch.tensor([-1])):
+        with pytest.raises(RuntimeError, match="out of range"):
+            m.rows(bad)
+    with pytest.raises(RuntimeError, match="int64"):
+        m.rows(ids.int())
+
+
 def test_bad_calls_raise_instead_of_reading_out_of_bounds(native: Any) -> None:
     m = _random(native, 4, 40, 64, seed=1)
     x = torch.zeros(2, 64)
@@ -179,6 +197,31 @@ def test_the_default_model_s_file_is_served_as_is(native: Any,
     plain = GGUFModel(path).runner("native", int8_activations=False)
     assert plain.product_activations == "bfloat16"
     assert isinstance(plain._weights[0].down, Int4Matrix)
+
+
+def test_a_tied_embedding_is_read_from_the_head_s_blocks(native: Any,
+                                                         default_model_dir: Path) -> None:
+    """The default GGUF's input embedding is its Q8_0 head's blocks, looked up row by
+    row: bitwise the bfloat16 table it stood for, which is never built (54 MB), and the
+    shipped draft shares it."""
+    from decoding.factory import load_drafter
+    from decoding.quantized import BlockEmbedding
+
+    path = model_store.default_gguf()
+    model = GGUFModel(path)
+    runner = model.runner("native")
+    embed = runner.model.model.embed_tokens
+    assert isinstance(embed, BlockEmbedding) and embed.matrix is runner._head
+    assert not any(p.numel() for p in runner.model.model.parameters()
+                   if p.dim() == 2 and p.shape[0] == embed.num_embeddings)
+    assert (runner.device, runner.dtype) == (torch.device("cpu"), torch.bfloat16)
+    table = model.wide("token_embd.weight")
+    ids = torch.cat([torch.arange(16), torch.randint(0, table.shape[0], (2001,)),
+                     torch.tensor([table.shape[0] - 1])])
+    assert torch.equal(embed(ids), table[ids])
+    assert torch.equal(embed(ids.view(2, -1)), table[ids].view(2, -1, table.shape[1]))
+    drafter = load_drafter("default-draft", runner)
+    assert drafter.model.model.model.embed_tokens is embed  # type: ignore[attr-defined]
 
 
 def test_quantize_int4_runs_block_matrices(native: Any, tiny_target_dir: Path) -> None:
