@@ -66,7 +66,8 @@ class Matrix:
     product)."""
 
     def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.rows = rows  # [out, in], contiguous
+        self.rows: torch.Tensor | None = rows  # [out, in], contiguous (None: released)
+        self.nbytes = rows.nbytes  # what a product reads
         self.bias = bias
         cpu = rows.device.type == "cpu"
         inputs = rows.shape[1]
@@ -89,7 +90,16 @@ class Matrix:
             if self.bias is not None:
                 return torch.addmm(self.bias, x, self.cols)
             return x @ self.cols
+        assert self.rows is not None  # released only beside a packed copy
         return F.linear(x, self.rows, self.bias)
+
+    def release_rows(self) -> bool:
+        """Let the plain rows go where the packed copy does every product; whether they
+        went now."""
+        if self.packed is None or self.rows is None:
+            return False
+        self.rows = None
+        return True
 
     def bulk(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)  # the packed calls are as fast as one large product here

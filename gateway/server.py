@@ -142,6 +142,8 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
         target.batch_invariant = settings.batch_invariance
     cache = build_prefix_cache(settings, target)
     drafters, default, backend = build_drafters(settings, target, cache, draft_loader)
+    if isinstance(target, BatchedLM):  # the drafts took what they share of it
+        target.release_plain_weights()
     info = {"draft_backend": backend, "weights": target_precision(target),
             "activations": str(target.dtype).removeprefix("torch."),
             "kernels": getattr(target, "kernels", "torch"),

@@ -56,7 +56,7 @@ def product_bytes(product: Any) -> int:
     if isinstance(product, Stacked):
         return sum(product_bytes(p) for p in product.parts)
     if isinstance(product, Matrix):
-        return product.rows.nbytes
+        return product.nbytes
     raise TypeError(f"unknown matrix {type(product).__name__}")
 
 

@@ -273,3 +273,42 @@ def test_weight_products_match_the_plain_product_on_every_path(
             got = matrix(x)
             assert got.dtype == dtype and got.shape == (tokens, 96)
             torch.testing.assert_close(got.float(), want, atol=tolerance * 8, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
+                                                      dtype: str) -> None:
+    """A server keeps only what the products read: the packed matrices' plain rows and
+    the modules' views of them go (their bytes counted once), the rest of the model is
+    copied out of the weights file's mapping (a tied head stays tied), and every pass
+    gives the logits it gave before."""
+    from pathlib import Path
+
+    target = BatchedLM.load(str(Path(str(tiny_target_dir))), dtype=dtype)
+    ids = [random.Random(0).randrange(target.vocab_size) for _ in range(40)]
+
+    def logits() -> list[torch.Tensor]:
+        a, b = target.new_state(), target.new_state()
+        try:
+            out = [target.score(a, ids)]
+            out += target.forward_batch([BatchItem(a, ids[:3], 3), BatchItem(b, ids[5:6], 1)])
+            return out
+        finally:
+            target.release(a)
+            target.release(b)
+
+    before = logits()
+    mats = [m for w in target._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+    packed = [m for m in mats if isinstance(m, weights.Matrix) and m.packed is not None]
+    if not packed:
+        pytest.skip("this PyTorch build packs no float matrix (no oneDNN for this dtype)")
+    released = target.release_plain_weights()
+    assert released == sum(m.nbytes for m in packed)
+    assert all(m.rows is None for m in packed)
+    layer = target.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.device.type == "meta"
+    assert layer.mlp.down_proj.weight.device.type == "meta"
+    assert target.model.lm_head.weight is target.model.model.embed_tokens.weight
+    after = logits()
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert target.release_plain_weights() == 0  # once
