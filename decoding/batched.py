@@ -33,23 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from decoding import fused, handoff
 from decoding.attention import GroupedAttention, rotate
 from decoding.layout import SPAN_ALIGN, Layout
-from decoding.memory import release_freed_memory
+from decoding.memory import release_plain_weights
 from decoding.quantized import BlockMatrix, block_kernels, load_quantized
 from decoding.target import BatchItem, CausalLM, TargetCapabilities, head_subset, pretrained
-from decoding.weights import (
-    ONEDNN_MAX_TOKENS,
-    LayerWeights,
-    Matrix,
-    Product,
-    drop_weight,
-    head_product,
-    multiply,
-)
+from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product, multiply
 
 log = logging.getLogger(__name__)
 
@@ -181,49 +172,8 @@ class BatchedLM(CausalLM):
         return "native" if self._kernels is not None else "torch"
 
     def release_plain_weights(self) -> int:
-        """Keep only what the products read; returns the bytes of plain rows let go.
-
-        A float matrix multiplied through oneDNN's packed copy (``weights.Matrix``) also
-        holds its plain rows, and the model's modules hold views of them or of the
-        weights file's mapping: a second copy of every such matrix. Those rows go and
-        the modules move to the meta device; what the model still holds (the input
-        embedding, the norms) is copied out of the file's mapping, so the mapping goes
-        too. The model can no longer run its own (transformers) forward pass, which this
-        runner never does: a server calls this once its drafts are loaded. Quantized
-        matrices hold no plain copy: nothing to do."""
-        released = 0
-        for w, layer in zip(self._weights, self._layers, strict=True):
-            attention, mlp = layer.self_attn, layer.mlp
-            for product, modules in (
-                    (w.qkv, (attention.q_proj, attention.k_proj, attention.v_proj)),
-                    (w.o, (attention.o_proj,)), (w.gate_up, (mlp.gate_proj, mlp.up_proj)),
-                    (w.down, (mlp.down_proj,))):
-                if isinstance(product, Matrix) and product.release_rows():
-                    released += product.nbytes
-                    for module in modules:
-                        drop_weight(module)
-        if not released:
-            return 0
-        copies: dict[int, nn.Parameter] = {}  # by the old tensor's address: a tie stays one
-        for module in self.model.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                if param.device.type == "cpu":
-                    if param.data_ptr() not in copies:
-                        copies[param.data_ptr()] = nn.Parameter(param.detach().clone(),
-                                                                requires_grad=False)
-                    setattr(module, name, copies[param.data_ptr()])
-        head = self.model.get_output_embeddings()
-        if isinstance(self._head, Matrix):
-            if self._head.release_rows():
-                if head is not None and head.weight is not self._inner.embed_tokens.weight:
-                    released += self._head.nbytes  # an untied head's own weight
-                    drop_weight(head)
-            elif self._head.rows is not None and self._head.rows.data_ptr() in copies:
-                self._head.rows = copies[self._head.rows.data_ptr()].detach()
-        if self._kernels is not None:
-            self._norms = fused.norm_weights(self.model, self.dtype)
-        release_freed_memory()
-        return released
+        """Keep only what the products read (``memory.release_plain_weights``)."""
+        return release_plain_weights(self)
 
     def use_kernels(self, choice: str) -> None:
         """``native`` (the fused CPU kernels; raises where they cannot run), ``torch``,

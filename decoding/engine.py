@@ -6,10 +6,9 @@ prompts (at most ``prefill_chunk`` tokens, so a long prompt does not stall
 running streams) and one speculation round for every running stream, with
 draft lengths chosen for the batch as a whole (``plan_batch``:
 speculation shrinks as the batch grows and stops where plain batched decoding
-is faster). Requests join and leave at round boundaries. Each round's event is
-handed to the request's stream when the next pass starts its long native call (the
-HTTP event loop, which shares the GIL, then runs beside the pass: decoding.handoff), or
-as soon as the engine has nothing more to run.
+is faster). Requests join and leave at round boundaries. A round's events reach their
+streams as the next pass enters its long native call (``decoding.handoff``), or once
+the engine has nothing more to run.
 A cancelled request (client gone) is dropped before its next round and its KV
 caches are freed; a request past its deadline ends with ``timeout``; a model
 error ends only the request that hit it.
@@ -27,11 +26,11 @@ from dataclasses import dataclass
 from functools import partial
 
 from decoding.drafters.base import Drafter
-from decoding.handoff import before_pass
+from decoding.handoff import Outbox, before_pass
 from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
-from decoding.round import RoundResult, speculative_round
+from decoding.round import RoundResult, speculative_round, warm_up
 from decoding.sequence import ContextOverflowError, SequenceDecoder
 from decoding.streams import (
     END,
@@ -106,8 +105,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        # what the model thread has for streams and not yet handed over, in order
-        self._outbox: list[tuple[RequestStream, object]] = []
+        self._outbox = Outbox()
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -171,20 +169,8 @@ class Engine:
         return stream
 
     def warmup(self) -> None:
-        """Prepare the target's and the draft models' kernels for every small pass size,
-        then run one short request through every loaded drafter (outside the thread)."""
-        from decoding.sequence import decode
-        from decoding.types import SamplingParams
-
-        self.target.warmup()
-        for loaded in self.drafters.values():
-            loaded.warmup()
-        ids = tuple(self.target.tokenizer.encode("Hello, world. Hello, world.")) or (0,)
-        for drafter in [None, *self.drafters.values()]:
-            request = GenerationRequest(prompt_ids=ids, max_new_tokens=4,
-                                        sampling=SamplingParams(temperature=0.0))
-            for _ in decode(self.target, drafter, request):
-                pass
+        """Prepare the target and the drafters (``round.warm_up``), outside the thread."""
+        warm_up(self.target, list(self.drafters.values()))
 
     def _drafter_name(self, request: GenerationRequest) -> str | None:
         spec = request.speculation
@@ -204,10 +190,8 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                idle = self._idle()
-            if idle:  # nothing more to run: no pass will hand over what waits
-                self._hand_over()
-            with self._lock:
+                if self._idle():  # nothing more to run: no pass will hand over what waits
+                    self._outbox.hand_over()
                 while self._idle():
                     self._lock.wait()
                 if self._stopping:
@@ -221,18 +205,7 @@ class Engine:
                 log.exception("a decoding iteration failed; its requests end with an error")
                 self._fail_batch(batch)
         self._drain_all()
-        self._hand_over()
-
-    def _send(self, stream: RequestStream, item: object) -> None:
-        """Queue ``item`` (an event, or ``END``) for ``stream``; it leaves with the next
-        hand-over."""
-        self._outbox.append((stream, item))
-
-    def _hand_over(self) -> None:
-        """Give every stream what was queued for it, in order."""
-        outbox, self._outbox = self._outbox, []
-        for stream, item in outbox:
-            stream._put(item)
+        self._outbox.hand_over()
 
     def _fail_batch(self, batch: list[_Active]) -> None:
         """End every request of ``batch`` still running, with an error (the engine goes
@@ -262,14 +235,14 @@ class Engine:
         lengths = self._draft_lengths(decoding)
         by_decoder = {id(a.decoder): a for a in live}
         if not self.target.capabilities.batched:  # one sequence per forward pass: take turns
-            self._hand_over()
+            self._outbox.hand_over()
             for decoder, limit in prompts:
                 self._deliver(by_decoder, speculative_round(self.target, [(decoder, limit)], []))
             for active, k in zip(decoding, lengths, strict=True):
                 self._deliver(by_decoder, speculative_round(self.target, [], [(active.decoder, k)]))
             return
         with (cpu_threads(None if prompts else self.decode_threads),  # decoding.threads
-              before_pass(self.target, self._hand_over)):  # decoding.handoff
+              before_pass(self.target, self._outbox.hand_over)):  # decoding.handoff
             result = speculative_round(self.target, prompts, [
                 (a.decoder, k) for a, k in zip(decoding, lengths, strict=True)],
                 self.invariance_check)
@@ -291,7 +264,7 @@ class Engine:
             if event.finished:
                 self._finish(active, event)
             else:
-                self._send(active.stream, event)
+                self._outbox.send(active.stream, event)
 
     def _still_running(self, active: _Active) -> bool:
         stream = active.stream
@@ -336,10 +309,7 @@ class Engine:
         for stream in [s for s in self._waiting if s.request.timeout_s is not None
                        and now > s.submitted_at + s.request.timeout_s]:
             self._waiting.remove(stream)
-            self._send(stream, RoundEvent(token_ids=(), text="", draft_tokens=0,
-                                          accepted_tokens=0, finish_reason=FinishReason.TIMEOUT,
-                                          prompt_tokens=len(stream.request.prompt_ids)))
-            self._send(stream, END)
+            self._end(stream, FinishReason.TIMEOUT)
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_active:
@@ -348,7 +318,7 @@ class Engine:
                 break  # it waits (first in line) until running requests free their KV
             self._waiting.popleft()
             if stream.cancelled:
-                self._send(stream, END)
+                self._outbox.send(stream, END)
                 continue
             try:
                 drafter = self.drafters[stream.drafter] if stream.drafter else None
@@ -357,7 +327,7 @@ class Engine:
                                           new_policy=partial(self._new_policy, stream.drafter))
             except Exception as exc:  # invalid for this model: fail this request only
                 log.exception("request %s could not start", stream.request.request_id)
-                self._fail(stream, str(exc))
+                self._end(stream, FinishReason.ERROR, str(exc))
                 continue
             timeout = stream.request.timeout_s
             deadline = stream.submitted_at + timeout if timeout else None
@@ -405,14 +375,16 @@ class Engine:
                 self._active.remove(active)
                 self._fit_kv()
         if last is not None:
-            self._send(active.stream, last)
-        self._send(active.stream, END)
+            self._outbox.send(active.stream, last)
+        self._outbox.send(active.stream, END)
 
-    def _fail(self, stream: RequestStream, message: str) -> None:
-        self._send(stream, RoundEvent(token_ids=(), text="", draft_tokens=0, accepted_tokens=0,
-                                      finish_reason=FinishReason.ERROR, error=message,
-                                      prompt_tokens=len(stream.request.prompt_ids)))
-        self._send(stream, END)
+    def _end(self, stream: RequestStream, reason: FinishReason, error: str | None = None
+             ) -> None:
+        """End a request that never ran: its one event, then the end of its stream."""
+        self._outbox.send(stream, RoundEvent(
+            token_ids=(), text="", draft_tokens=0, accepted_tokens=0, finish_reason=reason,
+            error=error, prompt_tokens=len(stream.request.prompt_ids)))
+        self._outbox.send(stream, END)
 
     def _drain_all(self) -> None:
         with self._lock:
@@ -420,7 +392,7 @@ class Engine:
             waiting, self._waiting = list(self._waiting), deque()
         for item in active:
             item.decoder.close()
-            self._send(item.stream, item.decoder.final_event(FinishReason.CANCELLED))
-            self._send(item.stream, END)
+            self._outbox.send(item.stream, item.decoder.final_event(FinishReason.CANCELLED))
+            self._outbox.send(item.stream, END)
         for stream in waiting:
-            self._fail(stream, "the server is shutting down")
+            self._end(stream, FinishReason.ERROR, "the server is shutting down")

@@ -20,8 +20,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 _local = threading.local()
+
+
+class Outbox:
+    """What the model thread has for streams and has not handed over yet, in order."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Any, object]] = []
+
+    def send(self, stream: Any, item: object) -> None:
+        """Queue ``item`` (an event, or ``END``) for ``stream`` (a ``RequestStream``)."""
+        self._items.append((stream, item))
+
+    def hand_over(self) -> None:
+        """Give every stream what was queued for it, in order."""
+        items, self._items = self._items, []
+        for stream, item in items:
+            stream._put(item)
 
 
 @contextmanager

@@ -16,11 +16,18 @@ from typing import Any, TypeVar
 
 import torch
 
-from decoding.drafters.base import DraftProposal
+from decoding.drafters.base import Drafter, DraftProposal
 from decoding.invariance import InvarianceCheck
-from decoding.sequence import SequenceDecoder
+from decoding.sequence import SequenceDecoder, decode
 from decoding.target import Target
-from decoding.types import Draft, PromptChunk, RoundEvent, RoundTiming
+from decoding.types import (
+    Draft,
+    GenerationRequest,
+    PromptChunk,
+    RoundEvent,
+    RoundTiming,
+    SamplingParams,
+)
 from decoding.verify import verify
 
 log = logging.getLogger(__name__)
@@ -196,3 +203,17 @@ def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[..., 
         log.exception("drafting failed in request %s", seq.request.request_id)
         outcomes.append(Outcome(seq, seq.failed("the model failed")))
         return None
+
+
+def warm_up(target: Target, drafters: Sequence[Drafter]) -> None:
+    """Prepare the target's and the draft models' kernels for every small pass size,
+    then run one short request through every drafter (and none), in this thread."""
+    target.warmup()
+    for drafter in drafters:
+        drafter.warmup()
+    ids = tuple(target.tokenizer.encode("Hello, world. Hello, world.")) or (0,)
+    for chosen in [None, *drafters]:
+        request = GenerationRequest(prompt_ids=ids, max_new_tokens=4,
+                                    sampling=SamplingParams(temperature=0.0))
+        for _ in decode(target, chosen, request):
+            pass
