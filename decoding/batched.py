@@ -39,12 +39,18 @@ from decoding.attention import GroupedAttention, rotate
 from decoding.layout import SPAN_ALIGN, Layout
 from decoding.memory import release_plain_weights
 from decoding.quantized import BlockMatrix, block_kernels, load_quantized
-from decoding.target import BatchItem, CausalLM, TargetCapabilities, head_subset, pretrained
+from decoding.target import (
+    BatchItem,
+    CausalLM,
+    TargetCapabilities,
+    head_subset,
+    pretrained,
+    supports,
+)
 from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product, multiply
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 _INITIAL_CAPACITY = SPAN_ALIGN
 _INITIAL_ROWS = 4
 _CAPACITY_ALIGN = SPAN_ALIGN  # an attention span never passes the capacity
@@ -57,22 +63,6 @@ class BatchedState:
     row: int
     length: int = 0
     released: bool = False
-
-
-def supports(model: Any) -> str | None:
-    """Why ``model`` cannot run batched, or None when it can."""
-    config = model.config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
-    window = getattr(config, "sliding_window", None)
-    longest = getattr(config, "max_position_embeddings", None) or 1 << 30
-    if window and getattr(config, "use_sliding_window", True) and window < longest:
-        return "sliding-window attention is not supported"
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return "the model does not have the usual decoder layout"
-    return None
 
 
 class BatchedLM(CausalLM):

@@ -7,7 +7,7 @@ score a few tokens in one forward pass, roll the cache back to a length.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -106,6 +106,50 @@ def head_subset(model: Any) -> torch.Tensor | None:  # [K]
     """The vocabulary ids of the output head's rows when it covers only part of the
     vocabulary (a distilled draft's head keeps ``ids`` and the full ``vocab_size``)."""
     return getattr(model.get_output_embeddings(), "ids", None)
+
+
+BATCHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# Why a family's decoder layers are not the batched runner's, which are Llama's (RMS
+# pre-norms, separate q/k/v and gate/up projections, rotary on all of q and k, SiLU gating)
+FAMILY_GAPS = {
+    "qwen3": "its attention normalizes q and k per head (q_norm, k_norm) before the rotary "
+             "embedding",
+    "gemma": "its RMS norms scale by 1 + weight, its embeddings by sqrt(hidden), and its MLP "
+             "gates with GELU",
+    "gemma2": "it soft-caps attention scores and logits, alternates sliding-window and global "
+              "layers, adds norms after attention and MLP, and gates with GELU",
+    "gemma3_text": "it normalizes q and k per head, alternates sliding-window and global "
+                   "layers with their own rotary bases, adds norms after attention and MLP, "
+                   "scales its embeddings and gates with GELU",
+    "phi3": "its q/k/v and gate/up projections are fused modules (qkv_proj, gate_up_proj), "
+            "and its long-context variants scale the rotary embedding per dimension",
+    "phi": "its attention and MLP run side by side off one LayerNorm, with a partial rotary "
+           "embedding and GELU",
+}
+
+
+def unsupported_family(model_type: str | None, supported: Collection[str]) -> str:
+    """One line: the model type is not a batched family, and where it is a known one, what
+    its layers do that the batched runner's do not."""
+    line = f"model type {model_type!r} is not one of {sorted(supported)}"
+    gap = FAMILY_GAPS.get(model_type or "")
+    return f"{line}: {gap}" if gap else line
+
+
+def supports(model: Any) -> str | None:
+    """Why ``model`` cannot run batched (``batched.BatchedLM``), or None when it can."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in BATCHED_MODEL_TYPES:
+        return unsupported_family(model_type, BATCHED_MODEL_TYPES)
+    window = getattr(config, "sliding_window", None)
+    longest = getattr(config, "max_position_embeddings", None) or 1 << 30
+    if window and getattr(config, "use_sliding_window", True) and window < longest:
+        return "sliding-window attention is not supported"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "the model does not have the usual decoder layout"
+    return None
 
 
 def attention_dims(config: Any) -> tuple[int, int, int]:

@@ -312,3 +312,37 @@ def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
     after = logits()
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
     assert target.release_plain_weights() == 0  # once
+
+
+@pytest.mark.parametrize(("config_name", "says"), [
+    ("Qwen3Config", "q_norm"), ("Gemma3TextConfig", "sliding-window"),
+    ("Phi3Config", "qkv_proj"), ("GemmaConfig", "1 + weight")])
+def test_a_family_the_batched_runner_lacks_is_named_with_what_it_needs(
+        config_name: str, says: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Such a model runs one sequence per pass, and the one-line reason says what its
+    layers do that the batched ones do not."""
+    import types
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from decoding.target import supports
+
+    config = getattr(transformers, config_name)(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config)
+    reason = supports(model)
+    assert reason is not None and f"model type {config.model_type!r}" in reason
+    assert says in reason and "\n" not in reason
+    tokenizer = types.SimpleNamespace(eos_token_id=None)  # the runner reads no more of it
+    with caplog.at_level("WARNING"):
+        runner = BatchedLM.wrap(model, tokenizer, name="tiny")
+    assert type(runner) is CausalLM
+    assert reason in caplog.text
+    ids = [1, 5, 9, 3]
+    state = runner.new_state()
+    got = runner.forward_batch([BatchItem(state, ids, len(ids))])[0]
+    want = model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(got, want, atol=1e-5)
