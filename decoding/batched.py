@@ -52,7 +52,7 @@ from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_prod
 log = logging.getLogger(__name__)
 
 _INITIAL_CAPACITY = SPAN_ALIGN
-_INITIAL_ROWS = 4
+_INITIAL_ROWS = 1  # grown as requests are admitted (Engine._fit_kv)
 _CAPACITY_ALIGN = SPAN_ALIGN  # an attention span never passes the capacity
 
 

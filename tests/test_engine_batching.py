@@ -264,14 +264,14 @@ def test_admission_waits_for_kv_room(tiny_target: BatchedLM) -> None:
     (rather than growing the cache past the budget), then completes unchanged."""
     requests = _greedy(tiny_target, PROMPTS[:2], 16)
     positions = max(len(r.prompt_ids) + r.max_new_tokens + 1 for r in requests)
-    one = tiny_target.kv_bytes(1, positions)
-    assert tiny_target.kv_bytes(2, positions) == one  # both fit the first rows...
-    budget = one - 1  # ...so the budget is set just under them
+    one, two = tiny_target.kv_bytes(1, positions), tiny_target.kv_bytes(2, positions)
+    assert two > one  # the buffers hold a row per running request
+    budget = two - 1  # room for one request's row, not for two
     results = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=budget)
     for request, events in zip(requests, results, strict=True):
         assert _tokens(events) == _alone(tiny_target, NgramDrafter(), request)
         assert all(e.batch_size == 1 for e in events)  # never ran together
-    together = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=2 * one)
+    together = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=two)
     assert any(e.batch_size == 2 for e in together[0])
 
 
