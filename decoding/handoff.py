@@ -1,9 +1,9 @@
 """When the model thread hands a round's events to the HTTP event loop.
 
 Both run Python, so they share the GIL. Every PyTorch op releases it; an event loop woken
-by a round's events takes it at the model thread's first op and keeps it for its whole
-turn (a streamed chunk: its JSON, metrics and span, ~0.5-1 ms of Python), while the
-model thread, back from a microsecond op, waits for it. Measured through the streamed
+by a round's events takes it at the model thread's first op and keeps it for its turn
+(the chunk's JSON, metrics, the socket write), while the model thread, back from a
+microsecond op, waits for it. Measured through the streamed
 chat endpoint (plain decoding, one stream, the GGUF default): the embedding lookup that
 opens a pass took 0.87 ms (median) instead of ~0.03.
 

