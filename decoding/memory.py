@@ -13,6 +13,7 @@ import ctypes
 import gc
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from decoding import fused
@@ -54,22 +55,25 @@ def release_plain_weights(runner: BatchedLM) -> int:
                     drop_weight(module)
     if not released:
         return 0
-    copies: dict[int, nn.Parameter] = {}  # by the old tensor's address: a tie stays one
+    def key(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:  # a tie stays one copy
+        return t.data_ptr(), tuple(t.shape)
+
+    copies: dict[tuple[int, tuple[int, ...]], nn.Parameter] = {}
     for module in runner.model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.device.type == "cpu":
-                if param.data_ptr() not in copies:
-                    copies[param.data_ptr()] = nn.Parameter(param.detach().clone(),
-                                                            requires_grad=False)
-                setattr(module, name, copies[param.data_ptr()])
-    head = runner.model.get_output_embeddings()
-    if isinstance(runner._head, Matrix):
-        if runner._head.release_rows():
+                if key(param) not in copies:
+                    copies[key(param)] = nn.Parameter(param.detach().clone(),
+                                                      requires_grad=False)
+                setattr(module, name, copies[key(param)])
+    head, matrix = runner.model.get_output_embeddings(), runner._head
+    if isinstance(matrix, Matrix):
+        if matrix.release_rows():
             if head is not None and head.weight is not runner._inner.embed_tokens.weight:
-                released += runner._head.nbytes  # an untied head's own weight
+                released += matrix.nbytes  # an untied head's own weight
                 drop_weight(head)
-        elif runner._head.rows is not None and runner._head.rows.data_ptr() in copies:
-            runner._head.rows = copies[runner._head.rows.data_ptr()].detach()
+        elif matrix.rows is not None and key(matrix.rows) in copies:
+            matrix.rows = copies[key(matrix.rows)].detach()
     if runner._kernels is not None:
         runner._norms = fused.norm_weights(runner.model, runner.dtype)
     release_freed_memory()
