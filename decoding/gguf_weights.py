@@ -151,11 +151,12 @@ class GGUFModel:
                 o=self.product([block + "attn_output"]),
                 gate_up=self.product([block + n for n in GATE_UP]),
                 down=self.product([block + "ffn_down"])))
-        if head is None and tied:  # the head is the input embedding
-            model.lm_head.weight = inner.embed_tokens.weight
-            head = self.product(["token_embd"], rows=embedding)
-        elif head is None:
-            head = self.product(["output"])
+        if head is None:
+            if tied:  # the head is the input embedding
+                model.lm_head.weight = inner.embed_tokens.weight
+                head = self.product(["token_embd"], rows=embedding)
+            else:
+                head = self.product(["output"])
         kinds = sorted({t.tensor_type.name for t in self.tensors.values()
                         if t.tensor_type.name in INT4_TYPES or len(t.shape) > 1})
         fmt = "gguf-" + "+".join(k.lower() for k in kinds)

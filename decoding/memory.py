@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from decoding import fused
-from decoding.weights import Matrix, drop_weight
+from decoding.weights import Matrix, drop_weight, linear_modules
 
 if TYPE_CHECKING:
     from decoding.batched import BatchedLM
@@ -44,11 +44,8 @@ def release_plain_weights(runner: BatchedLM) -> int:
     matrices hold no plain copy: nothing to do."""
     released = 0
     for w, layer in zip(runner._weights, runner._layers, strict=True):
-        attention, mlp = layer.self_attn, layer.mlp
-        for product, modules in (
-                (w.qkv, (attention.q_proj, attention.k_proj, attention.v_proj)),
-                (w.o, (attention.o_proj,)), (w.gate_up, (mlp.gate_proj, mlp.up_proj)),
-                (w.down, (mlp.down_proj,))):
+        for name, modules in linear_modules(layer).items():
+            product = getattr(w, name)
             if isinstance(product, Matrix) and product.release_rows():
                 released += product.nbytes
                 for module in modules:

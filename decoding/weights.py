@@ -183,14 +183,19 @@ class LayerWeights:
         """The layer's matrices, fused; quantized by ``quantize`` (int4, int8) unless
         ``none`` (then the modules' weights become views of the fused ones); ``blocks``:
         ``quantized``'s."""
-        attention, mlp = layer.self_attn, layer.mlp
         make = fuse if quantize == "none" else functools.partial(fuse_quantized,
                                                                  method=quantize, blocks=blocks)
         return cls(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-                   act=mlp.act_fn,
-                   qkv=make((attention.q_proj, attention.k_proj, attention.v_proj)),
-                   o=make((attention.o_proj,)), gate_up=make((mlp.gate_proj, mlp.up_proj)),
-                   down=make((mlp.down_proj,)))
+                   act=layer.mlp.act_fn,
+                   **{name: make(modules) for name, modules in linear_modules(layer).items()})
+
+
+def linear_modules(layer: Any) -> dict[str, tuple[Any, ...]]:
+    """A decoder layer's linear modules by the fused ``LayerWeights`` matrix they make."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return {"qkv": (attention.q_proj, attention.k_proj, attention.v_proj),
+            "o": (attention.o_proj,), "gate_up": (mlp.gate_proj, mlp.up_proj),
+            "down": (mlp.down_proj,)}
 
 
 def fuse(linears: Sequence[Any]) -> Matrix:
