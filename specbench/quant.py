@@ -277,7 +277,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def write_table(report: dict[str, Any]) -> None:
     cols = ["precision", "weights", "products", "weights_mb", "step_ms", "bandwidth_gb_s",
-            "floor_ms", "step_over_floor", "step_over_floor_range", "top1_agreement", "mean_abs_logit_diff", "serve_rss_mb"]
+            "floor_ms", "step_over_floor", "step_over_floor_range", "top1_agreement",
+            "mean_abs_logit_diff", "serve_rss_mb"]
     print(" | ".join(cols))
     for row in report["rows"]:
         print(" | ".join(str(row.get(c, "")) for c in cols))

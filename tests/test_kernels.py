@@ -296,6 +296,39 @@ def test_the_int4_stack_is_the_python_loop_bitwise(tiny_target_dir: Any,
         assert torch.equal(got, want)
 
 
+def test_the_int4_stack_checks_its_call_once_and_refuses_bad_ranges(tiny_target_dir: Any) -> None:
+    """The block stack checks a pass's index lists once and then runs on raw pointers:
+    a cache slot, key range or row out of range, or a cache of the wrong shape, is an
+    error, not a read or a write out of bounds."""
+    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4",
+                            int8_activations=True)
+    if runner._stack is None:
+        pytest.skip("these kernels were built without block products (AVX512-VNNI or AVX2)")
+    state = runner.new_state()
+    runner.forward_batch([BatchItem(state, [5, 6, 7], 1)])
+    hidden = runner.model.model.embed_tokens(torch.tensor([8]))
+    cos, sin = runner._rotary(hidden, torch.tensor([3]))
+    capacity = runner._keys[0].shape[2]
+    good = dict(rows=torch.tensor([state.row]), slots=torch.tensor([3]),
+                limits=torch.tensor([4]), extras=torch.tensor([-1]))
+
+    def run(**change: Any) -> torch.Tensor:
+        keys = change.pop("keys", runner._keys)
+        args = {**good, **change}
+        return runner._stack.forward(hidden, cos, sin, keys, runner._values, args["rows"],
+                                     args["slots"], args["limits"], args["extras"])
+
+    assert run().shape == hidden.shape
+    for bad in (dict(slots=torch.tensor([capacity])), dict(limits=torch.tensor([capacity + 1])),
+                dict(limits=torch.tensor([0])), dict(rows=torch.tensor([-1])),
+                dict(extras=torch.tensor([capacity])), dict(slots=torch.tensor([1, 2])),
+                dict(keys=[runner._keys[0], *(k[:, :, :4].contiguous() for k in runner._keys[1:])]),
+                dict(keys=[k.transpose(2, 3) for k in runner._keys])):
+        with pytest.raises(RuntimeError):
+            run(**bad)
+    runner.release(state)
+
+
 def test_the_prefix_cache_namespace_names_the_kernels(tiny_target: CausalLM) -> None:
     """KV computed by one path is never loaded by a replica on the other."""
     from gateway.server import kernels_key

@@ -423,6 +423,33 @@ void attend_task_avx512(const T* q, const T* keys, const T* values, T* out, int6
 }
 #endif
 
+// attend's work on checked pointers: q [tokens, heads, dim], keys/values [rows, kv_heads,
+// capacity, dim], out [tokens, heads * dim]
+template <typename T>
+void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* row,
+                 const int64_t* limit, const int64_t* extra, int64_t tokens, int64_t heads,
+                 int64_t kv_heads, int64_t dim, int64_t capacity, float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t lo, int64_t hi) {
+    thread_local std::vector<float> scores, buffer;
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t t = task / kv_heads, h = task % kv_heads;
+      const int64_t base = (row[t] * kv_heads + h) * capacity * dim;
+#if defined(__AVX512F__)
+      if (dim % 16 == 0 && dim / 16 <= kMaxChunks && group <= kMaxGroup) {
+        attend_task_avx512<T>(qp + (t * heads + h * group) * dim, kp + base, vp + base,
+                              op + (t * heads + h * group) * dim, limit[t], extra[t], group, dim,
+                              scale, scores);
+        continue;
+      }
+#endif
+      attend_task<T>(qp + (t * heads + h * group) * dim, kp + base, vp + base,
+                     op + (t * heads + h * group) * dim, limit[t], extra[t], group, dim, scale,
+                     scores, buffer);
+    }
+  });
+}
+
 // q [tokens, heads, dim] against keys/values [rows, kv_heads, capacity, dim]: token t sees
 // keys [0, limits[t]) of cache row rows[t], and the key at extras[t] when that is >= its limit
 // (an alternative's own key). Returns [tokens, heads * dim].
@@ -448,31 +475,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     TORCH_CHECK(row[t] >= 0 && row[t] < kv_rows && limit[t] >= 1 && limit[t] <= capacity &&
                     extra[t] < capacity,
                 "a token's cache row or key range is out of range");
-  const int64_t group = heads / kv_heads;
   at::Tensor out = at::empty({tokens, heads * dim}, q.options());
   DISPATCH(q.scalar_type(), "attend", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = keys.data_ptr<scalar_t>();
-    const scalar_t* vp = values.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<float> scores, buffer;
-      for (int64_t task = lo; task < hi; ++task) {
-        const int64_t t = task / kv_heads, h = task % kv_heads;
-        const int64_t base = (row[t] * kv_heads + h) * capacity * dim;
-#if defined(__AVX512F__)
-        if (dim % 16 == 0 && dim / 16 <= kMaxChunks && group <= kMaxGroup) {
-          attend_task_avx512<scalar_t>(qp + (t * heads + h * group) * dim, kp + base, vp + base,
-                                       op + (t * heads + h * group) * dim, limit[t], extra[t],
-                                       group, dim, static_cast<float>(scale), scores);
-          continue;
-        }
-#endif
-        attend_task<scalar_t>(qp + (t * heads + h * group) * dim, kp + base, vp + base,
-                              op + (t * heads + h * group) * dim, limit[t], extra[t], group, dim,
-                              static_cast<float>(scale), scores, buffer);
-      }
-    });
+    attend_rows<scalar_t>(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(),
+                          values.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), row, limit, extra,
+                          tokens, heads, kv_heads, dim, capacity, static_cast<float>(scale));
   });
   return out;
 }
@@ -787,6 +794,62 @@ void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* c
 
 constexpr int64_t kGroupTiles = 16;  // tiles whose results are stored together
 
+#if defined(SPECSERVE_BLOCK_PRODUCTS)
+// block_product's work on checked pointers: x [tokens, k] times a [n, k] block matrix
+// (+ bias, float32, or null) into y [tokens, n]
+template <typename T>
+void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* wp, int64_t n,
+                        int64_t bits, const float* bp, T* yp) {
+  const int64_t blocks = k / kBlock, tiles = (n + kTile - 1) / kTile;
+  // the activations' codes and block scales: scratch this thread keeps between calls (two
+  // tensors a call cost more than a one-token product of a small matrix takes to read)
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> stats;
+  codes.resize(static_cast<size_t>(tokens * k));
+  stats.resize(static_cast<size_t>(2 * tokens * blocks));
+  int8_t* cp = codes.data();
+  float* scale = stats.data();
+  float* sum = scale + tokens * blocks;
+  const int64_t size = block_bytes(bits);
+  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      quantize_row(xp + t * k, k, cp + t * k, scale + t * blocks, sum + t * blocks);
+  });
+  // tiles in groups whose results are written out a token's row at a time (rows of
+  // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
+  // most kBlockRows tokens a pass over the matrix, the passes evenly filled (7 or 8
+  // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head)
+  const int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
+  const int64_t passes = (tokens + kBlockRows - 1) / kBlockRows;
+  const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
+  for (int64_t r = 0; r < tokens; r += per_pass) {
+    const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
+    at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+      alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
+      constexpr int64_t ldo = kGroupTiles * kTile;
+      for (int64_t g = lo; g < hi; ++g) {
+        const int64_t first = g * kGroupTiles, last = std::min(tiles, first + kGroupTiles);
+        const int64_t col = first * kTile, width = std::min(n, last * kTile) - col;
+        for (int64_t t = first; t < last; ++t) {
+          const uint8_t* w = wp + t * blocks * size;
+          float* out = buffer + (t - first) * kTile;
+          if (bits == 4)
+            block_tile_rows<4>(rows, w, blocks, cp + r * k, scale + r * blocks,
+                               sum + r * blocks, k, out, ldo);
+          else
+            block_tile_rows<8>(rows, w, blocks, cp + r * k, scale + r * blocks,
+                               sum + r * blocks, k, out, ldo);
+        }
+        for (int i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < width; ++c)
+            store(yp + (r + i) * n + col, c,
+                  bp != nullptr ? buffer[i * ldo + c] + bp[col + c] : buffer[i * ldo + c]);
+      }
+    });
+  }
+}
+#endif
+
 // x [tokens, in] (float32 or bfloat16) times a block_pack-ed [out, in] matrix (+ bias): [tokens, out]
 at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          int64_t bits, const c10::optional<at::Tensor>& bias) {
@@ -807,57 +870,10 @@ at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
   }
   at::Tensor y = at::empty({tokens, n}, x.options());
 #if defined(SPECSERVE_BLOCK_PRODUCTS)
-  // the activations' codes and block scales: scratch this thread keeps between calls (two
-  // tensors a call cost more than a one-token product of a small matrix takes to read)
-  thread_local std::vector<int8_t> codes;
-  thread_local std::vector<float> stats;
-  codes.resize(static_cast<size_t>(tokens * k));
-  stats.resize(static_cast<size_t>(2 * tokens * blocks));
-  int8_t* cp = codes.data();
-  float* scale = stats.data();
-  float* sum = scale + tokens * blocks;
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* bp = has_bias ? b32.data_ptr<float>() : nullptr;
-  const int64_t size = block_bytes(bits);
   DISPATCH(x.scalar_type(), "block_product", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t)
-        quantize_row(xp + t * k, k, cp + t * k, scale + t * blocks, sum + t * blocks);
-    });
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    // tiles in groups whose results are written out a token's row at a time (rows of
-    // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
-    // most kBlockRows tokens a pass over the matrix, the passes evenly filled (7 or 8
-    // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head)
-    const int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
-    const int64_t passes = (tokens + kBlockRows - 1) / kBlockRows;
-    const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
-    for (int64_t r = 0; r < tokens; r += per_pass) {
-      const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
-      at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
-        alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
-        constexpr int64_t ldo = kGroupTiles * kTile;
-        for (int64_t g = lo; g < hi; ++g) {
-          const int64_t first = g * kGroupTiles, last = std::min(tiles, first + kGroupTiles);
-          const int64_t col = first * kTile, width = std::min(n, last * kTile) - col;
-          for (int64_t t = first; t < last; ++t) {
-            const uint8_t* w = wp + t * blocks * size;
-            float* out = buffer + (t - first) * kTile;
-            if (bits == 4)
-              block_tile_rows<4>(rows, w, blocks, cp + r * k, scale + r * blocks,
-                                 sum + r * blocks, k, out, ldo);
-            else
-              block_tile_rows<8>(rows, w, blocks, cp + r * k, scale + r * blocks,
-                                 sum + r * blocks, k, out, ldo);
-          }
-          for (int i = 0; i < rows; ++i)
-            for (int64_t c = 0; c < width; ++c)
-              store(yp + (r + i) * n + col, c,
-                    bp != nullptr ? buffer[i * ldo + c] + bp[col + c] : buffer[i * ldo + c]);
-        }
-      });
-    }
+    block_product_rows<scalar_t>(x.data_ptr<scalar_t>(), tokens, k, packed.data_ptr<uint8_t>(), n,
+                                 bits, has_bias ? b32.data_ptr<float>() : nullptr,
+                                 y.data_ptr<scalar_t>());
   });
 #endif
   return y;
@@ -884,6 +900,26 @@ class Int4Stack {
     TORCH_CHECK(n % 4 == 0 && scales_zeros_.size() == n && out_.size() == n &&
                     biases_.size() == n && norms_.size() == n / 2 + 1 && eps_.size() == norms_.size(),
                 "four matrices a layer, two norms a layer and the final one");
+    if (!blocks_) return;
+    TORCH_CHECK(kBlockProducts, "these kernels were built without block products (AVX512-VNNI or AVX2)");
+    const int64_t hidden = norms_[0].numel(), dim = out_[0] / (heads_ + 2 * kv_heads_);
+    for (size_t i = 0; i < n; ++i) {
+      // each matrix's input: the hidden state, attention's output, the hidden state, the
+      // gated activation
+      const int64_t in = i % 4 == 1 ? heads_ * dim : i % 4 == 3 ? out_[i - 1] / 2 : hidden;
+      const int64_t tiles = (out_[i] + kTile - 1) / kTile;
+      TORCH_CHECK(in % kBlock == 0 && packed_[i].scalar_type() == at::kByte &&
+                      packed_[i].is_contiguous() &&
+                      packed_[i].numel() == tiles * (in / kBlock) * block_bytes(4) &&
+                      out_[i] == (i % 4 == 0 ? (heads_ + 2 * kv_heads_) * dim
+                                  : i % 4 == 2 ? out_[2] : hidden),
+                  "matrix ", i, " is not a 4-bit block matrix of its layer's shape");
+      bias32_.push_back(biases_[i].has_value() && biases_[i]->defined()
+                            ? biases_[i]->to(at::kFloat).contiguous() : at::Tensor());
+    }
+    for (const at::Tensor& w : norms_)
+      TORCH_CHECK(w.numel() == hidden && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+                  "norm weights must be contiguous bfloat16 [hidden]");
   }
 
   // hidden [T, H] bfloat16 -> the final norm of the last layer's output, [T, H]
@@ -894,6 +930,7 @@ class Int4Stack {
     const size_t layers = packed_.size() / 4;
     TORCH_CHECK(keys.size() == layers && values.size() == layers, "one cache per layer");
     TORCH_CHECK(embedded.scalar_type() == at::kBFloat16, "int4 layers take bfloat16");
+    if (blocks_) return forward_blocks(embedded, cos, sin, keys, values, rows, slots, limits, extras);
     std::vector<at::Tensor> state = add_rms_norm(embedded.contiguous(), c10::nullopt, norms_[0], eps_[0]);
     at::Tensor hidden = state[0], x = state[1];
     for (size_t l = 0; l < layers; ++l) {
@@ -911,6 +948,89 @@ class Int4Stack {
   }
 
  private:
+  // forward with block matrices: the same kernels in the same order on one buffer that
+  // holds every intermediate, reused layer by layer, with the checks made once (a tensor
+  // per kernel call cost ~0.5 us, ten a layer)
+  at::Tensor forward_blocks(const at::Tensor& embedded, const at::Tensor& cos,
+                            const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                            const std::vector<at::Tensor>& values, const at::Tensor& rows,
+                            const at::Tensor& slots, const at::Tensor& limits,
+                            const at::Tensor& extras) const {
+#if defined(SPECSERVE_BLOCK_PRODUCTS)
+    using T = c10::BFloat16;
+    check_rows(embedded, "hidden");
+    check_rows(cos, "cos");
+    check_rows(sin, "sin");
+    const int64_t tokens = embedded.size(0), hidden = norms_[0].numel();
+    const int64_t width = out_[0], dim = width / (heads_ + 2 * kv_heads_);
+    const int64_t attended = heads_ * dim, gate_up = out_[2], inner = gate_up / 2;
+    TORCH_CHECK(embedded.size(1) == hidden, "hidden must be [tokens, ", hidden, "]");
+    TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == dim &&
+                    cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+                "cos/sin must be bfloat16 [tokens, ", dim, "]");
+    const at::Tensor& first = keys[0];
+    TORCH_CHECK(first.dim() == 4 && first.size(1) == kv_heads_ && first.size(3) == dim,
+                "keys/values must be [rows, kv_heads, capacity, dim]");
+    for (size_t l = 0; l < keys.size(); ++l)
+      for (const at::Tensor* t : {&keys[l], &values[l]})
+        TORCH_CHECK(t->sizes() == first.sizes() && t->is_contiguous() &&
+                        t->scalar_type() == at::kBFloat16,
+                    "every layer's keys/values must be contiguous bfloat16 of one shape");
+    const int64_t kv_rows = first.size(0), capacity = first.size(2);
+    for (const at::Tensor* t : {&rows, &slots, &limits, &extras})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == tokens && t->is_contiguous(),
+                  "rows/slots/limits/extras must be contiguous int64 [tokens]");
+    const int64_t* row = rows.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* limit = limits.data_ptr<int64_t>();
+    const int64_t* extra = extras.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(row[t] >= 0 && row[t] < kv_rows && slot[t] >= 0 && slot[t] < capacity &&
+                      limit[t] >= 1 && limit[t] <= capacity && extra[t] < capacity,
+                  "a token's cache row, slot or key range is out of range");
+    // hidden (updated in place), normed, q/k/v, q rotated, attention's output, a product's
+    // output before the residual addition, gate/up, the gated activation
+    at::Tensor buffer = at::empty(
+        {tokens * (3 * hidden + width + 2 * attended + gate_up + inner)}, embedded.options());
+    T* h = buffer.data_ptr<T>();
+    T* x = h + tokens * hidden;
+    T* qkv = x + tokens * hidden;
+    T* q = qkv + tokens * width;
+    T* out = q + tokens * attended;
+    T* delta = out + tokens * attended;
+    T* gu = delta + tokens * hidden;
+    T* gated = gu + tokens * gate_up;
+    std::memcpy(h, embedded.contiguous().data_ptr<T>(), tokens * hidden * sizeof(T));
+    auto norm = [&](size_t i, const T* add) {  // h += add (if any); x = norm i of h
+      rms_norm_rows<T>(h, add, norms_[i].data_ptr<T>(), add != nullptr ? h : nullptr, x, tokens,
+                       hidden, eps_[i]);
+    };
+    auto product = [&](const T* in, int64_t k, size_t i, T* y) {
+      block_product_rows<T>(in, tokens, k, packed_[i].data_ptr<uint8_t>(), out_[i], 4,
+                            bias32_[i].defined() ? bias32_[i].data_ptr<float>() : nullptr, y);
+    };
+    norm(0, nullptr);
+    for (size_t l = 0; l < keys.size(); ++l) {
+      T* kp = keys[l].data_ptr<T>();
+      T* vp = values[l].data_ptr<T>();
+      product(x, hidden, 4 * l, qkv);
+      rope_store_rows<T>(qkv, cos.data_ptr<T>(), sin.data_ptr<T>(), kp, vp, q, row, slot, tokens,
+                         heads_, kv_heads_, dim, capacity);
+      attend_rows<T>(q, kp, vp, out, row, limit, extra, tokens, heads_, kv_heads_, dim, capacity,
+                     static_cast<float>(scale_));
+      product(out, attended, 4 * l + 1, delta);
+      norm(2 * l + 1, delta);
+      product(x, hidden, 4 * l + 2, gu);
+      silu_mul_rows<T>(gu, gated, tokens, inner);
+      product(gated, inner, 4 * l + 3, delta);
+      norm(2 * l + 2, delta);
+    }
+    return buffer.narrow(0, tokens * hidden, tokens * hidden).view({tokens, hidden});
+#else
+    TORCH_CHECK(false, "these kernels were built without block products");
+#endif
+  }
+
   // as decoding/quantized.py Int4Matrix.__call__ (or BlockMatrix.__call__) and
   // decoding/fused.py product do
   at::Tensor product(const at::Tensor& x, size_t i) const {
@@ -924,6 +1044,7 @@ class Int4Stack {
   std::vector<at::Tensor> packed_, scales_zeros_;
   std::vector<int64_t> out_;
   std::vector<c10::optional<at::Tensor>> biases_;
+  std::vector<at::Tensor> bias32_;  // block matrices' biases in float32 (undefined: none)
   std::vector<at::Tensor> norms_;
   std::vector<double> eps_;
   int64_t group_, heads_, kv_heads_;
