@@ -78,10 +78,14 @@ def test_rope_store_rotates_and_writes_the_cache(native: Any, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 24])  # a multiple of 16 (vector path) and not
+# a multiple of 64, of 16 but not 64 (the vector path's last slice of dimensions is
+# partial), and not of 16 (the generic path)
+@pytest.mark.parametrize("dim", [64, 80, 24])
+# query heads per key/value head: 3 (one part), 7 (parts of 4 and 3), 8 (two of 4)
+@pytest.mark.parametrize("heads", [6, 14, 16])
 def test_attend_sees_exactly_the_keys_allowed(native: Any, dtype: torch.dtype,
-                                             dim: int) -> None:
-    heads, kv, capacity = 6, 2, 40
+                                             dim: int, heads: int) -> None:
+    kv, capacity = 2, 40
     g = torch.Generator().manual_seed(2)
     keys = torch.randn(3, kv, capacity, dim, generator=g).to(dtype)
     values = torch.randn(3, kv, capacity, dim, generator=g).to(dtype)
