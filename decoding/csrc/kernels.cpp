@@ -1031,10 +1031,9 @@ class Int4Stack {
 #endif
   }
 
-  // as decoding/quantized.py Int4Matrix.__call__ (or BlockMatrix.__call__) and
-  // decoding/fused.py product do
+  // PyTorch's int4 matrices (block matrices run in forward_blocks), as
+  // decoding/quantized.py Int4Matrix.__call__ and decoding/fused.py product do
   at::Tensor product(const at::Tensor& x, size_t i) const {
-    if (blocks_) return block_product(x, packed_[i], out_[i], 4, biases_[i]);
     at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, packed_[i], group_, scales_zeros_[i]);
     if (y.size(1) != out_[i]) y = y.narrow(1, 0, out_[i]);
     if (biases_[i].has_value() && biases_[i]->defined()) y = y + *biases_[i];
