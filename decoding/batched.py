@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from decoding import fused, handoff
+from decoding import fused, handoff, skeleton
 from decoding.attention import GroupedAttention, rotate
 from decoding.layout import SPAN_ALIGN, Layout
 from decoding.memory import release_plain_weights
@@ -44,7 +44,6 @@ from decoding.target import (
     CausalLM,
     TargetCapabilities,
     head_subset,
-    pretrained,
     supports,
 )
 from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product, multiply
@@ -132,7 +131,8 @@ class BatchedLM(CausalLM):
 
             return gguf_weights.load(path, dtype, device, quantize, kernels, int8_activations)
         if quantize in ("none", "auto"):
-            return cls.wrap(*pretrained(path, dtype, device), name=str(path), kernels=kernels)
+            return cls.wrap(*skeleton.pretrained(path, dtype, device), name=str(path),
+                            kernels=kernels)
         return cls(*load_quantized(path, quantize, device), name=str(path), quantize=quantize,
                    kernels=kernels, int8_activations=int8_activations)
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from decoding.batched import BatchedLM
+from decoding.skeleton import Skeleton, read_config
 from decoding.target import DTYPES, CausalLM
 
 log = logging.getLogger(__name__)
@@ -213,30 +214,42 @@ def save(draft: Any, info: DraftInfo, directory: Path) -> None:
     info.save(directory)
 
 
-def load_model(directory: Path, target_model: Any, dtype: str = "float32") -> Any:
+def load_model(directory: Path, target_model: Any, dtype: str = "float32",
+               runnable: bool = True) -> Any:
     """The draft as a transformers causal LM that shares ``target_model``'s input embedding
-    (a float copy of it when the dtypes or devices differ)."""
+    (a float copy of it when the dtypes or devices differ); ``runnable=False``: as a
+    ``skeleton.Skeleton``, the modules ``BatchedLM`` runs without the model's forward."""
     from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     info = DraftInfo.load(directory)
     check_target(info, target_model, directory)
     state = load_file(str(directory / WEIGHTS_NAME))
-    config = LlamaConfig.from_dict(info.model)
+    config: Any = None if runnable else read_config({**info.model, "model_type": "llama"})
+    if config is None:  # transformers' class: to train, or a config read_config leaves to it
+        from transformers import LlamaConfig
+
+        config = LlamaConfig.from_dict(info.model)
     config.tie_word_embeddings = False
     torch_dtype = DTYPES[dtype]
     embed = target_model.get_input_embeddings()
     ids = state.pop(VOCAB_IDS).long()
     head_weight = state.pop("lm_head.weight").to(torch_dtype)
-    draft: Any = LlamaForCausalLM(config)
-    draft = draft.to(torch_dtype)
+    draft: Any
+    if runnable:
+        from transformers import LlamaForCausalLM
+
+        draft = LlamaForCausalLM(config)
+        draft = draft.to(torch_dtype)
+    else:
+        draft = Skeleton(config, torch_dtype)
     draft.lm_head = SubsetHead(head_weight, ids, int(embed.num_embeddings))
     expected = {k for k in draft.model.state_dict() if k != "embed_tokens.weight"}
     got = {k.removeprefix("model.") for k in state}
     if expected - got:
         raise DraftFormatError(f"{directory}: {WEIGHTS_NAME} lacks {sorted(expected - got)[:4]}")
-    draft.model.load_state_dict(
-        {k.removeprefix("model."): v.to(torch_dtype) for k, v in state.items()}, strict=False)
+    draft.model.load_state_dict(  # assign: a skeleton's parameters are on the meta device
+        {k.removeprefix("model."): v.to(torch_dtype) for k, v in state.items()}, strict=False,
+        assign=not runnable)
     anchor = next(embed.parameters())  # the embedding's device and dtype
     device = anchor.device
     if anchor.dtype == torch_dtype:
@@ -252,7 +265,7 @@ def load_causal_lm(directory: Path, target: CausalLM, dtype: str = "float32",
                    quantize: str = "none") -> CausalLM:
     """The draft as the runner the model drafter uses (tokenizer shared with the target);
     ``quantize`` (int8, int4) quantizes its matrices and head, in ``dtype`` bfloat16."""
-    model = load_model(directory, target.model, dtype)
+    model = load_model(directory, target.model, dtype, runnable=False)
     if quantize != "none":
         return BatchedLM(model, target.tokenizer, name=str(directory), quantize=quantize)
     return BatchedLM.wrap(model, target.tokenizer, name=str(directory))

@@ -1,7 +1,7 @@
 """A GGUF file's own quantized weights, served without a float32 copy of the model.
 
-The model is built on the meta device from its config, then only what the batched
-runner reads is filled: the input embedding, the norms and the rotary tables in
+The model's modules are built on the meta device from its config (``decoding.skeleton``),
+then only what the batched runner reads is filled: the input embedding and the norms in
 bfloat16, and every matrix in a weight-only format (``decoding.quantized``).
 Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32 weights over 4-bit codes,
 so their codes go unchanged into the int4 kernel's groups of 32 (only the scales round
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoding import fused
+from decoding import fused, skeleton
 from decoding.batched import BatchedLM
 from decoding.memory import release_freed_memory
 from decoding.quantized import (
@@ -34,6 +34,7 @@ from decoding.quantized import (
     Int4Rows,
     block_kernels,
 )
+from decoding.skeleton import Skeleton
 from decoding.target import CausalLM
 from decoding.weights import LayerWeights, Matrix, Product, Stacked
 
@@ -118,11 +119,7 @@ class GGUFModel:
     def runner(self, kernels: str = "auto", int8_activations: bool = True) -> BatchedLM:
         """The batched runner over the file's weights; ``int8_activations``: its 4-bit and
         Q8_0 matrices as ``BlockMatrix`` where the native kernels have block products."""
-        from transformers import AutoModelForCausalLM
-
-        config = self.config
-        with torch.device("meta"):
-            model: Any = AutoModelForCausalLM.from_config(config, dtype=ACTIVATIONS)
+        model: Any = Skeleton(self.config, ACTIVATIONS)  # its linears on the meta device
         self.blocks = block_kernels(fused.load(model, kernels, self.file.name,
                                                torch.device("cpu")), int8_activations)
         inner = model.model
@@ -138,7 +135,6 @@ class GGUFModel:
             embedding = self.wide("token_embd.weight")  # [vocab, hidden]
             inner.embed_tokens = nn.Embedding.from_pretrained(embedding, freeze=True)
         inner.norm.weight = _param(self.wide("output_norm.weight"))
-        inner.rotary_emb = type(inner.rotary_emb)(config=config)
         layers = []
         for index, layer in enumerate(inner.layers):
             layer.input_layernorm.weight = _param(self.wide(f"blk.{index}.attn_norm.weight"))
@@ -271,7 +267,8 @@ def config_and_tokenizer(file: Path) -> tuple[Any, Any]:
 
     beside = file.parent
     if (beside / "config.json").is_file() and (beside / "tokenizer.json").is_file():
-        return AutoConfig.from_pretrained(beside), AutoTokenizer.from_pretrained(beside)
+        config = skeleton.model_config(beside)
+        return config, skeleton.tokenizer(beside, config)
     return (AutoConfig.from_pretrained(beside, gguf_file=file.name),
             AutoTokenizer.from_pretrained(beside, gguf_file=file.name))
 

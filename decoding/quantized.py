@@ -271,11 +271,9 @@ def quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
 def load_quantized(path: str, method: str, device: str = "cpu") -> tuple[Any, Any]:
     """A model directory's model in bfloat16 (its matrices to be quantized by ``method``)
     and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from decoding import skeleton
 
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of "
                          f"{['auto', *METHODS]}")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=ACTIVATIONS)
-    return model.to(device), tokenizer  # type: ignore[arg-type]
+    return skeleton.pretrained(path, str(ACTIVATIONS).removeprefix("torch."), device)

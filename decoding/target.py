@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,18 @@ def unsupported_family(model_type: str | None, supported: Collection[str]) -> st
 
 def supports(model: Any) -> str | None:
     """Why ``model`` cannot run batched (``batched.BatchedLM``), or None when it can."""
-    config = model.config
+    reason = unbatchable(model.config)
+    if reason is not None:
+        return reason
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "the model does not have the usual decoder layout"
+    return None
+
+
+def unbatchable(config: Any) -> str | None:
+    """Why a model of ``config`` cannot run batched, or None when its family and
+    attention can."""
     model_type = getattr(config, "model_type", None)
     if model_type not in BATCHED_MODEL_TYPES:
         return unsupported_family(model_type, BATCHED_MODEL_TYPES)
@@ -146,9 +157,6 @@ def supports(model: Any) -> str | None:
     longest = getattr(config, "max_position_embeddings", None) or 1 << 30
     if window and getattr(config, "use_sliding_window", True) and window < longest:
         return "sliding-window attention is not supported"
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return "the model does not have the usual decoder layout"
     return None
 
 
@@ -313,6 +321,8 @@ def pretrained(path: str, dtype: str, device: str) -> tuple[Any, Any]:
     """A model directory's (or hub id's) model in ``dtype`` on ``device``, and its tokenizer."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     return model.to(device), tokenizer  # type: ignore[arg-type]

@@ -3,8 +3,9 @@
 A runner takes a prompt's token ids and a token budget, generates greedily, and
 returns a ``Generation``: the output ids, the wall time of the whole call, and,
 for our own engine, what each speculation round did. Our methods go through
-``decode()``; the transformers baselines call ``model.generate()`` on the very
-same loaded model, so both sides run identical weights and kernels.
+``decode()``; the transformers baselines call ``model.generate()`` on the same
+weights: the loaded model itself, or where the runner holds only the modules it runs
+(``decoding.skeleton``), the same files loaded by transformers.
 """
 
 from __future__ import annotations
@@ -12,18 +13,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
+from decoding import draft_format
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import MODEL_MARGIN, CombinedDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import DEFAULT_MAX_NGRAM, NgramDrafter
 from decoding.policy import MAX_DRAFT_TOKENS
 from decoding.sequence import decode
-from decoding.target import CausalLM
+from decoding.skeleton import Skeleton
+from decoding.target import CausalLM, pretrained
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
 
 PLAIN = "plain"
@@ -117,7 +121,7 @@ def hf_runner(target: CausalLM, assistant: Any = None, **settings: Any) -> Runne
     ``assistant`` is a draft model for assisted generation; ``settings`` are
     further generation-config fields (prompt lookup, assistant knobs).
     """
-    model = target.model
+    model = transformers_model(target)
     pad = target.tokenizer.pad_token_id
     eos = sorted(target.eos_token_ids)
     extra: dict[str, Any] = {} if assistant is None else {"assistant_model": assistant}
@@ -137,6 +141,18 @@ def hf_runner(target: CausalLM, assistant: Any = None, **settings: Any) -> Runne
         return Generation(token_ids=tuple(out[0, ids.shape[1]:].tolist()), seconds=seconds)
 
     return run
+
+
+def transformers_model(runner: CausalLM, target: CausalLM | None = None) -> Any:
+    """transformers' model of ``runner``'s weights (``target``: the model a distilled
+    draft runner shares its input embedding with)."""
+    if not isinstance(runner.model, Skeleton):
+        return runner.model
+    dtype = str(runner.dtype).removeprefix("torch.")
+    if target is not None and draft_format.is_draft_dir(runner.name):
+        shared = transformers_model(target)
+        return draft_format.load_model(Path(runner.name), shared, dtype).to(runner.device)
+    return pretrained(runner.name, dtype, str(runner.device))[0]
 
 
 def build_runners(
@@ -171,7 +187,7 @@ def _runner(method: str, target: CausalLM, draft: ModelDrafter | None,
     if method == HF_ASSISTED_DRAFT and draft is not None:
         if not isinstance(draft.model, CausalLM):
             raise ValueError("hf:assisted-draft needs the draft as a PyTorch model")
-        return hf_runner(target, assistant=draft.model.model,
+        return hf_runner(target, assistant=transformers_model(draft.model, target),
                          num_assistant_tokens=HF_ASSISTANT_TOKENS,
                          num_assistant_tokens_schedule=HF_ASSISTANT_SCHEDULE,
                          assistant_confidence_threshold=HF_ASSISTANT_CONFIDENCE)

@@ -92,6 +92,12 @@ def tiny_target(tiny_target_dir: Path) -> CausalLM:
 
 
 @pytest.fixture(scope="session")
+def tiny_reference(tiny_target_dir: Path) -> CausalLM:
+    """The tiny target as transformers runs it: its own model class and forward pass."""
+    return CausalLM.load(str(tiny_target_dir), dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_long_target(tmp_path_factory: pytest.TempPathFactory,
                      default_model_dir: Path) -> BatchedLM:
     """The tiny target with a 2,048-token context: room for more positions than the KV

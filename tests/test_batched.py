@@ -58,15 +58,15 @@ def test_batched_forward_matches_each_sequence_alone(tiny_target: BatchedLM) -> 
 ])
 @pytest.mark.parametrize("fold_single", [False, True])
 def test_attention_blocks_give_the_model_s_own_logits(
-        tiny_target: BatchedLM, news: tuple[int, ...], fold_single: bool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_target: BatchedLM, tiny_reference: CausalLM, news: tuple[int, ...],
+        fold_single: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """However a decoding pass's rows are split into attention blocks, and with the query
     heads of a multi-token row (on a GPU, of every row) folded onto their shared
     key/value heads, each row gets the logits the model's own (transformers) forward
     pass gives it."""
     monkeypatch.setattr(tiny_target._attention, "_fold_single", fold_single)
     rng = random.Random(len(news) + sum(news))
-    reference = CausalLM(tiny_target.model, tiny_target.tokenizer)
+    reference = tiny_reference
     prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (5, 30, 12, 60, 2, 21)]
     added = [[rng.randrange(1000, 20000) for _ in range(n)] for n in news]
     expected = []
@@ -121,12 +121,13 @@ def test_prompts_joining_together_share_a_block_where_calls_cost_more() -> None:
 
 
 def test_prompts_sharing_a_block_get_the_model_s_own_logits(
-        tiny_target: BatchedLM, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_target: BatchedLM, tiny_reference: CausalLM,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts of different lengths prefilled in one padded block, beside decoding rows,
     give each the logits of the model's own (transformers) forward."""
     monkeypatch.setattr(layout, "BLOCK_OVERHEAD", 10**9)  # as if calls were dear
     rng = random.Random(7)
-    reference = CausalLM(tiny_target.model, tiny_target.tokenizer)
+    reference = tiny_reference
     running = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (14, 33)]
     joining = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (50, 17, 29)]
     step = [rng.randrange(1000, 20000) for _ in running]
@@ -198,12 +199,12 @@ def test_kv_round_trip(tiny_target: BatchedLM) -> None:
 
 
 def test_an_alternative_sees_only_what_precedes_the_token_it_stands_in_for(
-        tiny_target: BatchedLM) -> None:
+        tiny_target: BatchedLM, tiny_reference: CausalLM) -> None:
     """A row verifying drafts plus an alternative for its first draft, among other rows:
     the drafts' logits are those of the chain alone, the alternative's those it would
     get as the next token; once adopted, the cache continues as if it had been fed."""
     rng = random.Random(5)
-    reference = CausalLM(tiny_target.model, tiny_target.tokenizer)
+    reference = tiny_reference
     prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (7, 23, 3)]
     added = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (4, 1, 3)]
     alternative = [True, False, True]  # the last token of those rows is an alternative
@@ -232,7 +233,7 @@ def test_an_alternative_sees_only_what_precedes_the_token_it_stands_in_for(
                                    rtol=1e-4, atol=1e-4)
     for state in states:
         tiny_target.release(state)
-    plain = CausalLM(tiny_target.model, tiny_target.tokenizer)
+    plain = tiny_reference
     assert not plain.capabilities.branches
     with pytest.raises(ValueError, match="token trees"):
         plain.forward_batch([BatchItem(plain.new_state(), [1, 2, 3], 3, alternative=True)])

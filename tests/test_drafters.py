@@ -95,7 +95,7 @@ class _Judge:
 
 
 def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_says(
-        tiny_target: BatchedLM) -> None:
+        tiny_target: BatchedLM, tiny_reference: CausalLM) -> None:
     import torch
 
     drafter = ModelDrafter(tiny_target, tiny_target)
@@ -105,7 +105,7 @@ def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_say
     drafter.release(state)
     assert len(free.tokens) == 5 and len(free.confidence) == 5
     with torch.inference_mode():
-        logits = tiny_target.model(torch.tensor([tokens])).logits[0, -1].float()
+        logits = tiny_reference.model(torch.tensor([tokens])).logits[0, -1].float()
     assert free.confidence[0] == pytest.approx(float(torch.softmax(logits, -1).max()), rel=1e-3)
     assert all(0 < c <= 1 for c in free.confidence)
 
@@ -126,13 +126,14 @@ def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_say
 
 
 def test_model_drafter_offers_its_second_choice_for_the_first_token(
-        tiny_target: BatchedLM) -> None:
+        tiny_target: BatchedLM, tiny_reference: CausalLM) -> None:
     import torch
 
     drafter = ModelDrafter(tiny_target, tiny_target)
     tokens = [10, 11, 12, 13]
     with torch.inference_mode():
-        probs = torch.softmax(tiny_target.model(torch.tensor([tokens])).logits[0, -1].float(), -1)
+        logits = tiny_reference.model(torch.tensor([tokens])).logits[0, -1].float()
+        probs = torch.softmax(logits, -1)
     top = torch.topk(probs, 2)
     judge = _Judge(keep=2, alternative=True)
     state = drafter.begin(tokens)

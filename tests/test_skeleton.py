@@ -1,0 +1,218 @@
+"""The batched families built from the project's own modules (``decoding.skeleton``): the
+same logits as transformers' model classes, bitwise, and a server that never imports
+transformers' modeling code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from decoding.batched import BatchedLM
+from decoding.skeleton import (
+    Rotary,
+    Skeleton,
+    model_config,
+    pretrained,
+    read_config,
+    tokenizer,
+)
+from decoding.target import CausalLM, attention_dims, unbatchable
+from decoding.target import pretrained as transformers_pretrained
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def tiny(out: Path, tokenizer_dir: Path, family: str, **extra: Any) -> Path:
+    """A random-weight model of ``family`` with the default model's tokenizer, saved."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    classes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    config = getattr(transformers, classes[family] + "Config")(
+        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **SMALL, **extra)
+    torch.manual_seed(3)
+    model = getattr(transformers, classes[family] + "ForCausalLM")(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)  # biases and norms too: a wrong one shows
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+FAMILIES = {
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True,
+                               "tie_word_embeddings": False}),
+    "mistral": ("mistral", {"sliding_window": None, "tie_word_embeddings": False}),
+    "qwen2": ("qwen2", {"use_sliding_window": False, "tie_word_embeddings": False}),
+}
+
+
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_skeleton_runs_transformers_logits_bitwise(tmp_path: Path, default_model_dir: Path,
+                                                     name: str, kernels: str) -> None:
+    family, extra = FAMILIES[name]
+    path = str(tiny(tmp_path, default_model_dir, family, **extra))
+    own = BatchedLM.load(path, dtype="float32", kernels=kernels)
+    assert isinstance(own, BatchedLM) and isinstance(own.model, Skeleton)
+    theirs = BatchedLM.wrap(*transformers_pretrained(path, "float32", "cpu"), name=path,
+                            kernels=kernels)
+    assert isinstance(theirs, BatchedLM) and not isinstance(theirs.model, Skeleton)
+    assert own.eos_token_ids == theirs.eos_token_ids
+    ids = [500 + 37 * i for i in range(24)]
+    want = theirs.score(theirs.new_state(), ids)
+    assert torch.equal(own.score(own.new_state(), ids), want)
+    # and transformers' own forward pass over the same weights (its biases included)
+    forward = CausalLM.load(path, dtype="float32")
+    torch.testing.assert_close(forward.score(forward.new_state(), ids), want,
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rope", [
+    None, {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+], ids=["default", "linear", "llama3", "dynamic", "yarn"])
+def test_rotary_tables_are_transformers(rope: dict[str, Any] | None) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    settings = {**SMALL, "rope_theta": 50000.0}
+    if rope is not None:
+        settings["rope_scaling"] = rope
+    config = LlamaConfig(**settings)
+    own, theirs = Rotary(config), LlamaRotaryEmbedding(config)
+    assert own.rope_type == theirs.rope_type
+    x = torch.zeros(1, 4, dtype=torch.bfloat16)
+    for positions in (torch.arange(40)[None], torch.arange(600)[None]):  # past the max
+        for a, b in zip(own(x, positions), theirs(x, positions), strict=True):
+            assert torch.equal(a, b), rope
+
+
+def test_missing_weights_are_named(tmp_path: Path, default_model_dir: Path) -> None:
+    path = tiny(tmp_path, default_model_dir, "llama", tie_word_embeddings=True)
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 .*layers\.1\.mlp\.up_proj"):
+        BatchedLM.load(str(path))
+
+
+def test_other_families_keep_transformers_models(tmp_path: Path,
+                                                 default_model_dir: Path) -> None:
+    path = tiny(tmp_path, default_model_dir, "qwen3", tie_word_embeddings=True)
+    model, _ = pretrained(str(path), "float32", "cpu")
+    assert not isinstance(model, Skeleton) and type(model).__name__ == "Qwen3ForCausalLM"
+    runner = BatchedLM.load(str(path))
+    assert type(runner) is CausalLM  # one sequence a pass, transformers' forward
+    assert runner.score(runner.new_state(), [5, 6, 7]).shape[0] == 3
+    with pytest.raises(ValueError, match="unknown dtype"):
+        pretrained(str(path), "float8", "cpu")
+
+
+def test_a_skeleton_has_no_forward_of_its_own(tiny_target: BatchedLM) -> None:
+    assert isinstance(tiny_target.model, Skeleton)
+    with pytest.raises(NotImplementedError, match="BatchedLM"):
+        tiny_target.model(torch.tensor([[1, 2]]))
+
+
+HEAVY = ("transformers.modeling_utils", "transformers.activations", "transformers.models."
+         "llama.configuration_llama", "torch.distributed.tensor", "torch._dynamo", "sympy",
+         "scipy")
+
+
+@pytest.mark.parametrize("args", [[], ["--quantize", "int4"]], ids=["default", "int4"])
+def test_a_server_never_imports_transformers_models(args: list[str]) -> None:
+    """The default engine (the GGUF target, the shipped draft, the prefix cache), and a
+    model directory quantized at load, are built without transformers' model and config
+    classes and the ~175 MB their imports hold."""
+    script = (
+        "import sys, json\n"
+        "from gateway.server import build_engine\n"
+        "from gateway.settings import Settings\n"
+        f"settings = Settings(quantize={args[1] if args else 'auto'!r})\n"
+        "engine = build_engine(settings)\n"
+        "print(json.dumps({'target': type(engine.target.model).__name__,\n"
+        f"    'heavy': sorted(m for m in {HEAVY!r} if m in sys.modules)}}))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"target": "Skeleton", "heavy": []}, seen
+
+
+READ = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps",
+        "max_position_embeddings", "tie_word_embeddings", "rope_parameters", "eos_token_id")
+
+
+def same_reading(light: Any, full: Any) -> None:
+    for key in READ:
+        assert getattr(light, key) == getattr(full, key), key
+    assert attention_dims(light) == attention_dims(full)
+    assert unbatchable(light) == unbatchable(full)
+    probe = Skeleton(light, torch.float32) if unbatchable(full) is None else None
+    if probe is not None:  # biases where transformers' classes have them
+        want = {k for k, _ in Skeleton(full, torch.float32).named_parameters()}
+        assert {k for k, _ in probe.named_parameters()} == want
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_configs_read_as_transformers_reads_them(tmp_path: Path, default_model_dir: Path,
+                                                 name: str) -> None:
+    from transformers import AutoConfig
+
+    family, extra = FAMILIES[name]
+    path = tiny(tmp_path, default_model_dir, family, **extra)
+    light = read_config(json.loads((path / "config.json").read_text()))
+    assert light is not None
+    same_reading(light, AutoConfig.from_pretrained(path))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_a_config_s_missing_values_are_transformers_defaults(family: str) -> None:
+    import transformers
+
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[family]
+    light = read_config({"model_type": family, "vocab_size": 300, "eos_token_id": 7, **SMALL})
+    assert light is not None
+    same_reading(light, getattr(transformers, cls)(vocab_size=300, eos_token_id=7, **SMALL))
+    assert read_config({"model_type": family, "vocab_size": 300, **SMALL}) is None
+    scaled = {"model_type": family, "vocab_size": 300, "eos_token_id": 7, **SMALL,
+              "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert read_config(scaled) is None  # transformers' class computes those frequencies
+    assert read_config({"model_type": "qwen3", "vocab_size": 300, "eos_token_id": 7,
+                        **SMALL}) is None
+
+
+def test_the_tokenizer_is_autotokenizer_s(default_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    config = model_config(default_model_dir)
+    assert isinstance(config, SimpleNamespace)
+    ours, theirs = tokenizer(default_model_dir, config), AutoTokenizer.from_pretrained(
+        default_model_dir)
+    assert type(ours) is type(theirs)
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert ours.chat_template == theirs.chat_template
+    assert ours.all_special_tokens == theirs.all_special_tokens
+    assert ours.eos_token_id == theirs.eos_token_id and ours.pad_token_id == theirs.pad_token_id
+    text = "Speculative decoding keeps the target's text: 12 + 7 = 19, naïve café 🚀"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    chat = [{"role": "user", "content": "hi"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
