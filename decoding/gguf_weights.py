@@ -165,18 +165,29 @@ class GGUFModel:
         their stacked rows: int4 where every part is int4, else bfloat16, else both."""
         tensors = [self.tensors[n + ".weight"] for n in names]
         kinds = [t.tensor_type.name in INT4_TYPES for t in tensors]
+        bias = self.bias(names)
         if all(kinds):
             rows4 = Int4Rows.cat([self.int4(n) for n in names])
-            return (BlockMatrix.int4(self.blocks, rows4) if self.blocks is not None
-                    else Int4Matrix(rows4))
+            return (BlockMatrix.int4(self.blocks, rows4, bias) if self.blocks is not None
+                    else Int4Matrix(rows4, bias))
         if self.blocks is not None and all(t.tensor_type.name == "Q8_0" for t in tensors):
             codes, scales = zip(*(self.int8(n) for n in names), strict=True)
-            return BlockMatrix.int8(self.blocks, torch.cat(codes), torch.cat(scales))
+            return BlockMatrix.int8(self.blocks, torch.cat(codes), torch.cat(scales), bias=bias)
         if not any(kinds):
             if rows is None:
                 rows = torch.cat([self.wide(n + ".weight") for n in names])
-            return Matrix(rows, None)
+            return Matrix(rows, bias)
         return Stacked([self.product([n]) for n in names])
+
+    def bias(self, names: list[str]) -> torch.Tensor | None:
+        """The matrices' biases (Qwen2's q, k and v have them) in one row, zeros for a
+        part without one; None where none has."""
+        if not any(n + ".bias" in self.tensors for n in names):
+            return None
+        rows = [int(self.tensors[n + ".weight"].shape[-1]) for n in names]
+        return torch.cat([self.wide(n + ".bias") if n + ".bias" in self.tensors
+                          else torch.zeros(r, dtype=ACTIVATIONS)
+                          for n, r in zip(names, rows, strict=True)])
 
     def int4(self, name: str) -> Int4Rows:
         tensor = self.tensors[name + ".weight"]

@@ -123,11 +123,12 @@ class BlockMatrix:
         return cls(native, rows.codes, rows.scale, rows.low, 4, bias)
 
     @classmethod
-    def int8(cls, native: Any, codes: torch.Tensor, scale: torch.Tensor) -> BlockMatrix:
+    def int8(cls, native: Any, codes: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None = None) -> BlockMatrix:
         """Signed 8-bit codes ``[out, in]`` with a scale per block of 32 (a GGUF's Q8_0):
         held as code + 128 with the minimum -128 scale."""
         unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
-        return cls(native, unsigned, scale, -128 * scale.float(), 8)
+        return cls(native, unsigned, scale, -128 * scale.float(), 8, bias)
 
     @property
     def nbytes(self) -> int:

@@ -51,9 +51,11 @@ def llama_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(-1)
 
 
-def write_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT]) -> Path:
+def write_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT],
+               arch: str = "llama") -> Path:
     """The tiny model of ``model_dir`` as a GGUF file, each matrix in ``kinds[part]``
-    (default Q4_1; ``embed`` for the tied embedding); its config and tokenizer beside."""
+    (default Q4_1; ``embed`` for the tied embedding), biases in float32; its config and
+    tokenizer beside."""
     from safetensors.torch import load_file
 
     state = load_file(str(model_dir / "model.safetensors"))
@@ -61,7 +63,7 @@ def write_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT]) -> Path:
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, directory / name)
     path = directory / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_embedding_length(HIDDEN)
     writer.add_head_count(HEADS)
@@ -80,7 +82,9 @@ def write_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT]) -> Path:
             GT.F32, 0)
         for hf, part in NAMES.items():
             weight = state[prefix + hf + ".weight"]
-            if part in ("attn_q", "attn_k"):
+            if prefix + hf + ".bias" in state:
+                add(f"blk.{i}.{part}.bias", state[prefix + hf + ".bias"], GT.F32, 0)
+            if part in ("attn_q", "attn_k") and arch == "llama":
                 weight = weight[llama_order(weight.shape[0],
                                             HEADS if part == "attn_q" else KV_HEADS)]
             add(f"blk.{i}.{part}.weight", weight, kinds.get(part, GT.Q4_1), 10 * i + len(part))
@@ -225,3 +229,39 @@ def test_default_gguf_codes_are_the_files(default_model_dir: Path) -> None:
         assert torch.allclose(rows.dequantize(), want, rtol=1e-6, atol=1e-6), tensor.name
         got = Int4Matrix(rows).dequantize().float()
         assert (got - want).abs().max() / want.abs().max() < 2 ** -7, tensor.name
+
+
+def test_a_qwen2_file_s_biases_are_served(tmp_path: Path, default_model_dir: Path) -> None:
+    """Qwen2's q, k and v biases come from the file: the same logits as the model
+    directory it was written from (float32 tensors, both run in bfloat16)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=HIDDEN,
+                         intermediate_size=INTER, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         use_sliding_window=False, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or name.endswith("bias"):
+                p.normal_(0.0, 0.5 if name.endswith("bias") else 0.1)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    wide = {"embed": GT.F32, **{part: GT.F32 for part in NAMES.values()}}
+    path = write_gguf(tmp_path / "gguf", model_dir, wide, arch="qwen2")
+    target = load_target(str(path), quantize="auto", int8_activations=False)
+    assert isinstance(target, BatchedLM)
+    bias = target._weights[1].qkv.bias
+    want = model.model.layers[1].self_attn
+    assert bias is not None and torch.equal(
+        bias, torch.cat([want.q_proj.bias, want.k_proj.bias, want.v_proj.bias]).bfloat16())
+    reference = BatchedLM.load(str(model_dir), dtype="bfloat16")
+    ids = list(range(500, 540))
+    got = target.score(target.new_state(), ids).float()
+    expected = reference.score(reference.new_state(), ids).float()
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
