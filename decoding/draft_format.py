@@ -247,9 +247,11 @@ def load_model(directory: Path, target_model: Any, dtype: str = "float32",
     got = {k.removeprefix("model.") for k in state}
     if expected - got:
         raise DraftFormatError(f"{directory}: {WEIGHTS_NAME} lacks {sorted(expected - got)[:4]}")
-    draft.model.load_state_dict(  # assign: a skeleton's parameters are on the meta device
-        {k.removeprefix("model."): v.to(torch_dtype) for k, v in state.items()}, strict=False,
-        assign=not runnable)
+    # assign: a skeleton's parameters are on the meta device; copies, since a view of the
+    # file's mapping (the safetensors dtype already) would keep all of it resident
+    draft.model.load_state_dict(
+        {k.removeprefix("model."): v.to(torch_dtype, copy=True) for k, v in state.items()},
+        strict=False, assign=not runnable)
     anchor = next(embed.parameters())  # the embedding's device and dtype
     device = anchor.device
     if anchor.dtype == torch_dtype:
