@@ -18,6 +18,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -165,6 +166,12 @@ def check_target(info: DraftInfo, target_model: Any, where: Path | str) -> None:
 
 
 def draft_config(target_config: Any, layers: int) -> Any:
+    """transformers' config for a draft of ``layers`` of the target's layers (a target
+    config ``skeleton.read_config`` read becomes transformers' class)."""
+    if isinstance(target_config, SimpleNamespace):
+        from transformers import LlamaConfig
+
+        target_config = LlamaConfig.from_dict(dict(vars(target_config)))
     config = copy.deepcopy(target_config)
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
