@@ -119,7 +119,8 @@ class GGUFModel:
     def runner(self, kernels: str = "auto", int8_activations: bool = True) -> BatchedLM:
         """The batched runner over the file's weights; ``int8_activations``: its 4-bit and
         Q8_0 matrices as ``BlockMatrix`` where the native kernels have block products."""
-        model: Any = Skeleton(self.config, ACTIVATIONS)  # its linears on the meta device
+        model: Any = Skeleton(self.config, ACTIVATIONS,  # its linears on the meta device
+                              name=str(self.file))
         self.blocks = block_kernels(fused.load(model, kernels, self.file.name,
                                                torch.device("cpu")), int8_activations)
         inner = model.model

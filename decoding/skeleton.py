@@ -1,14 +1,16 @@
 """The batched families' modules, without transformers' model classes.
 
 ``BatchedLM`` runs its own forward pass: it reads a model's weights and calls its norms,
-rotary embedding and activation, never the model's forward. transformers' model classes
-cost a server ~125 MB of imports it has no other use for (their modeling utilities bring
-torch.distributed, torch._dynamo, sympy and scipy), so a served target and its draft are
-built from these modules: transformers' parameter names and arithmetic for Llama,
-Mistral and Qwen2 (the same logits, bitwise: ``tests/test_skeleton.py``), no forward of
-the model's own. ``CausalLM`` (any family, one sequence per pass) and training keep
-transformers' classes. The linears are made on the meta device: whoever builds one
-fills what it reads (``fill``) or replaces the matrices (a GGUF file's).
+rotary embedding and activation, never the model's forward. transformers' model and
+config classes cost a server ~175 MB of imports it has no other use for (the modeling
+utilities bring torch.distributed, torch._dynamo, sympy and scipy; a config class its
+activations and torch.distributed.tensor), so a served target and its draft are built
+from these modules, their configs read by ``read_config``: transformers' parameter names
+and arithmetic for Llama, Mistral and Qwen2 (the same logits, bitwise:
+``tests/test_skeleton.py``), no forward of the model's own. ``CausalLM`` (any family, one
+sequence per pass) and training keep transformers' classes. The linears are made on the
+meta device: whoever builds one fills what it reads (``fill``) or replaces the matrices
+(a GGUF file's).
 """
 
 from __future__ import annotations
@@ -220,11 +222,11 @@ class Skeleton(nn.Module):
     ``lm_head``), for ``BatchedLM`` to run."""
 
     def __init__(self, config: Any, dtype: torch.dtype,
-                 generation: Mapping[str, Any] | None = None) -> None:
+                 generation: Mapping[str, Any] | None = None, name: str = "model") -> None:
         super().__init__()
         reason = unbuildable(config)
         if reason is not None:
-            raise ValueError(f"cannot run batched: {reason}")
+            raise ValueError(f"{name}: cannot run batched: {reason}")
         self.config = config
         self.model = Decoder(config, dtype)
         self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype)
