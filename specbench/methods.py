@@ -10,6 +10,7 @@ weights: the loaded model itself, or where the runner holds only the modules it 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ def hf_runner(target: CausalLM, assistant: Any = None, **settings: Any) -> Runne
     return run
 
 
+@functools.cache  # once per runner: every hf: method, and a draft's shared embedding
 def transformers_model(runner: CausalLM, target: CausalLM | None = None) -> Any:
     """transformers' model of ``runner``'s weights (``target``: the model a distilled
     draft runner shares its input embedding with)."""
