@@ -46,7 +46,7 @@ from decoding.target import (
     head_subset,
     supports,
 )
-from decoding.weights import ONEDNN_MAX_TOKENS, LayerWeights, Product, head_product, multiply
+from decoding.weights import ONEDNN_ROWS, LayerWeights, Product, head_product, multiply
 
 log = logging.getLogger(__name__)
 
@@ -202,12 +202,12 @@ class BatchedLM(CausalLM):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run a pass of every token count up to ``ONEDNN_MAX_TOKENS``: oneDNN builds a
-        primitive per shape on first use, which would otherwise cost time and memory
-        while serving."""
+        """Run a pass of every token count a packed product runs (``ONEDNN_ROWS``): oneDNN
+        builds a primitive per shape on first use, which would otherwise cost time and
+        memory while serving."""
         state = self.new_state()
         try:
-            for tokens in range(1, ONEDNN_MAX_TOKENS + 1):
+            for tokens in ONEDNN_ROWS:
                 self.forward_batch([BatchItem(state, [0] * tokens, tokens)])
                 self.rollback(state, 0)
         finally:

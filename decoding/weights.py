@@ -23,6 +23,11 @@ PACK_TOKENS = 8
 # oneDNN keeps a primitive per shape it has run: products are cut into calls of at most this
 # many tokens, so its primitives (and their memory) stay bounded whatever the batch
 ONEDNN_MAX_TOKENS = 32
+# and a call's rows are padded with zero rows up to one of these counts: a primitive holds
+# ~0.5 MB of generated code, so one per row count 1-32 held ~80 MB for the default model's
+# five matrix shapes; each row's result is the same at any row count (docs/performance.md,
+# "Batch invariance"), and up to 8 rows cost about what 8 do
+ONEDNN_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 # oneDNN's reduction over more inputs than this depends on how many rows a call has (the
 # 1,536-input down projection: docs/performance.md, "Batch invariance"); such a matrix is
 # multiplied as slices of at most this many inputs, summed in a fixed order
@@ -61,7 +66,8 @@ class Matrix:
     matrix-vector product too. Products run as calls of at most ``ONEDNN_MAX_TOKENS``
     rows over input slices of at most ``ONEDNN_MAX_INPUTS``, which makes every row's
     result independent of the others' (measured as fast as one large product for prompt
-    chunks). Without oneDNN (a GPU): the default product; in float32 on a CPU
+    chunks), and a call's rows are padded up to a count of ``ONEDNN_ROWS``, which bounds
+    the primitives oneDNN builds. Without oneDNN (a GPU): the default product; in float32 on a CPU
     ``[in, out]`` for a single token (one pass streams it, well faster than the usual
     product)."""
 
@@ -75,7 +81,8 @@ class Matrix:
                 for lo in range(0, inputs, ONEDNN_MAX_INPUTS)]
         slices = [pack(rows[:, lo:hi].contiguous()) for lo, hi in cuts] if cpu else []
         # oneDNN's opaque blocked copies, one per input slice
-        self.packed = slices if slices and all(s is not None for s in slices) else None
+        kept = [s for s in slices if s is not None]
+        self.packed = kept if kept and len(kept) == len(slices) else None
         self._cuts = cuts
         self.cols = (rows.t().contiguous()
                      if cpu and self.packed is None and rows.dtype == torch.float32 else None)
@@ -105,15 +112,34 @@ class Matrix:
         return self(x)  # the packed calls are as fast as one large product here
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (at most ``ONEDNN_MAX_TOKENS`` rows) through the packed slices, its rows
+        padded up to a count of ``ONEDNN_ROWS``."""
         assert self.packed is not None
-        linear = torch.ops.mkldnn._linear_pointwise
+        n = x.shape[0]
+        rows = padded_rows(n)
+        if rows != n:
+            x = torch.cat((x, x.new_zeros((rows - n, x.shape[1]))))
         if len(self.packed) == 1:
-            return linear(x, self.packed[0], self.bias, "none", [], "")
-        (lo, hi), *rest = self._cuts
-        y = linear(x[:, lo:hi].contiguous(), self.packed[0], self.bias, "none", [], "")
-        for (lo, hi), part in zip(rest, self.packed[1:], strict=True):
-            y = y + linear(x[:, lo:hi].contiguous(), part, None, "none", [], "")
-        return y
+            y = onednn_linear(x, self.packed[0], self.bias)
+        else:
+            (lo, hi), *rest = self._cuts
+            y = onednn_linear(x[:, lo:hi].contiguous(), self.packed[0], self.bias)
+            for (lo, hi), part in zip(rest, self.packed[1:], strict=True):
+                y = y + onednn_linear(x[:, lo:hi].contiguous(), part, None)
+        return y[:n] if rows != n else y
+
+
+def padded_rows(n: int) -> int:
+    """The row count of ``ONEDNN_ROWS`` a call of ``n`` rows (at most
+    ``ONEDNN_MAX_TOKENS``) runs as."""
+    return next(r for r in ONEDNN_ROWS if r >= n)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product of ``x`` ``[T, in]`` and a packed ``[out, in]`` matrix."""
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y
 
 
 @functools.cache
