@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from decoding.batched import BatchedLM
-from decoding.skeleton import Skeleton, read_config
+from decoding.skeleton import ConvertedEmbedding, Skeleton, read_config
 from decoding.target import DTYPES, CausalLM
 
 log = logging.getLogger(__name__)
@@ -224,8 +224,9 @@ def save(draft: Any, info: DraftInfo, directory: Path) -> None:
 def load_model(directory: Path, target_model: Any, dtype: str = "float32",
                runnable: bool = True) -> Any:
     """The draft as a transformers causal LM that shares ``target_model``'s input embedding
-    (a float copy of it when the dtypes or devices differ); ``runnable=False``: as a
-    ``skeleton.Skeleton``, the modules ``BatchedLM`` runs without the model's forward."""
+    (a float copy of it when the dtypes differ); ``runnable=False``: as a
+    ``skeleton.Skeleton``, the modules ``BatchedLM`` runs without the model's forward
+    (converting the embedding's rows as they are looked up when the dtypes differ)."""
     from safetensors.torch import load_file
 
     info = DraftInfo.load(directory)
@@ -263,6 +264,8 @@ def load_model(directory: Path, target_model: Any, dtype: str = "float32",
     device = anchor.device
     if anchor.dtype == torch_dtype:
         draft.model.embed_tokens = embed
+    elif not runnable:  # what BatchedLM runs only looks rows up
+        draft.model.embed_tokens = ConvertedEmbedding(embed, torch_dtype)
     else:
         draft.model.embed_tokens = nn.Embedding.from_pretrained(
             _embedding_rows(embed, int(embed.num_embeddings)).detach().to(torch_dtype),

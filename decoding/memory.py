@@ -4,23 +4,33 @@ Loading frees far more than it keeps (a GGUF reader's metadata objects, dequanti
 temporaries, float copies). glibc keeps freed heap pages unless asked, and they would
 count as the server's memory; the loaders call ``release_freed_memory`` once their
 temporaries are gone. A server also lets go of the plain copies of matrices that run
-packed (``release_plain_weights``)."""
+packed (``release_plain_weights``), and of an input embedding whose rows the weights file
+holds (``read_embedding_from_file``)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import gc
+import json
+import os
+import struct
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from decoding import fused
+from decoding.skeleton import Embedding
 from decoding.weights import Matrix, drop_weight, linear_modules
 
 if TYPE_CHECKING:
     from decoding.batched import BatchedLM
+
+EMBEDDING_KEY = "model.embed_tokens.weight"
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+COMPARED_ROWS = 4096  # rows compared at a time when checking a file's table
 
 
 def release_freed_memory() -> None:
@@ -37,11 +47,12 @@ def release_plain_weights(runner: BatchedLM) -> int:
     A float matrix multiplied through oneDNN's packed copy (``weights.Matrix``) also
     holds its plain rows, and the model's modules hold views of them or of the
     weights file's mapping: a second copy of every such matrix. Those rows go and
-    the modules move to the meta device; what the model still holds (the input
-    embedding, the norms) is copied out of the file's mapping, so the mapping goes
-    too. The model can no longer run its own (transformers) forward pass, which this
-    runner never does: a server calls this once its drafts are loaded. Quantized
-    matrices hold no plain copy: nothing to do."""
+    the modules move to the meta device; a tied head's input embedding reads its rows
+    from the weights file (``read_embedding_from_file``) where it can; what the model
+    still holds (the input embedding otherwise, the norms) is copied out of the file's
+    mapping, so the mapping goes too. The model can no longer run its own (transformers)
+    forward pass, which this runner never does: a server calls this once its drafts are
+    loaded. Quantized matrices hold no plain copy: nothing to do."""
     released = 0
     for w, layer in zip(runner._weights, runner._layers, strict=True):
         for name, modules in linear_modules(layer).items():
@@ -52,6 +63,13 @@ def release_plain_weights(runner: BatchedLM) -> int:
                     drop_weight(module)
     if not released:
         return 0
+    head, matrix = runner.model.get_output_embeddings(), runner._head
+    if (isinstance(matrix, Matrix) and matrix.release_rows() and head is not None
+            and (head.weight is not runner._inner.embed_tokens.weight
+                 or read_embedding_from_file(runner))):
+        released += matrix.nbytes  # an untied head's own weight, or a tied one's table
+        drop_weight(head)
+
     def key(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:  # a tie stays one copy
         return t.data_ptr(), tuple(t.shape)
 
@@ -63,15 +81,98 @@ def release_plain_weights(runner: BatchedLM) -> int:
                     copies[key(param)] = nn.Parameter(param.detach().clone(),
                                                       requires_grad=False)
                 setattr(module, name, copies[key(param)])
-    head, matrix = runner.model.get_output_embeddings(), runner._head
-    if isinstance(matrix, Matrix):
-        if matrix.release_rows():
-            if head is not None and head.weight is not runner._inner.embed_tokens.weight:
-                released += matrix.nbytes  # an untied head's own weight
-                drop_weight(head)
-        elif matrix.rows is not None and key(matrix.rows) in copies:
-            matrix.rows = copies[key(matrix.rows)].detach()
+    if isinstance(matrix, Matrix) and matrix.rows is not None and key(matrix.rows) in copies:
+        matrix.rows = copies[key(matrix.rows)].detach()  # a head that does not run packed
     if runner._kernels is not None:
         runner._norms = fused.norm_weights(runner.model, runner.dtype)
     release_freed_memory()
     return released
+
+
+def read_embedding_from_file(runner: BatchedLM) -> bool:
+    """Let ``runner``'s input embedding read its rows from the safetensors file it was
+    filled from (``FileRows``) rather than hold the table: whether it now does.
+
+    A tied head multiplied packed (``weights.Matrix``) otherwise keeps the table twice,
+    once packed and once as the embedding (57 MB each for the default model in bfloat16,
+    113 MB in float32). A pass looks up a few rows (a prompt chunk: at most its length),
+    read from the file as they are: the operating system's cache keeps the file's
+    pages, not the process, so nothing grows with the tokens served (a mapping would:
+    the pages it reads stay the process's). The file's rows converted to the embedding's
+    dtype are checked bitwise against the table first."""
+    embed = runner._inner.embed_tokens
+    files = getattr(runner.model, "weight_files", ())
+    if not isinstance(embed, Embedding) or embed.rows is not None:
+        return False
+    weight = embed.weight.detach()
+    for file in files:
+        rows = FileRows.open(file, EMBEDDING_KEY)
+        if rows is not None:
+            break
+    else:
+        return False
+    vocab = weight.shape[0]
+    if rows.shape != tuple(weight.shape) or not all(
+            torch.equal(rows.span(lo, min(lo + COMPARED_ROWS, vocab)).to(weight.dtype),
+                        weight[lo : lo + COMPARED_ROWS])
+            for lo in range(0, vocab, COMPARED_ROWS)):
+        rows.close()
+        return False
+    embed.read_rows_from(rows)
+    return True
+
+
+class FileRows:
+    """A ``[rows, columns]`` tensor of a safetensors file, read a row at a time from the
+    file as rows are asked for (``rows(ids)`` -> ``[..., columns]`` in the file's dtype).
+    A file cut short raises ``OSError`` for the lookup that finds it so."""
+
+    def __init__(self, file: Path, offset: int, shape: tuple[int, int],
+                 dtype: torch.dtype) -> None:
+        self.file, self.offset, self.shape, self.dtype = file, offset, shape, dtype
+        self.row_bytes = shape[1] * dtype.itemsize
+        self._fd: int | None = os.open(file, os.O_RDONLY)
+
+    @classmethod
+    def open(cls, file: Path, name: str) -> FileRows | None:
+        """The matrix ``name`` of ``file``; None where the file lacks it or stores it in a
+        dtype or shape not read here."""
+        with open(file, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            entry = json.loads(f.read(size)).get(name)
+        if (entry is None or entry.get("dtype") not in SAFETENSORS_DTYPES
+                or len(entry.get("shape", ())) != 2):
+            return None
+        rows, columns = (int(n) for n in entry["shape"])
+        return cls(file, 8 + size + int(entry["data_offsets"][0]), (rows, columns),
+                   SAFETENSORS_DTYPES[entry["dtype"]])
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).tolist()
+        out = torch.empty((len(flat), self.shape[1]), dtype=self.dtype)
+        view = out.view(torch.uint8).reshape(-1).numpy().data
+        for i, row in enumerate(flat):
+            if not 0 <= row < self.shape[0]:
+                raise IndexError(f"row {row} out of range for {self.shape[0]} rows")
+            self._read(view[i * self.row_bytes : (i + 1) * self.row_bytes], row)
+        return out.view(*ids.shape, self.shape[1])
+
+    def span(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo`` to ``hi`` (``[hi - lo, columns]``), in one read."""
+        out = torch.empty((hi - lo, self.shape[1]), dtype=self.dtype)
+        self._read(out.view(torch.uint8).reshape(-1).numpy().data, lo)
+        return out
+
+    def _read(self, into: memoryview, row: int) -> None:
+        if self._fd is None:
+            raise ValueError(f"{self.file}: closed")
+        if os.preadv(self._fd, [into], self.offset + row * self.row_bytes) != into.nbytes:
+            raise OSError(f"{self.file} is shorter than its header says")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()

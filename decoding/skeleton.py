@@ -158,9 +158,47 @@ class _Linear(nn.Linear):
         pass
 
 
-class _Embedding(nn.Embedding):
+class Embedding(nn.Embedding):
+    """An input embedding whose rows may be read from elsewhere than a table it holds:
+    from ``rows`` (``memory.FileRows``: the weights file), each looked-up row converted
+    to the embedding's dtype, bitwise the table's row."""
+
+    rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def reset_parameters(self) -> None:  # (initializing a meta tensor imports torch._dynamo)
         pass
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
+        if self.rows is None:
+            return super().forward(ids)
+        return self.rows(ids).to(self.weight.dtype)
+
+    def read_rows_from(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Look rows up with ``rows`` (ids ``[...]`` -> ``[..., hidden]``; converted to
+        this embedding's dtype, its own rows) and let the table go; the weight becomes
+        an empty tensor that still tells the embedding's dtype and device."""
+        self.rows = rows
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+
+class ConvertedEmbedding(nn.Module):
+    """Another embedding's rows converted to ``dtype`` as they are looked up (a draft in
+    bfloat16 beside a float32 target): bitwise the rows of a converted copy of the table,
+    which is then never held. ``source`` stays its owner's module, not a submodule."""
+
+    def __init__(self, source: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.source = (source,)
+        self.num_embeddings = int(getattr(source, "num_embeddings", 0))
+        self.embedding_dim = int(getattr(source, "embedding_dim", 0))
+        device = next(source.parameters()).device
+        # no table: an empty parameter tells whoever asks its dtype and device
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
+        rows: torch.Tensor = self.source[0](ids)
+        return rows.to(self.weight.dtype)
 
 
 def _linear(inputs: int, outputs: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
@@ -208,8 +246,8 @@ class Layer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, device=META,
-                                         dtype=dtype)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device=META,
+                                        dtype=dtype)
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(Layer(config, dtype)
                                     for _ in range(int(config.num_hidden_layers)))
@@ -220,6 +258,8 @@ class Decoder(nn.Module):
 class Skeleton(nn.Module):
     """A causal LM's modules under transformers' names (``model.layers.N...``,
     ``lm_head``), for ``BatchedLM`` to run."""
+
+    weight_files: tuple[Path, ...] = ()  # the safetensors files it was filled from
 
     def __init__(self, config: Any, dtype: torch.dtype,
                  generation: Mapping[str, Any] | None = None, name: str = "model") -> None:
@@ -306,6 +346,7 @@ def pretrained(path: str, dtype: str, device: str) -> tuple[Any, Any]:
         return target.pretrained(path, dtype, device)
     model = Skeleton(config, DTYPES[dtype], generation_settings(directory))
     model.fill(read_safetensors(files), str(directory))
+    model.weight_files = tuple(files)  # where a server may read rows later (its input embedding)
     return model.to(device).eval(), tokenizer(directory, config)
 
 

@@ -12,6 +12,7 @@ from decoding import layout, weights
 from decoding.batched import BatchedLM, BatchedState
 from decoding.drafters import NgramDrafter
 from decoding.layout import attention_blocks
+from decoding.memory import FileRows
 from decoding.target import BatchItem, CausalLM
 from tests.batching import (
     PROMPTS,
@@ -280,9 +281,10 @@ def test_weight_products_match_the_plain_product_on_every_path(
 def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
                                                       dtype: str) -> None:
     """A server keeps only what the products read: the packed matrices' plain rows and
-    the modules' views of them go (their bytes counted once), the rest of the model is
-    copied out of the weights file's mapping (a tied head stays tied), and every pass
-    gives the logits it gave before."""
+    the modules' views of them go (their bytes counted once), the tied head's input
+    embedding reads its rows from the weights file instead of holding the table, the rest
+    of the model is copied out of the file's mapping, and every pass gives the logits it
+    gave before."""
     from pathlib import Path
 
     target = BatchedLM.load(str(Path(str(tiny_target_dir))), dtype=dtype)
@@ -303,13 +305,19 @@ def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
     packed = [m for m in mats if isinstance(m, weights.Matrix) and m.packed is not None]
     if not packed:
         pytest.skip("this PyTorch build packs no float matrix (no oneDNN for this dtype)")
+    embed = target.model.model.embed_tokens
+    table = embed.weight.detach().clone()
     released = target.release_plain_weights()
-    assert released == sum(m.nbytes for m in packed)
+    assert released == sum(m.nbytes for m in packed) + table.nbytes
     assert all(m.rows is None for m in packed)
     layer = target.model.model.layers[0]
     assert layer.self_attn.q_proj.weight.device.type == "meta"
     assert layer.mlp.down_proj.weight.device.type == "meta"
-    assert target.model.lm_head.weight is target.model.model.embed_tokens.weight
+    assert target.model.lm_head.weight.device.type == "meta"
+    assert embed.weight.numel() == 0 and embed.weight.dtype == table.dtype
+    assert isinstance(embed.rows, FileRows) and embed.rows.dtype == torch.float32  # the file's
+    every = torch.arange(target.vocab_size)
+    assert torch.equal(embed(every), table)
     after = logits()
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
     assert target.release_plain_weights() == 0  # once
