@@ -24,9 +24,9 @@ PACK_TOKENS = 8
 # many tokens, so its primitives (and their memory) stay bounded whatever the batch
 ONEDNN_MAX_TOKENS = 32
 # and a call's rows are padded with zero rows up to one of these counts: a primitive holds
-# ~0.5 MB of generated code, so one per row count 1-32 held ~80 MB for the default model's
+# ~0.5 MB while cached, so one per row count 1-32 held ~80 MB for the default model's
 # five matrix shapes; each row's result is the same at any row count (docs/performance.md,
-# "Batch invariance"), and up to 8 rows cost about what 8 do
+# "Batch invariance"), and counts up to 8 (one stream's verify passes) run as they are
 ONEDNN_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 # oneDNN's reduction over more inputs than this depends on how many rows a call has (the
 # 1,536-input down projection: docs/performance.md, "Batch invariance"); such a matrix is
