@@ -1,7 +1,7 @@
 """The target as a batched runner: many sequences' tokens in one forward pass.
 
 ``BatchedLM`` runs Llama-family models (Llama, Mistral without a sliding window,
-Qwen2) with its own forward over the model's modules and its own weight matrices
+Qwen2, Qwen3) with its own forward over the model's modules and its own weight matrices
 (``decoding.weights``; quantized: ``decoding.quantized``), so that several sequences,
 each adding a different number of tokens at a different position, share one pass
 over the weights. At small batch a step is bound by reading the weights, so
@@ -46,7 +46,14 @@ from decoding.target import (
     head_subset,
     supports,
 )
-from decoding.weights import ONEDNN_ROWS, LayerWeights, Product, head_product, multiply
+from decoding.weights import (
+    ONEDNN_ROWS,
+    LayerWeights,
+    Product,
+    head_product,
+    multiply,
+    norm_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +359,8 @@ class BatchedLM(CausalLM):
         masks = [self._attention.mask(g.mask, g.width, hidden.dtype) for g in batch.groups]
         for index, w in enumerate(self._weights):
             qkv = product(w.qkv, w.input_norm(hidden))  # [T, (h + 2 kv) D]
+            if w.qk_norms is not None:
+                qkv = norm_heads(qkv, w.qk_norms, heads, kv, dim)
             qk = rotate(qkv[:, : (heads + kv) * dim].view(-1, heads + kv, dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, (heads + kv) * dim :].view(-1, kv, dim)

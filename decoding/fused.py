@@ -14,7 +14,7 @@ import torch
 from decoding import handoff, kernels
 from decoding.layout import Layout
 from decoding.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix
-from decoding.weights import Product, multiply
+from decoding.weights import Product, multiply, norm_heads
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
 # rotary embeddings whose cos/sin depend on the position alone (not on the sequence length,
@@ -91,8 +91,8 @@ def int4_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
     (a GGUF's 4-bit tensors, ``--quantize int4``), else None. It makes the calls
     ``forward`` makes, in C++."""
     mats = [m for w in runner._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
-    if runner.dtype != ACTIVATIONS:
-        return None
+    if runner.dtype != ACTIVATIONS or any(w.qk_norms is not None for w in runner._weights):
+        return None  # (its loop has no per-head q/k norms)
     if all(type(m) is BlockMatrix and m.bits == 4 for m in mats):
         return native.Int4Stack([m.packed for m in mats], [m.packed for m in mats],
                                 [m.out_features for m in mats], [m.bias for m in mats],
@@ -128,8 +128,11 @@ def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,
     hidden, x = native.add_rms_norm(hidden.contiguous(), None, *norms[0])
     for index, w in enumerate(runner._weights):
         keys, values = runner._keys[index], runner._values[index]
-        q = native.rope_store(product(w.qkv, x), cos, sin, keys, values, rows, slots,
-                              runner.heads, runner.kv_heads)  # [T, h, D]
+        qkv = product(w.qkv, x)  # [T, (h + 2 kv) D]
+        if w.qk_norms is not None:
+            qkv = norm_heads(qkv, w.qk_norms, runner.heads, runner.kv_heads, runner.head_dim)
+        q = native.rope_store(qkv, cos, sin, keys, values, rows, slots, runner.heads,
+                              runner.kv_heads)  # [T, h, D]
         out = native.attend(q, keys, values, rows, batch.limits, batch.extras,
                             runner.scaling)  # [T, h * D]
         hidden, x = native.add_rms_norm(hidden, product(w.o, out), *norms[2 * index + 1])

@@ -36,7 +36,7 @@ from decoding.quantized import (
 )
 from decoding.skeleton import Skeleton
 from decoding.target import CausalLM
-from decoding.weights import LayerWeights, Matrix, Product, Stacked
+from decoding.weights import LayerWeights, Matrix, Product, Stacked, qk_norms
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,14 @@ class GGUFModel:
             layer.post_attention_layernorm.weight = _param(
                 self.wide(f"blk.{index}.ffn_norm.weight"))
             block = f"blk.{index}."
+            attention = layer.self_attn
+            if hasattr(attention, "q_norm"):  # Qwen3: each head's q and k normed
+                attention.q_norm.weight = _param(self.wide(block + "attn_q_norm.weight"))
+                attention.k_norm.weight = _param(self.wide(block + "attn_k_norm.weight"))
             layers.append(LayerWeights(
                 input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-                act=layer.mlp.act_fn, qkv=self.product([block + n for n in QKV]),
+                act=layer.mlp.act_fn, qk_norms=qk_norms(attention),
+                qkv=self.product([block + n for n in QKV]),
                 o=self.product([block + "attn_output"]),
                 gate_up=self.product([block + n for n in GATE_UP]),
                 down=self.product([block + "ffn_down"])))
@@ -215,7 +220,10 @@ class GGUFModel:
     def wide(self, key: str) -> torch.Tensor:  # the tensor in bfloat16, q/k rows reordered
         import gguf
 
-        tensor = self.tensors[key]
+        tensor = self.tensors.get(key)
+        if tensor is None:
+            raise ValueError(f"{self.file.name}: no tensor {key!r}, which its "
+                             f"{self.arch} model needs")
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         shape = [int(n) for n in reversed(tensor.shape.tolist())]
         out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy

@@ -6,7 +6,7 @@ config classes cost a server ~175 MB of imports it has no other use for (the mod
 utilities bring torch.distributed, torch._dynamo, sympy and scipy; a config class its
 activations and torch.distributed.tensor), so a served target and its draft are built
 from these modules, their configs read by ``read_config``: transformers' parameter names
-and arithmetic for Llama, Mistral and Qwen2 (the same logits, bitwise:
+and arithmetic for Llama, Mistral, Qwen2 and Qwen3 (the same logits, bitwise:
 ``tests/test_skeleton.py``), no forward of the model's own. ``CausalLM`` (any family, one
 sequence per pass) and training keep transformers' classes. The linears are made on the
 meta device: whoever builds one fills what it reads (``fill``) or replaces the matrices
@@ -45,7 +45,8 @@ DEFAULTS: dict[str, Any] = {
     "head_dim": None, "tie_word_embeddings": False, "num_key_value_heads": None}
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {}, "mistral": {"sliding_window": 4096},
-    "qwen2": {"sliding_window": 4096, "use_sliding_window": False}}
+    "qwen2": {"sliding_window": 4096, "use_sliding_window": False},
+    "qwen3": {"head_dim": 128, "sliding_window": 4096, "use_sliding_window": False}}
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "vocab_size", "max_position_embeddings")
 STATED = ("eos_token_id",)  # the families' defaults differ: read_config wants it stated
@@ -214,12 +215,16 @@ class Attention(nn.Module):
         hidden = int(config.hidden_size)
         family = config.model_type
         qkv_bias = family == "qwen2" or bool(getattr(config, "attention_bias", False))
-        o_bias = family == "llama" and bool(getattr(config, "attention_bias", False))
+        o_bias = family in ("llama", "qwen3") and bool(getattr(config, "attention_bias", False))
         self.q_proj = _linear(hidden, heads * self.head_dim, qkv_bias, dtype)
         self.k_proj = _linear(hidden, kv_heads * self.head_dim, qkv_bias, dtype)
         self.v_proj = _linear(hidden, kv_heads * self.head_dim, qkv_bias, dtype)
         self.o_proj = _linear(heads * self.head_dim, hidden, o_bias, dtype)
         self.scaling = self.head_dim ** -0.5
+        if family == "qwen3":  # each head's q and k normed before the rotary embedding
+            eps = float(config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype)
 
 
 class MLP(nn.Module):

@@ -108,12 +108,10 @@ def head_subset(model: Any) -> torch.Tensor | None:  # [K]
     return getattr(model.get_output_embeddings(), "ids", None)
 
 
-BATCHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+BATCHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # Why a family's decoder layers are not the batched runner's, which are Llama's (RMS
 # pre-norms, separate q/k/v and gate/up projections, rotary on all of q and k, SiLU gating)
 FAMILY_GAPS = {
-    "qwen3": "its attention normalizes q and k per head (q_norm, k_norm) before the rotary "
-             "embedding",
     "gemma": "its RMS norms scale by 1 + weight, its embeddings by sqrt(hidden), and its MLP "
              "gates with GELU",
     "gemma2": "it soft-caps attention scores and logits, alternates sliding-window and global "

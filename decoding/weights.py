@@ -203,6 +203,7 @@ class LayerWeights:
     o: Product
     gate_up: Product
     down: Product
+    qk_norms: tuple[Any, Any] | None = None  # each head's q and k norms (Qwen3), or None
 
     @classmethod
     def of(cls, layer: Any, quantize: str = "none", blocks: Any = None) -> LayerWeights:
@@ -212,8 +213,24 @@ class LayerWeights:
         make = fuse if quantize == "none" else functools.partial(fuse_quantized,
                                                                  method=quantize, blocks=blocks)
         return cls(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-                   act=layer.mlp.act_fn,
+                   act=layer.mlp.act_fn, qk_norms=qk_norms(layer.self_attn),
                    **{name: make(modules) for name, modules in linear_modules(layer).items()})
+
+
+def qk_norms(attention: Any) -> tuple[Any, Any] | None:
+    """An attention module's per-head q and k norms (Qwen3's), or None."""
+    q, k = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    return (q, k) if q is not None and k is not None else None
+
+
+def norm_heads(qkv: torch.Tensor, norms: tuple[Any, Any], heads: int, kv_heads: int,
+               dim: int) -> torch.Tensor:
+    """``qkv`` ``[T, (heads + 2 kv_heads) dim]`` with each head of q and of k normed by
+    ``norms`` (the values as they are), contiguous."""
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = norms[0](q.reshape(-1, heads, dim)).reshape(-1, heads * dim)
+    k = norms[1](k.reshape(-1, kv_heads, dim)).reshape(-1, kv_heads * dim)
+    return torch.cat((q, k, v), dim=-1)
 
 
 def linear_modules(layer: Any) -> dict[str, tuple[Any, ...]]:

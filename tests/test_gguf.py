@@ -88,6 +88,9 @@ def write_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT],
                 weight = weight[llama_order(weight.shape[0],
                                             HEADS if part == "attn_q" else KV_HEADS)]
             add(f"blk.{i}.{part}.weight", weight, kinds.get(part, GT.Q4_1), 10 * i + len(part))
+        for hf, part in (("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")):
+            if prefix + hf + ".weight" in state:  # Qwen3's
+                add(f"blk.{i}.{part}.weight", state[prefix + hf + ".weight"], GT.F32, 0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -231,37 +234,61 @@ def test_default_gguf_codes_are_the_files(default_model_dir: Path) -> None:
         assert (got - want).abs().max() / want.abs().max() < 2 ** -7, tensor.name
 
 
-def test_a_qwen2_file_s_biases_are_served(tmp_path: Path, default_model_dir: Path) -> None:
-    """Qwen2's q, k and v biases come from the file: the same logits as the model
-    directory it was written from (float32 tensors, both run in bfloat16)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_file_s_biases_and_norms_are_served(tmp_path: Path, default_model_dir: Path,
+                                                  family: str) -> None:
+    """Qwen2's q, k and v biases and Qwen3's per-head q and k norms come from the file:
+    the same logits as the model directory it was written from (float32 tensors, both
+    run in bfloat16); a file without the norms its model needs is refused naming one."""
+    import transformers
+    from transformers import AutoTokenizer
 
+    name = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=HIDDEN,
-                         intermediate_size=INTER, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         use_sliding_window=False, eos_token_id=tokenizer.eos_token_id)
+    config = getattr(transformers, name + "Config")(
+        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=INTER,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HIDDEN // HEADS, max_position_embeddings=512, tie_word_embeddings=True,
+        use_sliding_window=False, eos_token_id=tokenizer.eos_token_id,
+        attention_bias=family == "qwen3")
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = getattr(transformers, name + "ForCausalLM")(config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1 or name.endswith("bias"):
-                p.normal_(0.0, 0.5 if name.endswith("bias") else 0.1)
+        for key, p in model.named_parameters():
+            if p.dim() > 1 or key.endswith("bias"):
+                p.normal_(0.0, 0.5 if key.endswith("bias") else 0.1)
+            elif "q_norm" in key or "k_norm" in key:
+                p.normal_(1.0, 0.5)  # a norm that is not all ones shows
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     wide = {"embed": GT.F32, **{part: GT.F32 for part in NAMES.values()}}
-    path = write_gguf(tmp_path / "gguf", model_dir, wide, arch="qwen2")
+    path = write_gguf(tmp_path / "gguf", model_dir, wide, arch=family)
     target = load_target(str(path), quantize="auto", int8_activations=False)
     assert isinstance(target, BatchedLM)
     bias = target._weights[1].qkv.bias
     want = model.model.layers[1].self_attn
     assert bias is not None and torch.equal(
         bias, torch.cat([want.q_proj.bias, want.k_proj.bias, want.v_proj.bias]).bfloat16())
+    norms = target._weights[1].qk_norms
+    if family == "qwen3":
+        assert norms is not None
+        assert torch.equal(norms[0].weight, want.q_norm.weight.bfloat16())
+        assert torch.equal(norms[1].weight, want.k_norm.weight.bfloat16())
+    else:
+        assert norms is None
     reference = BatchedLM.load(str(model_dir), dtype="bfloat16")
     ids = list(range(500, 540))
     got = target.score(target.new_state(), ids).float()
     expected = reference.score(reference.new_state(), ids).float()
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    if family == "qwen3":
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(model_dir / "model.safetensors"))
+        del state["model.layers.0.self_attn.k_norm.weight"]
+        save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        broken = write_gguf(tmp_path / "broken", model_dir, wide, arch=family)
+        with pytest.raises(ValueError, match=r"no tensor 'blk\.0\.attn_k_norm\.weight'"):
+            load_target(str(broken), quantize="auto")

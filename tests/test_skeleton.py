@@ -37,7 +37,8 @@ def tiny(out: Path, tokenizer_dir: Path, family: str, **extra: Any) -> Path:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    classes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    classes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+               "phi3": "Phi3"}
     config = getattr(transformers, classes[family] + "Config")(
         vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **SMALL, **extra)
     torch.manual_seed(3)
@@ -56,6 +57,8 @@ FAMILIES = {
                                "tie_word_embeddings": False}),
     "mistral": ("mistral", {"sliding_window": None, "tie_word_embeddings": False}),
     "qwen2": ("qwen2", {"use_sliding_window": False, "tie_word_embeddings": False}),
+    # its own head size (not hidden / heads), each head's q and k normed, biases on all four
+    "qwen3": ("qwen3", {"head_dim": 24, "attention_bias": True, "tie_word_embeddings": True}),
 }
 
 
@@ -78,6 +81,28 @@ def test_a_skeleton_runs_transformers_logits_bitwise(tmp_path: Path, default_mod
     forward = CausalLM.load(path, dtype="float32")
     torch.testing.assert_close(forward.score(forward.new_state(), ids), want,
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_a_qwen3_model_speculates_losslessly_in_batches(tmp_path: Path, default_model_dir: Path,
+                                                        kernels: str) -> None:
+    """Qwen3 runs batched (its per-head q/k norms on both paths) in bfloat16: served at
+    three streams with itself as the draft (every draft accepted, so passes verify several
+    tokens beside other sequences), each output is its plain greedy decoding alone."""
+    from decoding.drafters import ModelDrafter
+    from tests.batching import PROMPTS, _alone, _greedy, _serve, _tokens
+
+    family, extra = FAMILIES["qwen3"]
+    path = str(tiny(tmp_path, default_model_dir, family, **extra))
+    target = BatchedLM.load(path, dtype="bfloat16", kernels=kernels)
+    assert isinstance(target, BatchedLM) and target.kernels == kernels
+    assert all(w.qk_norms is not None for w in target._weights)
+    draft = ModelDrafter(BatchedLM.load(path, dtype="bfloat16", kernels=kernels), target)
+    requests = _greedy(target, PROMPTS[:3], 24)
+    plain = [_alone(target, None, r) for r in requests]
+    served = _serve(target, {"model": draft}, requests, default_drafter="model")
+    assert [_tokens(events) for events in served] == plain
+    assert max(len(e.token_ids) for events in served for e in events) > 2
 
 
 @pytest.mark.parametrize("rope", [
@@ -114,9 +139,10 @@ def test_missing_weights_are_named(tmp_path: Path, default_model_dir: Path) -> N
 
 def test_other_families_keep_transformers_models(tmp_path: Path,
                                                  default_model_dir: Path) -> None:
-    path = tiny(tmp_path, default_model_dir, "qwen3", tie_word_embeddings=True)
+    path = tiny(tmp_path, default_model_dir, "phi3", tie_word_embeddings=True,
+                pad_token_id=None)
     model, _ = pretrained(str(path), "float32", "cpu")
-    assert not isinstance(model, Skeleton) and type(model).__name__ == "Qwen3ForCausalLM"
+    assert not isinstance(model, Skeleton) and type(model).__name__ == "Phi3ForCausalLM"
     runner = BatchedLM.load(str(path))
     assert type(runner) is CausalLM  # one sequence a pass, transformers' forward
     assert runner.score(runner.new_state(), [5, 6, 7]).shape[0] == 3
@@ -183,11 +209,12 @@ def test_configs_read_as_transformers_reads_them(tmp_path: Path, default_model_d
     same_reading(light, AutoConfig.from_pretrained(path))
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_a_config_s_missing_values_are_transformers_defaults(family: str) -> None:
     import transformers
 
-    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[family]
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+           "qwen3": "Qwen3Config"}[family]
     light = read_config({"model_type": family, "vocab_size": 300, "eos_token_id": 7, **SMALL})
     assert light is not None
     same_reading(light, getattr(transformers, cls)(vocab_size=300, eos_token_id=7, **SMALL))
@@ -195,7 +222,7 @@ def test_a_config_s_missing_values_are_transformers_defaults(family: str) -> Non
     scaled = {"model_type": family, "vocab_size": 300, "eos_token_id": 7, **SMALL,
               "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
     assert read_config(scaled) is None  # transformers' class computes those frequencies
-    assert read_config({"model_type": "qwen3", "vocab_size": 300, "eos_token_id": 7,
+    assert read_config({"model_type": "phi3", "vocab_size": 300, "eos_token_id": 7,
                         **SMALL}) is None
 
 
