@@ -27,7 +27,7 @@ ONEDNN_MAX_TOKENS = 32
 # ~0.5 MB while cached, so one per row count 1-32 held ~80 MB for the default model's
 # five matrix shapes; each row's result is the same at any row count (docs/performance.md,
 # "Batch invariance"), and counts up to 8 (one stream's verify passes) run as they are
-ONEDNN_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+ONEDNN_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 28, 32)
 # oneDNN's reduction over more inputs than this depends on how many rows a call has (the
 # 1,536-input down projection: docs/performance.md, "Batch invariance"); such a matrix is
 # multiplied as slices of at most this many inputs, summed in a fixed order
