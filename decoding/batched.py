@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from decoding import fused, handoff, skeleton
-from decoding.attention import GroupedAttention, rotate
+from decoding import fused, layers, skeleton
+from decoding.attention import GroupedAttention
+from decoding.kernels import resolve
 from decoding.layout import SPAN_ALIGN, Layout
 from decoding.memory import release_plain_weights
 from decoding.quantized import BlockMatrix, block_kernels, load_quantized
@@ -44,16 +45,10 @@ from decoding.target import (
     CausalLM,
     TargetCapabilities,
     head_subset,
+    needs_skeleton,
     supports,
 )
-from decoding.weights import (
-    ONEDNN_ROWS,
-    LayerWeights,
-    Product,
-    head_product,
-    multiply,
-    norm_heads,
-)
+from decoding.weights import ONEDNN_ROWS, LayerWeights, Product, head_product
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +97,7 @@ class BatchedLM(CausalLM):
         self.scaling = float(self._layers[0].self_attn.scaling)
         blocks = None
         if weights is None and quantize == "int4":
-            blocks = block_kernels(fused.load(model, kernels, name, self.device), int8_activations)
+            blocks = block_kernels(resolve(kernels, self.device), int8_activations)
         self._weights = list(weights or [LayerWeights.of(x, quantize, blocks)
                                          for x in self._layers])
         self._head = head if head is not None else head_product(model, quantize, blocks)
@@ -147,6 +142,9 @@ class BatchedLM(CausalLM):
     def wrap(cls, model: Any, tokenizer: Any, name: str, kernels: str = "auto") -> CausalLM:
         """Batched when the model's architecture allows, else a plain ``CausalLM``
         (``BatchedLM.load`` loads either)."""
+        if (needs_skeleton(model.config) and not isinstance(model, skeleton.Skeleton)
+                and skeleton.unbuildable(model.config) is None):
+            model = skeleton.rebuilt(model, name)
         reason = supports(model)
         if reason is not None:
             log.warning("%s runs one sequence per forward pass: %s", name, reason)
@@ -315,7 +313,7 @@ class BatchedLM(CausalLM):
         batch = Layout.build(items, self.device, self.batch_invariant, native=native)
         # [T, H]: every real token, packed (normed by the final norm when native)
         hidden = (fused.forward(self._kernels, self._norms, self, batch, self._stack)
-                  if native else self._forward_layers(batch))
+                  if native else layers.forward(self, batch))
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
                 for i in range(i + len(item.token_ids) - min(item.keep, len(item.token_ids)),
@@ -343,33 +341,6 @@ class BatchedLM(CausalLM):
         full = rows.new_full((rows.shape[0], self.vocab_size), torch.finfo(rows.dtype).min)
         full[:, self._head_ids] = rows
         return full
-
-    def _forward_layers(self, batch: Layout) -> torch.Tensor:
-        """The decoder layers over packed tokens; attention per group over padded rows."""
-        handoff.pass_starts(self)  # no one long call here: hand over at the start
-        hidden = self._inner.embed_tokens(batch.ids)  # [T, H]
-        cos, sin = self._inner.rotary_emb(hidden, batch.positions[None])  # [1, T, D]
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]
-        heads, kv, dim = self.heads, self.kv_heads, self.head_dim
-        split = batch.bulk_from
-
-        def product(m: Product, x: torch.Tensor) -> torch.Tensor:
-            return multiply(m, x, split)
-
-        masks = [self._attention.mask(g.mask, g.width, hidden.dtype) for g in batch.groups]
-        for index, w in enumerate(self._weights):
-            qkv = product(w.qkv, w.input_norm(hidden))  # [T, (h + 2 kv) D]
-            if w.qk_norms is not None:
-                qkv = norm_heads(qkv, w.qk_norms, heads, kv, dim)
-            qk = rotate(qkv[:, : (heads + kv) * dim].view(-1, heads + kv, dim), cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, (heads + kv) * dim :].view(-1, kv, dim)
-            out = self._attention.attend_layer(batch, masks, q, k, v, self._keys[index],
-                                               self._values[index])
-            hidden = hidden + product(w.o, out)
-            gate, up = product(w.gate_up, w.post_norm(hidden)).chunk(2, dim=-1)
-            hidden = hidden + product(w.down, w.act(gate) * up)
-        return hidden
 
     # -- buffers ------------------------------------------------------------------------
 

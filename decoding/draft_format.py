@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from decoding.batched import BatchedLM
-from decoding.skeleton import ConvertedEmbedding, Skeleton, read_config
+from decoding.model_config import read_config
+from decoding.skeleton import ConvertedEmbedding, Skeleton
 from decoding.target import DTYPES, CausalLM
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def check_target(info: DraftInfo, target_model: Any, where: Path | str) -> None:
 
 def draft_config(target_config: Any, layers: int) -> Any:
     """transformers' config for a draft of ``layers`` of the target's layers (a target
-    config ``skeleton.read_config`` read becomes transformers' class)."""
+    config ``model_config.read_config`` read becomes transformers' class)."""
     if isinstance(target_config, SimpleNamespace):
         from transformers import LlamaConfig
 

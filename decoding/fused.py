@@ -14,6 +14,7 @@ import torch
 from decoding import handoff, kernels
 from decoding.layout import Layout
 from decoding.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix
+from decoding.target import GEMMA_FAMILIES, activation
 from decoding.weights import Product, multiply, norm_heads
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
@@ -54,8 +55,12 @@ def unsupported(model: Any) -> str | None:
     """Why the fused kernels cannot run ``model``'s layers, or None when they can (RMS
     norms, a SiLU-gated MLP)."""
     config = model.config
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} is not silu"
+    if config.model_type in GEMMA_FAMILIES:
+        return "Gemma's layers norm attention's and the MLP's outputs and slide windows"
+    if any(getattr(layer.self_attn, "window", None) for layer in model.model.layers):
+        return f"its layers attend within a sliding window of {config.sliding_window}"
+    if activation(config) != "silu":
+        return f"activation {activation(config)!r} is not silu"
     if not all(hasattr(m, "variance_epsilon") and hasattr(m, "weight") for m in _norms(model)):
         return "its norms are not RMS norms"
     return None

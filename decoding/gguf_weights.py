@@ -2,14 +2,15 @@
 
 The model's modules are built on the meta device from its config (``decoding.skeleton``),
 then only what the batched runner reads is filled: the input embedding and the norms in
-bfloat16, and every matrix in a weight-only format (``decoding.quantized``).
-Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32 weights over 4-bit codes,
-so their codes go unchanged into the int4 kernel's groups of 32 (only the scales round
-to bfloat16). Q8_0, Q6_K and float tensors are dequantized to bfloat16 (no weight-only
-kernel takes their groups of 32 and 16). Where the native kernels have block products
-(AVX512-VNNI or AVX2; ``quantized.BlockMatrix``), the 4-bit and Q8_0 tensors keep their
-codes and their float16 scales and minimums exactly, and multiply int8-quantized
-activations as llama.cpp does. Any other type is refused, naming the tensor.
+bfloat16 (Gemma's norms in float32), and every matrix in a weight-only format
+(``decoding.quantized``). Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32
+weights over 4-bit codes, so their codes go unchanged into the int4 kernel's groups of 32
+(only the scales round to bfloat16). Q8_0, Q5_0, Q5_1, Q6_K and float tensors are
+dequantized to bfloat16 (no weight-only kernel takes their groups of 32 and 16). Where
+the native kernels have block products (AVX512-VNNI or AVX2; ``quantized.BlockMatrix``),
+the 4-bit, Q8_0 and Q5_0 tensors keep their codes (Q5_0's as int8) and their float16
+scales and minimums exactly, and multiply int8-quantized activations as llama.cpp does.
+Any other type is refused, naming the tensor.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoding import fused, skeleton
+from decoding import model_config, skeleton
 from decoding.batched import BatchedLM
+from decoding.kernels import resolve
 from decoding.memory import release_freed_memory
 from decoding.quantized import (
     ACTIVATIONS,
@@ -36,20 +38,29 @@ from decoding.quantized import (
 )
 from decoding.skeleton import Skeleton
 from decoding.target import CausalLM
-from decoding.weights import LayerWeights, Matrix, Product, Stacked, qk_norms
+from decoding.weights import LayerWeights, Matrix, Product, Stacked, layer_norms
 
 log = logging.getLogger(__name__)
 
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # codes kept, as int4 groups of 32
-WIDE_TYPES = frozenset({"Q8_0", "Q6_K", "F32", "F16", "BF16"})  # dequantized to bfloat16
+# dequantized to bfloat16 (but where block products take them: BYTE_TYPES)
+WIDE_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q6_K", "F32", "F16", "BF16"})
 SUPPORTED_TYPES = INT4_TYPES | WIDE_TYPES
+# codes that fit int8 with a scale per 32 (Q5_0's are q - 16): block products' int8 matrices
+BYTE_TYPES = frozenset({"Q8_0", "Q5_0"})
 # block matrices hold their file's dequantization exactly (code * scale + low): a tied
 # embedding is read from the head's blocks (Q4_K's are a 6-bit sub-scale times d, rounded)
-EXACT_BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+EXACT_BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0"})
 # GGUF tensor names of one layer, by the part of the fused matrices they make
 QKV = ("attn_q", "attn_k", "attn_v")
 GATE_UP = ("ffn_gate", "ffn_up")
+FUSED = {"phi3": (("attn_qkv",), ("ffn_up",))}  # architectures storing them fused
 PERMUTED_ARCHS = frozenset({"llama", "mistral"})  # q and k rows stored in rotary order
+# a layer's norms: the module's name and the GGUF tensor's (Gemma 3's four, else two)
+NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 class GGUFTypeError(ValueError):
@@ -121,8 +132,8 @@ class GGUFModel:
         Q8_0 matrices as ``BlockMatrix`` where the native kernels have block products."""
         model: Any = Skeleton(self.config, ACTIVATIONS,  # its linears on the meta device
                               name=str(self.file))
-        self.blocks = block_kernels(fused.load(model, kernels, self.file.name,
-                                               torch.device("cpu")), int8_activations)
+        # block products multiply any family's matrices, even where the layers run in PyTorch
+        self.blocks = block_kernels(resolve(kernels, torch.device("cpu")), int8_activations)
         inner = model.model
         tied = "output.weight" not in self.tensors
         head: Product | None = None
@@ -135,23 +146,22 @@ class GGUFModel:
         else:
             embedding = self.wide("token_embd.weight")  # [vocab, hidden]
             inner.embed_tokens = nn.Embedding.from_pretrained(embedding, freeze=True)
-        inner.norm.weight = _param(self.wide("output_norm.weight"))
+        self.norm(inner.norm, "output_norm")
         layers = []
         for index, layer in enumerate(inner.layers):
-            layer.input_layernorm.weight = _param(self.wide(f"blk.{index}.attn_norm.weight"))
-            layer.post_attention_layernorm.weight = _param(
-                self.wide(f"blk.{index}.ffn_norm.weight"))
             block = f"blk.{index}."
+            names = GEMMA_NORMS if hasattr(layer, "pre_feedforward_layernorm") else NORMS
+            for module, tensor in names.items():
+                self.norm(getattr(layer, module), block + tensor)
             attention = layer.self_attn
-            if hasattr(attention, "q_norm"):  # Qwen3: each head's q and k normed
-                attention.q_norm.weight = _param(self.wide(block + "attn_q_norm.weight"))
-                attention.k_norm.weight = _param(self.wide(block + "attn_k_norm.weight"))
+            if hasattr(attention, "q_norm"):  # Qwen3, Gemma 3: each head's q and k normed
+                self.norm(attention.q_norm, block + "attn_q_norm")
+                self.norm(attention.k_norm, block + "attn_k_norm")
+            qkv, gate_up = FUSED.get(self.arch, (QKV, GATE_UP))
             layers.append(LayerWeights(
-                input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-                act=layer.mlp.act_fn, qk_norms=qk_norms(attention),
-                qkv=self.product([block + n for n in QKV]),
+                **layer_norms(layer), qkv=self.product([block + n for n in qkv]),
                 o=self.product([block + "attn_output"]),
-                gate_up=self.product([block + n for n in GATE_UP]),
+                gate_up=self.product([block + n for n in gate_up]),
                 down=self.product([block + "ffn_down"])))
         if head is None:
             if tied:  # the head is the input embedding
@@ -176,7 +186,7 @@ class GGUFModel:
             rows4 = Int4Rows.cat([self.int4(n) for n in names])
             return (BlockMatrix.int4(self.blocks, rows4, bias) if self.blocks is not None
                     else Int4Matrix(rows4, bias))
-        if self.blocks is not None and all(t.tensor_type.name == "Q8_0" for t in tensors):
+        if self.blocks is not None and all(t.tensor_type.name in BYTE_TYPES for t in tensors):
             codes, scales = zip(*(self.int8(n) for n in names), strict=True)
             return BlockMatrix.int8(self.blocks, torch.cat(codes), torch.cat(scales), bias=bias)
         if not any(kinds):
@@ -201,15 +211,23 @@ class GGUFModel:
         order = self.row_order(name)
         return rows.take(order) if order is not None else rows
 
+    def norm(self, module: Any, name: str) -> None:
+        """Fill a norm's weight from the file: Gemma's in float32 (which the norm computes
+        in), as the file holds them (1 + weight: offset 0), others' in bfloat16."""
+        if isinstance(module, skeleton.GemmaNorm):
+            module.weight = _param(self.wide(name + ".weight", torch.float32))
+            module.offset = 0.0
+        else:
+            module.weight = _param(self.wide(name + ".weight"))
+
     def int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A Q8_0 tensor's int8 codes ``[out, in]`` and float16 scales (as float32)
-        ``[out, in / 32]``, q/k rows reordered."""
+        """A Q8_0 or Q5_0 tensor's codes as int8 ``[out, in]`` (Q5_0's q - 16) and its
+        float16 scales (as float32) ``[out, in / 32]``, q/k rows reordered: exactly the
+        file's dequantization, code * scale."""
         tensor = self.tensors[name + ".weight"]
         data = np.asarray(tensor.data)
         out, inputs = data.shape[0], int(tensor.shape[0])
-        blocks = data.reshape(-1, 34)  # a float16 scale, then 32 int8 codes
-        scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        codes = blocks[:, 2:].copy().view(np.int8)
+        codes, scale = byte_codes(tensor.tensor_type.name, data)
         codes_t = torch.from_numpy(codes.reshape(out, inputs))
         scale_t = torch.from_numpy(scale.reshape(out, inputs // 32))
         order = self.row_order(name)
@@ -217,7 +235,8 @@ class GGUFModel:
             codes_t, scale_t = codes_t[order], scale_t[order]
         return codes_t, scale_t
 
-    def wide(self, key: str) -> torch.Tensor:  # the tensor in bfloat16, q/k rows reordered
+    def wide(self, key: str, dtype: torch.dtype = ACTIVATIONS) -> torch.Tensor:
+        """The tensor in ``dtype``, q/k rows reordered."""
         import gguf
 
         tensor = self.tensors.get(key)
@@ -228,7 +247,7 @@ class GGUFModel:
         shape = [int(n) for n in reversed(tensor.shape.tolist())]
         out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy
         order = self.row_order(key.removesuffix(".weight"))
-        return (out[order] if order is not None else out).to(ACTIVATIONS)
+        return (out[order] if order is not None else out).to(dtype)
 
     def row_order(self, name: str) -> torch.Tensor | None:  # [out]
         """The Hugging Face row order of a q or k matrix (llama.cpp stores their rows
@@ -273,6 +292,25 @@ def int4_rows(kind: str, data: np.ndarray, inputs: int) -> Int4Rows:
                     torch.from_numpy(np.ascontiguousarray(low).reshape(out, groups)), 32)
 
 
+def byte_codes(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 or Q5_0 tensor's int8 codes ``[blocks, 32]`` and scales ``[blocks, 1]``."""
+    if kind == "Q8_0":
+        blocks = data.reshape(-1, 34)  # a float16 scale, then 32 int8 codes
+        return (blocks[:, 2:].copy().view(np.int8),
+                blocks[:, 0:2].copy().view(np.float16).astype(np.float32))
+    if kind != "Q5_0":
+        raise GGUFTypeError(f"GGUF type {kind} has no int8 codes")
+    # a float16 scale, 32 high bits (bit j: element j's fifth bit), then 16 bytes of low
+    # nibbles (byte i: element i's, and element 16 + i's in its high half)
+    blocks = data.reshape(-1, 22)
+    high = blocks[:, 2:6].copy().view(np.uint32)  # [n, 1]
+    fifth = (high >> np.arange(32, dtype=np.uint32)) & 1  # [n, 32]
+    qs = blocks[:, 6:]
+    low = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16)
+    codes = (low | (fifth.astype(np.int16) << 4)) - 16
+    return codes.astype(np.int8), blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+
+
 def _field(reader: Any, file: Path, key: str) -> Any:
     value = reader.get_field(key)
     if value is None:
@@ -287,8 +325,8 @@ def config_and_tokenizer(file: Path) -> tuple[Any, Any]:
 
     beside = file.parent
     if (beside / "config.json").is_file() and (beside / "tokenizer.json").is_file():
-        config = skeleton.model_config(beside)
-        return config, skeleton.tokenizer(beside, config)
+        config = model_config.model_config(beside)
+        return config, model_config.tokenizer(beside, config)
     return (AutoConfig.from_pretrained(beside, gguf_file=file.name),
             AutoTokenizer.from_pretrained(beside, gguf_file=file.name))
 

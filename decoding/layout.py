@@ -45,6 +45,7 @@ class Group:
     tokens: torch.Tensor  # [t] the group's tokens' indexes in the packed order
     slots: torch.Tensor  # [t] each token's index in the padded [n_rows * width] layout
     mask: torch.Tensor  # [n_rows, 1, width, span] which positions each padded query sees
+    query_positions: torch.Tensor  # [n_rows, width] each padded query's position
     lo: int
     n_rows: int
     width: int
@@ -77,9 +78,19 @@ class Group:
             if item.alternative:
                 start, n = item.state.length, len(item.token_ids)
                 mask[item.state.row - lo, n - 1] = (keys <= start) | (keys == start + n - 1)
+                query_pos[item.state.row - lo, n - 1] = start + 1
         return cls(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                    slots=torch.tensor(slots, dtype=torch.long, device=device),
-                   mask=mask[:, None].to(device), lo=lo, n_rows=n_rows, width=width, span=span)
+                   mask=mask[:, None].to(device), query_positions=query_pos.to(device),
+                   lo=lo, n_rows=n_rows, width=width, span=span)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """``mask`` for a sliding-window layer: a query sees the keys of the ``window``
+        positions up to its own (an alternative's own key, at a later slot, is within)."""
+        keys = torch.arange(self.span, device=self.mask.device)
+        late = keys[None, None, :] > self.query_positions[:, :, None] - window  # [R, W, S]
+        own = keys[None, None, :] > self.query_positions[:, :, None]  # an alternative's key
+        return self.mask & (late | own)[:, None]
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,11 @@ rotary embedding and activation, never the model's forward. transformers' model 
 config classes cost a server ~175 MB of imports it has no other use for (the modeling
 utilities bring torch.distributed, torch._dynamo, sympy and scipy; a config class its
 activations and torch.distributed.tensor), so a served target and its draft are built
-from these modules, their configs read by ``read_config``: transformers' parameter names
-and arithmetic for Llama, Mistral, Qwen2 and Qwen3 (the same logits, bitwise:
-``tests/test_skeleton.py``), no forward of the model's own. ``CausalLM`` (any family, one
+from these modules, their configs read by ``model_config.read_config``: transformers'
+parameter names and arithmetic for Llama, Mistral, Qwen2 and Qwen3 (the same logits,
+bitwise: ``tests/test_skeleton.py``), Phi-3 (its fused projections split into these) and
+Gemma 3 (transformers' logits to float32's rounding: ``tests/test_gemma.py``), no forward
+of the model's own. ``CausalLM`` (any family, one
 sequence per pass) and training keep transformers' classes. The linears are made on the
 meta device: whoever builds one fills what it reads (``fill``) or replaces the matrices
 (a GGUF file's).
@@ -27,7 +29,16 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from decoding import target
-from decoding.target import DTYPES, attention_dims, unbatchable
+from decoding.model_config import model_config, tokenizer
+from decoding.target import (
+    DTYPES,
+    FUSED_FAMILIES,
+    GEMMA_FAMILIES,
+    activation,
+    attention_dims,
+    layer_window,
+    unbatchable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,69 +50,12 @@ META = torch.device("meta")
 DERIVED = ("rotary_emb.inv_freq",)
 
 
-# What a config.json may leave out, as transformers' config classes fill it in
-DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "mlp_bias": False,
-    "head_dim": None, "tie_word_embeddings": False, "num_key_value_heads": None}
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {}, "mistral": {"sliding_window": 4096},
-    "qwen2": {"sliding_window": 4096, "use_sliding_window": False},
-    "qwen3": {"head_dim": 128, "sliding_window": 4096, "use_sliding_window": False}}
-REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "vocab_size", "max_position_embeddings")
-STATED = ("eos_token_id",)  # the families' defaults differ: read_config wants it stated
-
-
-def read_config(values: Mapping[str, Any]) -> SimpleNamespace | None:
-    """A model config's values (config.json's) as the skeleton and the runners read them,
-    without transformers' config classes: importing any of them costs a process ~50 MB
-    (their validators import the activations, which bring torch.distributed and sympy).
-    None where transformers' class should read it: another family, a rope kind other
-    than the default (its frequencies come from transformers' functions, given its
-    class), a value left to a default not in ``DEFAULTS``."""
-    family = values.get("model_type")
-    if (family not in FAMILY_DEFAULTS or any(values.get(k) is None for k in REQUIRED)
-            or any(k not in values for k in STATED)):
-        return None
-    rope = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return None
-    theta = rope.get("rope_theta", values.get("rope_theta")) or 10000.0
-    config = {**DEFAULTS, **FAMILY_DEFAULTS[family], **values,
-              "rope_parameters": {"rope_type": "default", "rope_theta": float(theta)}}
-    if config["num_key_value_heads"] is None:
-        config["num_key_value_heads"] = config["num_attention_heads"]
-    return SimpleNamespace(**config)
-
-
-def model_config(directory: Path) -> Any:
-    """The directory's config: ``read_config``'s, else transformers' ``AutoConfig``."""
-    light = read_config(json.loads((directory / "config.json").read_text()))
-    if light is not None:
-        return light
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(directory)
-
-
-def tokenizer(directory: Path, config: Any) -> Any:
-    """The directory's tokenizer by ``AutoTokenizer``, given ``config`` where it names its
-    tokenizer class itself (else AutoTokenizer reads the model's config, by its class)."""
-    from transformers import AutoTokenizer
-
-    settings = directory / "tokenizer_config.json"
-    named = settings.is_file() and "tokenizer_class" in json.loads(settings.read_text())
-    if isinstance(config, SimpleNamespace) and named:
-        return AutoTokenizer.from_pretrained(directory, config=config)
-    return AutoTokenizer.from_pretrained(directory)
-
-
 def unbuildable(config: Any) -> str | None:
     """Why ``config``'s model cannot be built from these modules, or None."""
     reason = unbatchable(config)
     if reason is not None:
         return reason
-    act = getattr(config, "hidden_act", "silu")
+    act = activation(config)
     if act not in ACTIVATIONS:
         return f"activation {act!r} is not one of {sorted(ACTIVATIONS)}"
     return None
@@ -123,25 +77,52 @@ class RMSNorm(nn.Module):
         return self.weight * wide.to(x.dtype)
 
 
+class GemmaNorm(nn.Module):
+    """Gemma's RMS norm: x / rms(x) * (offset + weight), all in float32, then rounded to
+    the input's dtype (as transformers' Gemma 3 does). ``offset`` is 1 for transformers'
+    weights and 0 for a GGUF file's, which hold 1 + weight."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=META),
+                                   requires_grad=False)
+        self.eps = eps
+        self.offset = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.float32)
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (wide * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def _norm(config: Any, size: int, dtype: torch.dtype) -> nn.Module:
+    kind = GemmaNorm if config.model_type in GEMMA_FAMILIES else RMSNorm
+    return kind(size, float(config.rms_norm_eps), dtype)
+
+
 class Rotary(nn.Module):
     """cos/sin of each position times the inverse frequencies (repeated over both halves
-    of a head), scaled; the frequencies from the config's rope type."""
+    of a head), scaled; the frequencies from the config's rope type (``layer_type``'s,
+    where the config has rope parameters per kind of layer: Gemma 3's)."""
 
     inv_freq: torch.Tensor
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layer_type: str | None = None) -> None:
         super().__init__()
         self.config = config
-        self.rope_type = config.rope_parameters["rope_type"]
+        params = config.rope_parameters
+        params = params[layer_type] if layer_type is not None else params
+        self.rope_type = params["rope_type"]
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         if self.rope_type == "default":
             _, _, dim = attention_dims(config)
             steps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
-            inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (steps / dim))
+            inv_freq = 1.0 / (params["rope_theta"] ** (steps / dim))
             self.attention_scaling = 1.0
         else:
+            kind = {} if layer_type is None else {"layer_type": layer_type}
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](
-                config, torch.device("cpu"))
+                config, torch.device("cpu"), **kind)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
@@ -209,22 +190,25 @@ def _linear(inputs: int, outputs: int, bias: bool, dtype: torch.dtype) -> nn.Lin
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         heads, kv_heads, self.head_dim = attention_dims(config)
         hidden = int(config.hidden_size)
         family = config.model_type
+        gemma = family in GEMMA_FAMILIES
         qkv_bias = family == "qwen2" or bool(getattr(config, "attention_bias", False))
-        o_bias = family in ("llama", "qwen3") and bool(getattr(config, "attention_bias", False))
+        o_bias = (family in ("llama", "qwen3") or gemma) and bool(
+            getattr(config, "attention_bias", False))
         self.q_proj = _linear(hidden, heads * self.head_dim, qkv_bias, dtype)
         self.k_proj = _linear(hidden, kv_heads * self.head_dim, qkv_bias, dtype)
         self.v_proj = _linear(hidden, kv_heads * self.head_dim, qkv_bias, dtype)
         self.o_proj = _linear(heads * self.head_dim, hidden, o_bias, dtype)
-        self.scaling = self.head_dim ** -0.5
-        if family == "qwen3":  # each head's q and k normed before the rotary embedding
-            eps = float(config.rms_norm_eps)
-            self.q_norm = RMSNorm(self.head_dim, eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, eps, dtype)
+        self.scaling = (float(config.query_pre_attn_scalar) if gemma else self.head_dim) ** -0.5
+        # keys a query sees: its own and those of the window - 1 positions before it (None: all)
+        self.window = layer_window(config, index)
+        if family == "qwen3" or gemma:  # each head's q and k normed before the rotary embedding
+            self.q_norm = _norm(config, self.head_dim, dtype)
+            self.k_norm = _norm(config, self.head_dim, dtype)
 
 
 class MLP(nn.Module):
@@ -235,17 +219,23 @@ class MLP(nn.Module):
         self.gate_proj = _linear(hidden, inner, bias, dtype)
         self.up_proj = _linear(hidden, inner, bias, dtype)
         self.down_proj = _linear(inner, hidden, bias, dtype)
-        self.act_fn = ACTIVATIONS[getattr(config, "hidden_act", "silu")]()
+        self.act_fn = ACTIVATIONS[activation(config)]()
 
 
 class Layer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    """A decoder layer. Gemma's norm attention's output (``post_attention_layernorm``)
+    and the MLP's input and output (``pre_``/``post_feedforward_layernorm``) too."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, index)
         self.mlp = MLP(config, dtype)
-        eps = float(config.rms_norm_eps)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        size = int(config.hidden_size)
+        self.input_layernorm = _norm(config, size, dtype)
+        self.post_attention_layernorm = _norm(config, size, dtype)
+        if config.model_type in GEMMA_FAMILIES:
+            self.pre_feedforward_layernorm = _norm(config, size, dtype)
+            self.post_feedforward_layernorm = _norm(config, size, dtype)
 
 
 class Decoder(nn.Module):
@@ -254,10 +244,16 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device=META,
                                         dtype=dtype)
         self.embed_tokens.requires_grad_(False)
-        self.layers = nn.ModuleList(Layer(config, dtype)
-                                    for _ in range(int(config.num_hidden_layers)))
-        self.norm = RMSNorm(config.hidden_size, float(config.rms_norm_eps), dtype)
-        self.rotary_emb = Rotary(config)
+        self.layers = nn.ModuleList(Layer(config, dtype, i)
+                                    for i in range(int(config.num_hidden_layers)))
+        self.norm = _norm(config, int(config.hidden_size), dtype)
+        gemma = config.model_type in GEMMA_FAMILIES
+        # what the embedding's rows are multiplied by (Gemma's sqrt(hidden)), or None
+        self.embed_scale = float(config.hidden_size) ** 0.5 if gemma else None
+        # Gemma 3: the global layers' rotary embedding, and the sliding-window layers' own
+        self.rotary_emb = Rotary(config, "full_attention" if gemma else None)
+        if gemma:
+            self.rotary_local = Rotary(config, "sliding_attention")
 
 
 class Skeleton(nn.Module):
@@ -265,6 +261,7 @@ class Skeleton(nn.Module):
     ``lm_head``), for ``BatchedLM`` to run."""
 
     weight_files: tuple[Path, ...] = ()  # the safetensors files it was filled from
+    is_skeleton = True  # (``target.supports``: these modules, not transformers')
 
     def __init__(self, config: Any, dtype: torch.dtype,
                  generation: Mapping[str, Any] | None = None, name: str = "model") -> None:
@@ -298,6 +295,8 @@ class Skeleton(nn.Module):
         """Every parameter from ``state`` (transformers' names), converted to the
         skeleton's dtype; a tied head is the embedding. Raises naming what is missing."""
         tied = getattr(self.config, "tie_word_embeddings", False)
+        if self.config.model_type in FUSED_FAMILIES:
+            state = split_fused(state, self.config)
         own = dict(self.named_parameters(remove_duplicate=False))
         missing = sorted(k for k in own if k not in state and not (tied and k == "lm_head.weight"))
         if missing:
@@ -315,6 +314,36 @@ class Skeleton(nn.Module):
                     nn.Parameter(state[name].to(param.dtype), requires_grad=False))
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def split_fused(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """``state`` with fused projections (Phi-3's ``qkv_proj``, ``gate_up_proj``) as the
+    separate ones the skeleton has: views of their rows."""
+    heads, kv_heads, dim = attention_dims(config)
+    parts = {"self_attn.qkv_proj.weight": (("q_proj", heads * dim), ("k_proj", kv_heads * dim),
+                                           ("v_proj", kv_heads * dim)),
+             "mlp.gate_up_proj.weight": (("gate_proj", int(config.intermediate_size)),
+                                         ("up_proj", int(config.intermediate_size)))}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        fused = next((f for f in parts if key.endswith(f)), None)
+        if fused is None:
+            out[key] = tensor
+            continue
+        module = key.removesuffix(fused) + fused.split(".")[0]
+        names, sizes = zip(*parts[fused], strict=True)
+        for part, rows in zip(names, tensor.split(list(sizes)), strict=True):
+            out[f"{module}.{part}.weight"] = rows
+    return out
+
+
+def rebuilt(model: Any, name: str) -> Skeleton:
+    """transformers' ``model`` (a batched family's) as a skeleton over the same tensors, for
+    the models the runner takes only as a skeleton (``target.needs_skeleton``)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    skeleton = Skeleton(model.config, model.dtype, {"eos_token_id": eos}, name=name)
+    skeleton.fill(model.state_dict(), name)  # no copy: the same dtype
+    return skeleton.to(next(model.parameters()).device).eval()
 
 
 def generation_settings(directory: Path) -> dict[str, Any]:

@@ -204,6 +204,10 @@ class LayerWeights:
     gate_up: Product
     down: Product
     qk_norms: tuple[Any, Any] | None = None  # each head's q and k norms (Qwen3), or None
+    # Gemma's norms of attention's output and of the MLP's (post_norm is then the MLP's
+    # input norm), or None
+    out_norms: tuple[Any, Any] | None = None
+    window: int | None = None  # a sliding-window layer's window, or None
 
     @classmethod
     def of(cls, layer: Any, quantize: str = "none", blocks: Any = None) -> LayerWeights:
@@ -212,9 +216,20 @@ class LayerWeights:
         ``quantized``'s."""
         make = fuse if quantize == "none" else functools.partial(fuse_quantized,
                                                                  method=quantize, blocks=blocks)
-        return cls(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-                   act=layer.mlp.act_fn, qk_norms=qk_norms(layer.self_attn),
-                   **{name: make(modules) for name, modules in linear_modules(layer).items()})
+        matrices: dict[str, Any] = {name: make(modules)
+                                    for name, modules in linear_modules(layer).items()}
+        return cls(**layer_norms(layer), **matrices)
+
+
+def layer_norms(layer: Any) -> dict[str, Any]:
+    """A decoder layer's norms, activation and window as ``LayerWeights`` takes them."""
+    attention, pre_mlp = layer.self_attn, getattr(layer, "pre_feedforward_layernorm", None)
+    common = {"input_norm": layer.input_layernorm, "act": layer.mlp.act_fn,
+              "qk_norms": qk_norms(attention), "window": getattr(attention, "window", None)}
+    if pre_mlp is None:
+        return {**common, "post_norm": layer.post_attention_layernorm}
+    return {**common, "post_norm": pre_mlp,
+            "out_norms": (layer.post_attention_layernorm, layer.post_feedforward_layernorm)}
 
 
 def qk_norms(attention: Any) -> tuple[Any, Any] | None:

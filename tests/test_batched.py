@@ -324,8 +324,7 @@ def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
 
 
 @pytest.mark.parametrize(("config_name", "says"), [
-    ("Gemma3TextConfig", "sliding-window"), ("Phi3Config", "qkv_proj"),
-    ("GemmaConfig", "1 + weight")])
+    ("Gemma2Config", "soft-caps"), ("PhiConfig", "LayerNorm"), ("GemmaConfig", "1 + weight")])
 def test_a_family_the_batched_runner_lacks_is_named_with_what_it_needs(
         config_name: str, says: str, caplog: pytest.LogCaptureFixture) -> None:
     """Such a model runs one sequence per pass, and the one-line reason says what its

@@ -237,11 +237,13 @@ def test_quantize_int4_runs_block_matrices(native: Any, tiny_target_dir: Path) -
     {}, {part: GT.Q8_0 for part in NAMES.values()},
     {"attn_q": GT.Q4_K, "attn_k": GT.Q4_K, "attn_v": GT.Q6_K, "attn_output": GT.Q4_K,
      "ffn_gate": GT.Q4_K, "ffn_up": GT.Q4_K, "ffn_down": GT.Q6_K, "embed": GT.Q6_K},
-], ids=["q4_1", "q8_0", "q4_k_m"])
+    {"attn_q": GT.Q5_0, "attn_k": GT.Q5_0, "attn_v": GT.Q8_0, "ffn_down": GT.Q5_0,
+     "embed": GT.Q5_0},
+], ids=["q4_1", "q8_0", "q4_k_m", "q5_0"])
 def test_a_gguf_target_runs_its_blocks_with_int8_activations(
         native: Any, tmp_path: Path, tiny_dir: Path, kinds: dict[str, GT]) -> None:
-    """Its 4-bit and Q8_0 matrices multiply the file's own weights (Q6_K stays bfloat16),
-    and its logits follow those of the same file with bfloat16 activations."""
+    """Its 4-bit, Q8_0 and Q5_0 matrices multiply the file's own weights (Q6_K stays
+    bfloat16), and its logits follow those of the same file with bfloat16 activations."""
     path = write_gguf(tmp_path, tiny_dir, kinds)
     target = load_target(str(path), quantize="auto")
     assert isinstance(target, BatchedLM) and target.product_activations == "int8"

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as GT
 from decoding import model_store
 from decoding.batched import BatchedLM
 from decoding.factory import load_target
-from decoding.gguf_weights import GGUFTypeError, int4_rows
+from decoding.gguf_weights import GGUFTypeError, byte_codes, int4_rows
 from decoding.quantized import Int4Matrix
 from decoding.weights import Matrix, Stacked
 
@@ -23,23 +23,27 @@ HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # Q4_K/Q6_K need row
 NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# Phi-3's: q/k/v fused as attn_qkv, gate/up as ffn_up (as transformers' modules are)
+PHI3_NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+              "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
 def k_blocks(kind: GT, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random Q4_K or Q6_K blocks (gguf has no quantizer for them) with sane scales."""
+    """Random K-quant blocks (gguf has no quantizer for them), Q4_K's and Q6_K's with sane
+    scales."""
     size = gguf.GGML_QUANT_SIZES[kind][1]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
     if kind == GT.Q4_K:
         blocks[:, 0:2] = np.full((len(blocks), 1), 0.002, np.float16).view(np.uint8)
         blocks[:, 2:4] = np.full((len(blocks), 1), 0.001, np.float16).view(np.uint8)
-    else:  # Q6_K: d is the last two bytes; int8 scales before it
+    elif kind == GT.Q6_K:  # d is the last two bytes; int8 scales before it
         blocks[:, -2:] = np.full((len(blocks), 1), 0.0005, np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
 def encode(weight: np.ndarray, kind: GT, seed: int) -> np.ndarray:
-    if kind in (GT.Q4_K, GT.Q6_K):
+    if kind in (GT.Q4_K, GT.Q6_K, GT.Q2_K):
         return k_blocks(kind, *weight.shape, seed)
     if kind == GT.F32:
         return weight.astype(np.float32)
@@ -80,7 +84,7 @@ def write_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT],
         add(f"blk.{i}.attn_norm.weight", state[prefix + "input_layernorm.weight"], GT.F32, 0)
         add(f"blk.{i}.ffn_norm.weight", state[prefix + "post_attention_layernorm.weight"],
             GT.F32, 0)
-        for hf, part in NAMES.items():
+        for hf, part in (PHI3_NAMES if arch == "phi3" else NAMES).items():
             weight = state[prefix + hf + ".weight"]
             if prefix + hf + ".bias" in state:
                 add(f"blk.{i}.{part}.bias", state[prefix + hf + ".bias"], GT.F32, 0)
@@ -164,7 +168,9 @@ def test_int4_codes_are_the_files(kind: GT) -> None:
     {part: GT.Q8_0 for part in NAMES.values()},
     {"attn_q": GT.Q4_K, "attn_k": GT.Q4_K, "attn_v": GT.Q6_K, "attn_output": GT.Q4_K,
      "ffn_gate": GT.Q4_K, "ffn_up": GT.Q4_K, "ffn_down": GT.Q6_K, "embed": GT.Q6_K},
-], ids=["q4_1", "q4_0-mixed", "q8_0", "q4_k_m"])
+    {"attn_q": GT.Q5_0, "attn_k": GT.Q5_0, "attn_v": GT.Q5_1, "ffn_up": GT.Q5_0,
+     "ffn_down": GT.Q5_1},
+], ids=["q4_1", "q4_0-mixed", "q8_0", "q4_k_m", "q5"])
 def test_gguf_target_serves_the_files_weights(tmp_path: Path, tiny_dir: Path,
                                               kinds: dict[str, GT]) -> None:
     """With bfloat16 activations (int8 ones: tests/test_block_products.py)."""
@@ -203,9 +209,22 @@ def test_gguf_target_serves_the_files_weights(tmp_path: Path, tiny_dir: Path,
 
 
 def test_unsupported_type_is_refused_naming_it(tmp_path: Path, tiny_dir: Path) -> None:
-    path = write_gguf(tmp_path, tiny_dir, {"ffn_up": GT.Q5_0})
-    with pytest.raises(GGUFTypeError, match=r"blk\.0\.ffn_up\.weight.*Q5_0"):
+    path = write_gguf(tmp_path, tiny_dir, {"ffn_up": GT.Q2_K})
+    with pytest.raises(GGUFTypeError, match=r"blk\.0\.ffn_up\.weight.*Q2_K"):
         load_target(str(path), quantize="auto")
+
+
+@pytest.mark.parametrize("kind", [GT.Q5_0, GT.Q8_0])
+def test_byte_codes_are_the_files(kind: GT) -> None:
+    """Q5_0's 5-bit codes (their fifth bits apart) and Q8_0's, as int8 codes times the
+    blocks' float16 scales: exactly gguf's own dequantization."""
+    weight = np.random.default_rng(2).normal(0, 0.1, (96, 256)).astype(np.float32)
+    data = encode(weight, kind, seed=0)
+    codes, scales = byte_codes(kind.name, data)
+    assert codes.dtype == np.int8 and codes.min() >= (-16 if kind == GT.Q5_0 else -127)
+    assert codes.max() <= (15 if kind == GT.Q5_0 else 127) and codes.min() < 0 < codes.max()
+    want = gguf.quants.dequantize(data, kind)
+    assert np.array_equal((codes * scales).reshape(want.shape), want)
 
 
 def test_a_gguf_file_is_a_target_path(tmp_path: Path, tiny_dir: Path) -> None:
@@ -292,3 +311,36 @@ def test_a_qwen_file_s_biases_and_norms_are_served(tmp_path: Path, default_model
         broken = write_gguf(tmp_path / "broken", model_dir, wide, arch=family)
         with pytest.raises(ValueError, match=r"no tensor 'blk\.0\.attn_k_norm\.weight'"):
             load_target(str(broken), quantize="auto")
+
+
+def test_a_phi3_file_s_fused_matrices_are_served(tmp_path: Path, default_model_dir: Path) -> None:
+    """Phi-3's file keeps q/k/v as one tensor and gate/up as another: served as the fused
+    products they are, the same logits as the model directory it was written from (float32
+    tensors, both run in bfloat16)."""
+    from transformers import AutoTokenizer, Phi3Config, Phi3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=INTER,
+                        num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                        num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                        tie_word_embeddings=True, pad_token_id=None,
+                        eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    wide = {"embed": GT.F32, **{part: GT.F32 for part in PHI3_NAMES.values()}}
+    path = write_gguf(tmp_path / "gguf", model_dir, wide, arch="phi3")
+    target = load_target(str(path), quantize="auto", int8_activations=False)
+    assert isinstance(target, BatchedLM)
+    reference = BatchedLM.load(str(model_dir), dtype="bfloat16")
+    ids = list(range(500, 540))
+    got = target.score(target.new_state(), ids).float()
+    expected = reference.score(reference.new_state(), ids).float()
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -16,14 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decoding.batched import BatchedLM
-from decoding.skeleton import (
-    Rotary,
-    Skeleton,
-    model_config,
-    pretrained,
-    read_config,
-    tokenizer,
-)
+from decoding.model_config import model_config, read_config, tokenizer
+from decoding.skeleton import Rotary, Skeleton, pretrained
 from decoding.target import CausalLM, attention_dims, unbatchable
 from decoding.target import pretrained as transformers_pretrained
 
@@ -38,7 +32,7 @@ def tiny(out: Path, tokenizer_dir: Path, family: str, **extra: Any) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     classes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-               "phi3": "Phi3"}
+               "phi3": "Phi3", "phi": "Phi"}
     config = getattr(transformers, classes[family] + "Config")(
         vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **SMALL, **extra)
     torch.manual_seed(3)
@@ -137,12 +131,41 @@ def test_missing_weights_are_named(tmp_path: Path, default_model_dir: Path) -> N
         BatchedLM.load(str(path))
 
 
+@pytest.mark.parametrize("window", [None, 6], ids=["global", "sliding"])
+def test_a_phi3_model_runs_batched(tmp_path: Path, default_model_dir: Path,
+                                   window: int | None) -> None:
+    """Phi-3's fused q/k/v and gate/up matrices are split into the skeleton's: transformers'
+    forward pass's logits (to float32's rounding), with its sliding window too (then in
+    PyTorch's ops: the native kernels attend without one); transformers' own modules are
+    rebuilt as the same skeleton; its long-context rotary embedding is refused in a line."""
+    path = str(tiny(tmp_path, default_model_dir, "phi3", tie_word_embeddings=False,
+                    pad_token_id=None, sliding_window=window))
+    own = BatchedLM.load(path, dtype="float32")
+    assert isinstance(own, BatchedLM) and isinstance(own.model, Skeleton)
+    assert [w.window for w in own._weights] == [window] * SMALL["num_hidden_layers"]
+    assert own.kernels == ("native" if window is None else "torch")
+    ids = [500 + 37 * i for i in range(24)]
+    got = own.score(own.new_state(), ids)
+    forward = CausalLM.load(path, dtype="float32")
+    torch.testing.assert_close(got, forward.score(forward.new_state(), ids),
+                               rtol=1e-4, atol=1e-4)
+    rebuilt = BatchedLM.wrap(*transformers_pretrained(path, "float32", "cpu"), name=path)
+    assert isinstance(rebuilt, BatchedLM) and isinstance(rebuilt.model, Skeleton)
+    assert torch.equal(rebuilt.score(rebuilt.new_state(), ids), got)
+    from transformers import Phi3Config
+
+    longrope = Phi3Config(**SMALL, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+        original_max_position_embeddings=128)
+    assert "original_max_position_embeddings" in str(unbatchable(longrope))
+
+
 def test_other_families_keep_transformers_models(tmp_path: Path,
                                                  default_model_dir: Path) -> None:
-    path = tiny(tmp_path, default_model_dir, "phi3", tie_word_embeddings=True,
+    path = tiny(tmp_path, default_model_dir, "phi", tie_word_embeddings=True,
                 pad_token_id=None)
     model, _ = pretrained(str(path), "float32", "cpu")
-    assert not isinstance(model, Skeleton) and type(model).__name__ == "Phi3ForCausalLM"
+    assert not isinstance(model, Skeleton) and type(model).__name__ == "PhiForCausalLM"
     runner = BatchedLM.load(str(path))
     assert type(runner) is CausalLM  # one sequence a pass, transformers' forward
     assert runner.score(runner.new_state(), [5, 6, 7]).shape[0] == 3

@@ -1,0 +1,68 @@
+"""The batched runner's decoder layers as PyTorch ops (``decoding.fused`` is the native
+kernels' path): the matrix products over the packed tokens, attention per padded block
+(``decoding.attention``), each layer's window and norms as its family has them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from decoding import handoff
+from decoding.attention import rotate
+from decoding.layout import Layout
+from decoding.weights import Product, multiply, norm_heads
+
+
+def forward(runner: Any, batch: Layout) -> torch.Tensor:
+    """The decoder layers over ``batch``'s packed tokens, before the final norm; ``[T, H]``.
+    ``runner`` is the ``BatchedLM`` (its modules, matrices and KV buffers)."""
+    handoff.pass_starts(runner)  # no one long call here: hand over at the start
+    inner = runner.model.model
+    hidden = inner.embed_tokens(batch.ids)  # [T, H]
+    scale = getattr(inner, "embed_scale", None)
+    if scale is not None:  # rounded to the rows' dtype first, as transformers' Gemma does
+        hidden = hidden * torch.tensor(scale).to(hidden.dtype)
+    rotary = [_cos_sin(inner.rotary_emb, hidden, batch.positions)]
+    local = getattr(inner, "rotary_local", None)  # the sliding-window layers' own
+    if local is not None:
+        rotary.append(_cos_sin(local, hidden, batch.positions))
+    heads, kv, dim = runner.heads, runner.kv_heads, runner.head_dim
+    split = batch.bulk_from
+
+    def product(m: Product, x: torch.Tensor) -> torch.Tensor:
+        return multiply(m, x, split)
+
+    attention = runner._attention
+    masks: dict[int | None, list[torch.Tensor]] = {}
+    for w in runner._weights:
+        if w.window not in masks:
+            masks[w.window] = [
+                attention.mask(g.mask if w.window is None else g.window_mask(w.window),
+                               g.width, hidden.dtype) for g in batch.groups]
+    for index, w in enumerate(runner._weights):
+        cos, sin = rotary[1 if w.window is not None and local is not None else 0]
+        qkv = product(w.qkv, w.input_norm(hidden))  # [T, (h + 2 kv) D]
+        if w.qk_norms is not None:
+            qkv = norm_heads(qkv, w.qk_norms, heads, kv, dim)
+        qk = rotate(qkv[:, : (heads + kv) * dim].view(-1, heads + kv, dim), cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv) * dim :].view(-1, kv, dim)
+        out = product(w.o, attention.attend_layer(batch, masks[w.window], q, k, v,
+                                                  runner._keys[index], runner._values[index]))
+        if w.out_norms is not None:
+            out = w.out_norms[0](out)
+        hidden = hidden + out
+        gate, up = product(w.gate_up, w.post_norm(hidden)).chunk(2, dim=-1)
+        out = product(w.down, w.act(gate) * up)
+        if w.out_norms is not None:
+            out = w.out_norms[1](out)
+        hidden = hidden + out
+    return hidden
+
+
+def _cos_sin(rotary: Any, hidden: torch.Tensor, positions: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, 1, D] each
+    cos, sin = rotary(hidden, positions[None])  # [1, T, D]
+    return cos[0, :, None], sin[0, :, None]

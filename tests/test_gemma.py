@@ -1,0 +1,230 @@
+"""Gemma 3 in the batched runner: sliding-window and global layers with their own rotary
+embeddings, norms around attention and the MLP, a scaled embedding; from a model
+directory (transformers' logits) and from a GGUF file (the file's own weights)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GT
+
+from decoding import kernels
+from decoding.batched import BatchedLM
+from decoding.factory import load_target
+from decoding.kernels import KernelsUnavailable
+from decoding.quantized import BlockMatrix
+from decoding.skeleton import GemmaNorm, Skeleton
+from decoding.target import CausalLM
+from decoding.target import pretrained as transformers_pretrained
+from tests.test_gguf import encode
+
+WINDOW = 7
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 4, 2, 64  # K-quant rows: 256 inputs
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+# transformers' names of a layer's matrices and norms, by their GGUF names
+MATRICES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+         "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A random Gemma 3 with the default model's tokenizer: a window of 7 positions, its
+    own query scale, the global layers' rotary scaled linearly, norms far from zero."""
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=INTER,
+        num_hidden_layers=len(LAYER_TYPES), num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=WINDOW,
+        layer_types=LAYER_TYPES, query_pre_attn_scalar=48, max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=0, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6}})
+    torch.manual_seed(5)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if name.endswith("norm.weight") else 0.06)
+    out = tmp_path_factory.mktemp("gemma3")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+IDS = [500 + 37 * i for i in range(40)]  # well past the window
+
+
+def test_a_gemma3_model_runs_batched_with_transformers_logits(gemma_dir: Path) -> None:
+    """Batched from its directory: transformers' forward pass's logits (to float32's
+    rounding) over a sequence several windows long, each one-token step bitwise the full
+    pass's row; transformers' own modules are rebuilt as the same skeleton; the native
+    kernels say why they cannot run it."""
+    own = BatchedLM.load(str(gemma_dir), dtype="float32")
+    assert isinstance(own, BatchedLM) and isinstance(own.model, Skeleton)
+    assert own.kernels == "torch"
+    assert [w.window for w in own._weights] == [WINDOW, None, WINDOW]
+    full = own.score(own.new_state(), IDS)
+    reference = CausalLM.load(str(gemma_dir), dtype="float32")  # transformers' forward
+    want = reference.score(reference.new_state(), IDS)
+    torch.testing.assert_close(full, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(full.argmax(-1), want.argmax(-1))
+
+    state = own.new_state()
+    own.prefill(state, IDS[:5])
+    steps = torch.stack([own.score(state, [t])[0] for t in IDS[5:]])
+    assert torch.equal(steps, full[5:])
+
+    rebuilt = BatchedLM.wrap(*transformers_pretrained(str(gemma_dir), "float32", "cpu"),
+                             name="gemma")
+    assert isinstance(rebuilt, BatchedLM) and isinstance(rebuilt.model, Skeleton)
+    assert torch.equal(rebuilt.score(rebuilt.new_state(), IDS), full)
+    with pytest.raises(KernelsUnavailable, match="Gemma"):
+        BatchedLM.load(str(gemma_dir), dtype="float32", kernels="native")
+
+
+def test_a_gemma3_model_speculates_losslessly_in_batches(gemma_dir: Path) -> None:
+    """In bfloat16 at three streams with itself as the draft (passes verify several
+    tokens beside other sequences, past the window), each output is its plain greedy
+    decoding alone."""
+    from decoding.drafters import ModelDrafter
+    from tests.batching import PROMPTS, _alone, _greedy, _serve, _tokens
+
+    target = BatchedLM.load(str(gemma_dir), dtype="bfloat16")
+    draft = ModelDrafter(BatchedLM.load(str(gemma_dir), dtype="bfloat16"), target)
+    requests = _greedy(target, PROMPTS[:3], 24)
+    plain = [_alone(target, None, r) for r in requests]
+    served = _serve(target, {"model": draft}, requests, default_drafter="model")
+    assert [_tokens(events) for events in served] == plain
+    assert max(len(e.token_ids) for events in served for e in events) > 2
+
+
+def test_an_alternative_sees_its_window_and_itself(gemma_dir: Path) -> None:
+    """A row verifying drafts plus an alternative for its first draft, past the window,
+    among other rows: the drafts' logits are the chain's alone and the alternative's
+    those it gets as the next token (transformers' forward pass), once adopted the cache
+    continues as if it had been fed."""
+    from decoding.target import BatchItem
+
+    target = BatchedLM.load(str(gemma_dir), dtype="float32")
+    reference = CausalLM.load(str(gemma_dir), dtype="float32")
+    prompts = [IDS[:11], IDS[3:26], IDS[:3]]
+    added = [[901, 902, 903, 904], [905], [906, 907, 908]]
+    alternative = [True, False, True]
+    states = [target.new_state() for _ in prompts]
+    target.forward_batch([BatchItem(s, p, 1) for s, p in zip(states, prompts, strict=True)])
+    got = target.forward_batch([BatchItem(s, n, len(n), alternative=a)
+                                for s, n, a in zip(states, added, alternative, strict=True)])
+    for state, prompt, new, alt, logits in zip(states, prompts, added, alternative, got,
+                                              strict=True):
+        chain = new[:-1] if alt else new
+        ref = reference.new_state()
+        reference.prefill(ref, prompt)
+        torch.testing.assert_close(logits[: len(chain)], reference.score(ref, chain),
+                                   rtol=1e-4, atol=1e-4)
+        if not alt:
+            continue
+        ref = reference.new_state()
+        reference.prefill(ref, prompt)
+        expected = reference.score(ref, [new[0], new[-1]])
+        torch.testing.assert_close(logits[-1], expected[-1], rtol=1e-4, atol=1e-4)
+        target.adopt_alternative(state, len(prompt), len(new))
+        later = IDS[30:38]
+        torch.testing.assert_close(target.score(state, later), reference.score(ref, later),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def write_gemma_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT]) -> Path:
+    """The model of ``model_dir`` as a Gemma 3 GGUF file (norms as llama.cpp writes them,
+    1 + weight), each matrix in ``kinds[part]`` (default Q5_0; ``embed``: Q8_0); its config
+    and tokenizer beside."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, directory / name)
+    path = directory / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(len(LAYER_TYPES))
+
+    def add(name: str, tensor: torch.Tensor, kind: GT) -> None:
+        data = encode(tensor.float().numpy(), kind, seed=len(name))
+        writer.add_tensor(name, data, raw_dtype=kind if kind != GT.F32 else None)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"], kinds.get("embed", GT.Q8_0))
+    add("output_norm.weight", state["model.norm.weight"] + 1, GT.F32)
+    for i in range(len(LAYER_TYPES)):
+        prefix = f"model.layers.{i}."
+        for part, hf in MATRICES.items():
+            add(f"blk.{i}.{part}.weight", state[prefix + hf + ".weight"],
+                kinds.get(part, GT.Q5_0))
+        for part, hf in NORMS.items():
+            add(f"blk.{i}.{part}.weight", state[prefix + hf + ".weight"] + 1, GT.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def file_model(path: Path, model_dir: Path) -> BatchedLM:
+    """The directory's model in float32 with the file's dequantized matrices."""
+    reference = BatchedLM.load(str(model_dir), dtype="float32")
+    assert isinstance(reference, BatchedLM)
+    skeleton: Any = reference.model
+    with torch.no_grad():
+        for tensor in gguf.GGUFReader(str(path)).tensors:
+            part = tensor.name.split(".")[-2]
+            values = torch.from_numpy(gguf.quants.dequantize(
+                np.asarray(tensor.data), tensor.tensor_type).copy())
+            if part in MATRICES:
+                layer = skeleton.model.layers[int(tensor.name.split(".")[1])]
+                layer.get_submodule(MATRICES[part]).weight.copy_(values)
+            elif tensor.name == "token_embd.weight":
+                skeleton.model.embed_tokens.weight.copy_(values)
+    return BatchedLM(skeleton, reference.tokenizer)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["bfloat16", "int8"])
+def test_a_gemma3_gguf_file_serves_its_own_weights(tmp_path: Path, gemma_dir: Path,
+                                                   int8_activations: bool) -> None:
+    """A Gemma 3 GGUF as llama.cpp's converter writes one (norms holding 1 + weight, q/k/v
+    in Q5_0 and Q8_0, a Q4_K and a Q6_K matrix): batched, its norms the file's float32
+    values, its logits those of the same model made of gguf's dequantization of the file.
+    With int8 activations (where the native kernels have block products) its Q5_0 and
+    Q8_0 matrices keep their codes as block matrices."""
+    kinds = {"attn_v": GT.Q8_0, "attn_output": GT.Q4_K, "ffn_down": GT.Q6_K}
+    path = write_gemma_gguf(tmp_path, gemma_dir, kinds)
+    blocks = int8_activations and kernels.native().has_block_products()
+    target = load_target(str(path), quantize="auto", int8_activations=int8_activations)
+    assert isinstance(target, BatchedLM) and isinstance(target.model, Skeleton)
+    assert target.weights_format == "gguf-q4_k+q5_0+q6_k+q8_0"
+    assert [w.window for w in target._weights] == [WINDOW, None, WINDOW]
+    assert isinstance(target._weights[0].qkv, BlockMatrix) == blocks
+    norm = target._weights[1].out_norms[0] if target._weights[1].out_norms else None
+    assert isinstance(norm, GemmaNorm) and norm.offset == 0.0
+    file_norm = next(t for t in gguf.GGUFReader(str(path)).tensors
+                     if t.name == "blk.1.post_attention_norm.weight")
+    assert torch.equal(norm.weight, torch.from_numpy(np.asarray(file_norm.data).copy()))
+
+    reference = file_model(path, gemma_dir)
+    got = target.score(target.new_state(), IDS).float()
+    want = reference.score(reference.new_state(), IDS)
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    centred = got - got.mean(-1, keepdim=True), want - want.mean(-1, keepdim=True)
+    cosine = torch.nn.functional.cosine_similarity(*centred, dim=-1)
+    # bfloat16 activations and weights against float32: near-ties of a random model flip
+    assert agree >= 0.9 and cosine.min() >= 0.99, (agree, cosine.min())
