@@ -15,7 +15,10 @@ Any other type is refused, naming the tensor.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoding import model_config, skeleton
+from decoding import model_config, model_store, skeleton
 from decoding.batched import BatchedLM
 from decoding.kernels import resolve
 from decoding.memory import release_freed_memory
@@ -320,15 +323,47 @@ def _field(reader: Any, file: Path, key: str) -> Any:
 
 def config_and_tokenizer(file: Path) -> tuple[Any, Any]:
     """The model's config and tokenizer: from a model directory holding the file (the
-    default model keeps its GGUF beside its converted directory's), else from the file."""
-    from transformers import AutoConfig, AutoTokenizer
-
+    default model keeps its GGUF beside its converted directory's), else from the file,
+    converted by transformers once and kept (``converted``)."""
     beside = file.parent
     if (beside / "config.json").is_file() and (beside / "tokenizer.json").is_file():
         config = model_config.model_config(beside)
         return config, model_config.tokenizer(beside, config)
-    return (AutoConfig.from_pretrained(beside, gguf_file=file.name),
-            AutoTokenizer.from_pretrained(beside, gguf_file=file.name))
+    kept = converted(file)
+    if (kept / "config.json").is_file() and (kept / "tokenizer.json").is_file():
+        config = model_config.model_config(kept)
+        return config, model_config.tokenizer(kept, config)
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(beside, gguf_file=file.name)
+    tokenizer = AutoTokenizer.from_pretrained(beside, gguf_file=file.name)
+    _keep(kept, config, tokenizer)
+    return config, tokenizer
+
+
+def converted(file: Path) -> Path:
+    """Where the file's config and tokenizer are kept once transformers has converted them
+    (each conversion parses the whole vocabulary: ~25 s for a 262k-token one here), by
+    the file's path, size and modification time."""
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return model_store.home() / "gguf" / key.hexdigest()[:20]
+
+
+def _keep(directory: Path, config: Any, tokenizer: Any) -> None:
+    """Save the converted config and tokenizer to ``directory``, whole or not at all (a
+    failure costs the next start the conversion, never this one)."""
+    staging = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if not directory.exists():  # else another process kept them first
+            staging.replace(directory)
+    except OSError as exc:
+        log.warning("could not keep the converted config and tokenizer in %s: %s",
+                    directory, exc)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _dequantized(file: Path, dtype: str, device: str, kernels: str = "auto") -> CausalLM:

@@ -344,3 +344,43 @@ def test_a_phi3_file_s_fused_matrices_are_served(tmp_path: Path, default_model_d
     expected = reference.score(reference.new_state(), ids).float()
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_a_lone_file_s_config_and_tokenizer_are_converted_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A GGUF with no model directory beside it: transformers converts its config and
+    tokenizer from the file once (parsing its whole vocabulary), and later starts read
+    the kept copy, which tokenizes as the conversion does; where nothing can be kept, the
+    start still succeeds and says why."""
+    import transformers
+
+    from decoding.gguf_weights import config_and_tokenizer, converted
+
+    lone = tmp_path / "files" / "model.gguf"
+    lone.parent.mkdir()
+    lone.symlink_to(model_store.default_gguf())
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path / "home"))
+    config, tokenizer = config_and_tokenizer(lone)
+    kept = converted(lone)
+    assert (kept / "config.json").is_file() and (kept / "tokenizer.json").is_file()
+
+    with monkeypatch.context() as patch:
+        for cls in (transformers.AutoConfig, transformers.AutoTokenizer):
+            own = cls.from_pretrained
+
+            def from_pretrained(*args: Any, _own: Any = own, **kwargs: Any) -> Any:
+                assert "gguf_file" not in kwargs, "converted again"
+                return _own(*args, **kwargs)
+
+            patch.setattr(cls, "from_pretrained", from_pretrained)
+        config2, tokenizer2 = config_and_tokenizer(lone)
+    assert config2.model_type == config.model_type == "llama"
+    assert config2.eos_token_id == config.eos_token_id
+    text = "<|im_start|>user\nHow do I sort a list?<|im_end|> ünïcode 日本"
+    assert tokenizer2(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert tokenizer2.chat_template == tokenizer.chat_template
+
+    monkeypatch.setenv("SPECSERVE_HOME", str(lone))  # a file: nothing can be kept under it
+    with caplog.at_level("WARNING"):
+        config3, _ = config_and_tokenizer(lone)
+    assert config3.model_type == "llama" and "could not keep" in caplog.text
