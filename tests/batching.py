@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
+import torch
 
 from decoding.batched import BatchedLM
 from decoding.drafters.base import Drafter
@@ -15,7 +17,7 @@ from decoding.policy import (
 )
 from decoding.prompting import encode_text
 from decoding.sequence import decode
-from decoding.target import CausalLM
+from decoding.target import BatchItem, CausalLM
 from decoding.types import (
     GenerationRequest,
     RoundEvent,
@@ -134,3 +136,36 @@ def _cost(fixed: float, per_token: float) -> StepCost:
     for tokens in (1, 4, 9, 16, 40, 80, 2, 30):
         cost.observe(tokens, fixed + per_token * tokens)
     return cost
+
+
+def check_alternatives(target: BatchedLM, reference: CausalLM, prompts: list[list[int]],
+                       added: list[list[int]], alternative: list[bool],
+                       later: Sequence[int]) -> None:
+    """Rows verifying ``added`` in one pass, the last token of those marked in
+    ``alternative`` an alternative for their first: the drafts' logits are those of the
+    chain alone and an alternative's those it would get as the next token (``reference``
+    fed them one sequence at a time); once adopted, the cache continues as if it had been
+    fed. The rows are released after."""
+    states = [target.new_state() for _ in prompts]
+    target.forward_batch([BatchItem(s, p, 1) for s, p in zip(states, prompts, strict=True)])
+    got = target.forward_batch([BatchItem(s, n, len(n), alternative=a)
+                                for s, n, a in zip(states, added, alternative, strict=True)])
+    for state, prompt, new, alt, logits in zip(states, prompts, added, alternative, got,
+                                              strict=True):
+        chain = new[:-1] if alt else new
+        ref = reference.new_state()
+        reference.prefill(ref, prompt)
+        torch.testing.assert_close(logits[: len(chain)], reference.score(ref, chain),
+                                   rtol=1e-4, atol=1e-4)
+        if not alt:
+            continue
+        ref = reference.new_state()
+        reference.prefill(ref, prompt)
+        expected = reference.score(ref, [new[0], new[-1]])
+        torch.testing.assert_close(logits[-1], expected[-1], rtol=1e-4, atol=1e-4)
+        target.adopt_alternative(state, len(prompt), len(new))
+        assert state.length == len(prompt) + 2
+        torch.testing.assert_close(target.score(state, later), reference.score(ref, later),
+                                   rtol=1e-4, atol=1e-4)
+    for state in states:
+        target.release(state)

@@ -21,6 +21,7 @@ from tests.batching import (
     _ids,
     _serve,
     _tokens,
+    check_alternatives,
 )
 
 
@@ -205,35 +206,11 @@ def test_an_alternative_sees_only_what_precedes_the_token_it_stands_in_for(
     the drafts' logits are those of the chain alone, the alternative's those it would
     get as the next token; once adopted, the cache continues as if it had been fed."""
     rng = random.Random(5)
-    reference = tiny_reference
     prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (7, 23, 3)]
     added = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (4, 1, 3)]
     alternative = [True, False, True]  # the last token of those rows is an alternative
     later = [rng.randrange(1000, 20000) for _ in range(3)]
-    states = [tiny_target.new_state() for _ in prompts]
-    tiny_target.forward_batch([BatchItem(s, p, 1) for s, p in zip(states, prompts, strict=True)])
-    got = tiny_target.forward_batch([
-        BatchItem(s, n, len(n), alternative=a)
-        for s, n, a in zip(states, added, alternative, strict=True)])
-    for state, prompt, new, alt, logits in zip(states, prompts, added, alternative, got,
-                                              strict=True):
-        chain = new[:-1] if alt else new
-        ref = reference.new_state()
-        reference.prefill(ref, prompt)
-        torch.testing.assert_close(logits[: len(chain)], reference.score(ref, chain),
-                                   rtol=1e-4, atol=1e-4)
-        if not alt:
-            continue
-        ref = reference.new_state()
-        reference.prefill(ref, prompt)
-        expected = reference.score(ref, [new[0], new[-1]])
-        torch.testing.assert_close(logits[-1], expected[-1], rtol=1e-4, atol=1e-4)
-        tiny_target.adopt_alternative(state, len(prompt), len(new))
-        assert state.length == len(prompt) + 2
-        torch.testing.assert_close(tiny_target.score(state, later), reference.score(ref, later),
-                                   rtol=1e-4, atol=1e-4)
-    for state in states:
-        tiny_target.release(state)
+    check_alternatives(tiny_target, tiny_reference, prompts, added, alternative, later)
     plain = tiny_reference
     assert not plain.capabilities.branches
     with pytest.raises(ValueError, match="token trees"):

@@ -116,34 +116,14 @@ def test_an_alternative_sees_its_window_and_itself(gemma_dir: Path) -> None:
     among other rows: the drafts' logits are the chain's alone and the alternative's
     those it gets as the next token (transformers' forward pass), once adopted the cache
     continues as if it had been fed."""
-    from decoding.target import BatchItem
+    from tests.batching import check_alternatives
 
     target = BatchedLM.load(str(gemma_dir), dtype="float32")
     reference = CausalLM.load(str(gemma_dir), dtype="float32")
-    prompts = [IDS[:11], IDS[3:26], IDS[:3]]
-    added = [[901, 902, 903, 904], [905], [906, 907, 908]]
-    alternative = [True, False, True]
-    states = [target.new_state() for _ in prompts]
-    target.forward_batch([BatchItem(s, p, 1) for s, p in zip(states, prompts, strict=True)])
-    got = target.forward_batch([BatchItem(s, n, len(n), alternative=a)
-                                for s, n, a in zip(states, added, alternative, strict=True)])
-    for state, prompt, new, alt, logits in zip(states, prompts, added, alternative, got,
-                                              strict=True):
-        chain = new[:-1] if alt else new
-        ref = reference.new_state()
-        reference.prefill(ref, prompt)
-        torch.testing.assert_close(logits[: len(chain)], reference.score(ref, chain),
-                                   rtol=1e-4, atol=1e-4)
-        if not alt:
-            continue
-        ref = reference.new_state()
-        reference.prefill(ref, prompt)
-        expected = reference.score(ref, [new[0], new[-1]])
-        torch.testing.assert_close(logits[-1], expected[-1], rtol=1e-4, atol=1e-4)
-        target.adopt_alternative(state, len(prompt), len(new))
-        later = IDS[30:38]
-        torch.testing.assert_close(target.score(state, later), reference.score(ref, later),
-                                   rtol=1e-4, atol=1e-4)
+    assert isinstance(target, BatchedLM)
+    check_alternatives(target, reference, [IDS[:11], IDS[3:26], IDS[:3]],
+                       [[901, 902, 903, 904], [905], [906, 907, 908]], [True, False, True],
+                       IDS[30:38])
 
 
 def write_gemma_gguf(directory: Path, model_dir: Path, kinds: dict[str, GT]) -> Path:

@@ -113,8 +113,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) 
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                          max_position_embeddings=512, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id)
+    return saved_random(LlamaForCausalLM, config, tokenizer, out)
+
+
+def saved_random(model_class: Any, config: Any, tokenizer: Any, out: Path) -> Path:
+    """A model of ``config`` with random matrices (seeded), saved with ``tokenizer``."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -253,6 +258,17 @@ def test_default_gguf_codes_are_the_files(default_model_dir: Path) -> None:
         assert (got - want).abs().max() / want.abs().max() < 2 ** -7, tensor.name
 
 
+def same_logits_as_directory(target: Any, model_dir: Path) -> None:
+    """``target`` (a file written from ``model_dir`` in float32) gives the directory's
+    logits, both run in bfloat16."""
+    reference = BatchedLM.load(str(model_dir), dtype="bfloat16")
+    ids = list(range(500, 540))
+    got = target.score(target.new_state(), ids).float()
+    expected = reference.score(reference.new_state(), ids).float()
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_qwen_file_s_biases_and_norms_are_served(tmp_path: Path, default_model_dir: Path,
                                                   family: str) -> None:
@@ -296,12 +312,7 @@ def test_a_qwen_file_s_biases_and_norms_are_served(tmp_path: Path, default_model
         assert torch.equal(norms[1].weight, want.k_norm.weight.bfloat16())
     else:
         assert norms is None
-    reference = BatchedLM.load(str(model_dir), dtype="bfloat16")
-    ids = list(range(500, 540))
-    got = target.score(target.new_state(), ids).float()
-    expected = reference.score(reference.new_state(), ids).float()
-    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    same_logits_as_directory(target, model_dir)
     if family == "qwen3":
         from safetensors.torch import load_file, save_file
 
@@ -325,25 +336,12 @@ def test_a_phi3_file_s_fused_matrices_are_served(tmp_path: Path, default_model_d
                         num_key_value_heads=KV_HEADS, max_position_embeddings=512,
                         tie_word_embeddings=True, pad_token_id=None,
                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = Phi3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.1)
-    model_dir = tmp_path / "model"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = saved_random(Phi3ForCausalLM, config, tokenizer, tmp_path / "model")
     wide = {"embed": GT.F32, **{part: GT.F32 for part in PHI3_NAMES.values()}}
     path = write_gguf(tmp_path / "gguf", model_dir, wide, arch="phi3")
     target = load_target(str(path), quantize="auto", int8_activations=False)
     assert isinstance(target, BatchedLM)
-    reference = BatchedLM.load(str(model_dir), dtype="bfloat16")
-    ids = list(range(500, 540))
-    got = target.score(target.new_state(), ids).float()
-    expected = reference.score(reference.new_state(), ids).float()
-    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02)
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    same_logits_as_directory(target, model_dir)
 
 
 def test_a_lone_file_s_config_and_tokenizer_are_converted_once(
