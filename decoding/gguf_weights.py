@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoding import model_config, model_store, skeleton
+from decoding import gguf_file, model_config, model_store, skeleton
 from decoding.batched import BatchedLM
 from decoding.kernels import resolve
-from decoding.memory import release_freed_memory
 from decoding.quantized import (
     ACTIVATIONS,
     BlockEmbedding,
@@ -87,37 +85,17 @@ def load(path: str, dtype: str = "float32", device: str = "cpu",
     return GGUFModel(file).runner(kernels, int8_activations)
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """What the loader reads of a GGUF tensor record, made anew so that the reader can go."""
-
-    name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
-    shape: np.ndarray  # GGUF order: inputs first
-    data: np.ndarray  # a view of the mapped file
-
-    @classmethod
-    def of(cls, record: Any) -> Tensor:
-        return cls(str(record.name), record.tensor_type, np.array(record.shape),
-                   record.data.view())
-
-
 class GGUFModel:
     """One GGUF file: its config, tokenizer and tensors."""
 
     def __init__(self, file: Path) -> None:
-        import gguf
-
         self.file = file
-        reader = gguf.GGUFReader(str(file))
-        self.tensors = {t.name: Tensor.of(t) for t in reader.tensors}
-        self.arch = _field(reader, file, "general.architecture")
-        # The reader (its metadata: the vocabulary and merges as an array object per entry,
-        # ~160 MB for the default model, and its tensor records among them) goes now,
-        # before any weight is built, so its memory returns to the system rather than
-        # staying pinned by a few live objects (51 MB did while its records were kept).
-        del reader
-        release_freed_memory()
+        contents = gguf_file.read(file)  # its tensors, not its vocabulary (gguf_file)
+        self.tensors = contents.tensors
+        arch = contents.values.get("general.architecture")
+        if arch is None:
+            raise ValueError(f"{file.name}: no general.architecture in its metadata")
+        self.arch = str(arch)
         self.config, self.tokenizer = config_and_tokenizer(file)
         self.blocks: Any = None  # the kernels for BlockMatrix products (runner), or None
         self.check_types()
@@ -312,13 +290,6 @@ def byte_codes(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16)
     codes = (low | (fifth.astype(np.int16) << 4)) - 16
     return codes.astype(np.int8), blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-
-
-def _field(reader: Any, file: Path, key: str) -> Any:
-    value = reader.get_field(key)
-    if value is None:
-        raise ValueError(f"{file.name}: no {key} in its metadata")
-    return value.contents()
 
 
 def config_and_tokenizer(file: Path) -> tuple[Any, Any]:

@@ -382,3 +382,37 @@ def test_a_lone_file_s_config_and_tokenizer_are_converted_once(
     with caplog.at_level("WARNING"):
         config3, _ = config_and_tokenizer(lone)
     assert config3.model_type == "llama" and "could not keep" in caplog.text
+
+
+def test_the_loader_s_reader_reads_what_gguf_s_reads(tmp_path: Path, tiny_dir: Path) -> None:
+    """``gguf_file.read`` steps over the metadata arrays (the vocabulary) that gguf's
+    reader builds: the same tensors (names, types, shapes, bytes) and scalar values, for
+    the real default file and one of every type the loader takes; a file that is not a
+    GGUF, or ends early, is refused saying so."""
+    from decoding import gguf_file
+
+    kinds = {"attn_q": GT.Q4_K, "attn_k": GT.Q5_0, "attn_v": GT.Q5_1, "attn_output": GT.Q6_K,
+             "ffn_gate": GT.Q4_0, "ffn_up": GT.F16, "ffn_down": GT.Q8_0, "embed": GT.F32}
+    written = write_gguf(tmp_path, tiny_dir, kinds)
+    for path in (model_store.default_gguf(), written):
+        ours = gguf_file.read(Path(path))
+        theirs = gguf.GGUFReader(str(path))
+        assert list(ours.tensors) == [t.name for t in theirs.tensors]
+        for tensor in theirs.tensors:
+            own = ours.tensors[tensor.name]
+            assert own.tensor_type == tensor.tensor_type
+            assert np.array_equal(own.shape, tensor.shape)
+            assert own.data.dtype == tensor.data.dtype and own.data.shape == tensor.data.shape
+            assert np.array_equal(own.data, tensor.data)
+        scalars = {k: f.contents() for k, f in theirs.fields.items()
+                   if not k.startswith("GGUF.") and not isinstance(f.contents(), list)}
+        assert scalars and all(ours.values[k] == pytest.approx(v) if isinstance(v, float)
+                               else ours.values[k] == v for k, v in scalars.items())
+    default = gguf_file.read(Path(model_store.default_gguf()))
+    assert default.values["general.architecture"] == "llama"
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_file.read(tiny_dir / "tokenizer.json")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(written.read_bytes()[:200])
+    with pytest.raises(ValueError, match="ends inside its header"):
+        gguf_file.read(cut)
