@@ -1,7 +1,7 @@
 """What a loaded model need not keep resident.
 
-Loading frees far more than it keeps (a GGUF reader's metadata objects, dequantized
-temporaries, float copies). glibc keeps freed heap pages unless asked, and they would
+Loading frees far more than it keeps (dequantized temporaries, float copies, a
+tokenizer's conversion). glibc keeps freed heap pages unless asked, and they would
 count as the server's memory; the loaders call ``release_freed_memory`` once their
 temporaries are gone. A server also lets go of the plain copies of matrices that run
 packed (``release_plain_weights``), and of an input embedding whose rows the weights file
