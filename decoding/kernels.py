@@ -60,6 +60,15 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _openmp() -> list[str]:
+    """The flags that make at::parallel_for run on PyTorch's threads: it is inline, and
+    built without OpenMP where PyTorch's backend is OpenMP its regions run on one thread
+    (the library links PyTorch's own libgomp, already loaded under that soname)."""
+    import torch
+
+    return ["-fopenmp"] if torch._C.has_openmp else []
+
+
 def build_dir() -> Path:
     """Where this source, PyTorch version and instruction set is built: a build made for
     another processor is never loaded."""
@@ -68,6 +77,7 @@ def build_dir() -> Path:
     arch = os.environ.get(ARCH_VARIABLE, "native")
     key = hashlib.sha256("\0".join([
         SOURCE.read_text(), torch.__version__, arch, _cpu_flags() if arch == "native" else "",
+        *_openmp(),
     ]).encode()).hexdigest()[:16]
     root = os.environ.get(DIR_VARIABLE)
     return (Path(root) if root else model_store.home() / "kernels") / key
@@ -108,7 +118,8 @@ def native() -> Any:
         directory.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
             name=MODULE, sources=[str(SOURCE)], build_directory=str(directory),
-            extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno"], verbose=False)
+            extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno", *_openmp()],
+            extra_ldflags=_openmp(), verbose=False)
     except Exception as exc:  # a compiler error, no compiler, no ninja, a read-only home
         lines = str(exc).strip().splitlines() or [repr(exc)]
         # the compiler's own message ("...: error: ..."), else the exception's last line

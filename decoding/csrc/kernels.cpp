@@ -667,12 +667,18 @@ inline void block_tile(const uint8_t* w, int64_t blocks, const int8_t* codes, co
     const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + size - 32)));
     for (int r = 0; r < R; ++r) {
       const int8_t* a = codes + r * k + b * kBlock;
-      __m512i dot = _mm512_setzero_si512();
+      // few rows leave the core waiting on one chain of sums: C chains, added at the end
+      // (integer sums: the same result in any order)
+      constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+      __m512i dots[C];
+      for (int c = 0; c < C; ++c) dots[c] = _mm512_setzero_si512();
       for (int j = 0; j < 8; ++j) {
         int32_t four;
         std::memcpy(&four, a + 4 * j, 4);
-        dot = _mm512_dpbusd_epi32(dot, group[j], _mm512_set1_epi32(four));
+        dots[j % C] = _mm512_dpbusd_epi32(dots[j % C], group[j], _mm512_set1_epi32(four));
       }
+      __m512i dot = dots[0];
+      for (int c = 1; c < C; ++c) dot = _mm512_add_epi32(dot, dots[c]);
       const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(scale[r * blocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, acc[r]);
       acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(sum[r * blocks + b]), acc[r]);
@@ -819,7 +825,13 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
   // most kBlockRows tokens a pass over the matrix, the passes evenly filled (7 or 8
   // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head)
-  const int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
+  // groups of at most kGroupTiles tiles, as many as fill the threads evenly (a layer's
+  // 36-tile matrix in 3 groups of 12 would leave one of two threads idle a third of it)
+  const int64_t threads = at::get_num_threads();
+  int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
+  if (groups < 8 * threads) groups = std::min(tiles, (groups + threads - 1) / threads * threads);
+  const int64_t group_tiles = (tiles + groups - 1) / groups;
+  groups = (tiles + group_tiles - 1) / group_tiles;
   const int64_t passes = (tokens + kBlockRows - 1) / kBlockRows;
   const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
   for (int64_t r = 0; r < tokens; r += per_pass) {
@@ -828,7 +840,7 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
       alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
       constexpr int64_t ldo = kGroupTiles * kTile;
       for (int64_t g = lo; g < hi; ++g) {
-        const int64_t first = g * kGroupTiles, last = std::min(tiles, first + kGroupTiles);
+        const int64_t first = g * group_tiles, last = std::min(tiles, first + group_tiles);
         const int64_t col = first * kTile, width = std::min(n, last * kTile) - col;
         for (int64_t t = first; t < last; ++t) {
           const uint8_t* w = wp + t * blocks * size;
