@@ -29,6 +29,12 @@ namespace {
                      AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
+// Tokens a thread takes at least in the per-token kernels (norm, rotary, activation, a
+// product's activation codes): a token's work there is well under a microsecond, and a
+// parallel region started from a thread other than the process's first can cost tens
+// (libgomp counts that first thread as busy, finds more threads than cores and wakes its
+// workers from sleep rather than from a spin)
+constexpr int64_t kTokenGrain = 128;
 constexpr int64_t kLanes = 16;  // independent partial sums of a reduction (one AVX-512 register)
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -76,7 +82,7 @@ inline void check_rows(const at::Tensor& x, const char* name) {
 template <typename T>
 void rms_norm_rows(const T* hidden, const T* delta, const T* weight, T* hidden_out, T* normed,
                    int64_t tokens, int64_t n, double eps) {
-  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
     std::vector<float> x(n), w(n);
     widen(weight, n, w.data());
     for (int64_t t = lo; t < hi; ++t) {
@@ -136,7 +142,7 @@ void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* value
                      const int64_t* rows, const int64_t* slots, int64_t tokens, int64_t heads,
                      int64_t kv_heads, int64_t dim, int64_t capacity) {
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
-  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const T* x = qkv + t * width;
       const T* c = cos + t * dim;
@@ -488,7 +494,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t n) {
-  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const T* g = gate_up + t * 2 * n;
       const T* u = g + n;
@@ -817,7 +823,7 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   float* scale = stats.data();
   float* sum = scale + tokens * blocks;
   const int64_t size = block_bytes(bits);
-  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t)
       quantize_row(xp + t * k, k, cp + t * k, scale + t * blocks, sum + t * blocks);
   });
@@ -826,7 +832,7 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   // most kBlockRows tokens a pass over the matrix, the passes evenly filled (7 or 8
   // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head)
   // groups of at most kGroupTiles tiles, as many as fill the threads evenly (a layer's
-  // 36-tile matrix in 3 groups of 12 would leave one of two threads idle a third of it)
+  // 36-tile matrix in groups of 16, 16 and 4 left one of two threads idle most of it)
   const int64_t threads = at::get_num_threads();
   int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
   if (groups < 8 * threads) groups = std::min(tiles, (groups + threads - 1) / threads * threads);
@@ -834,14 +840,16 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   groups = (tiles + group_tiles - 1) / group_tiles;
   const int64_t passes = (tokens + kBlockRows - 1) / kBlockRows;
   const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
-  for (int64_t r = 0; r < tokens; r += per_pass) {
-    const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
-    at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
-      alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
-      constexpr int64_t ldo = kGroupTiles * kTile;
-      for (int64_t g = lo; g < hi; ++g) {
-        const int64_t first = g * group_tiles, last = std::min(tiles, first + group_tiles);
-        const int64_t col = first * kTile, width = std::min(n, last * kTile) - col;
+  // one parallel region for all passes; each group's tiles (at most ~250 KB) stay in the
+  // core's cache from one pass to the next
+  at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
+    constexpr int64_t ldo = kGroupTiles * kTile;
+    for (int64_t g = lo; g < hi; ++g) {
+      const int64_t first = g * group_tiles, last = std::min(tiles, first + group_tiles);
+      const int64_t col = first * kTile, width = std::min(n, last * kTile) - col;
+      for (int64_t r = 0; r < tokens; r += per_pass) {
+        const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
         for (int64_t t = first; t < last; ++t) {
           const uint8_t* w = wp + t * blocks * size;
           float* out = buffer + (t - first) * kTile;
@@ -857,8 +865,8 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
             store(yp + (r + i) * n + col, c,
                   bp != nullptr ? buffer[i * ldo + c] + bp[col + c] : buffer[i * ldo + c]);
       }
-    });
-  }
+    }
+  });
 }
 #endif
 
