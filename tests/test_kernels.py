@@ -300,6 +300,46 @@ def test_the_int4_stack_is_the_python_loop_bitwise(tiny_target_dir: Any,
         assert torch.equal(got, want)
 
 
+def test_the_int4_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
+                                                          threads: None) -> None:
+    """A stack pass of a few tokens runs as one team of threads (one parallel region,
+    spin barriers between kernel calls): bit for bit its one-thread logits, whether the
+    pass starts on the main thread or on another (as the server's model thread does), for
+    a step, a verify pass beside another sequence and a prompt longer than a team takes."""
+    import threading
+
+    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4")
+    assert isinstance(runner, BatchedLM) and runner._stack is not None
+
+    def passes(n: int) -> list[torch.Tensor]:
+        torch.set_num_threads(n)
+        a, b = runner.new_state(), runner.new_state()
+        out = runner.forward_batch([BatchItem(a, list(range(30, 100)), 1)])  # > 64 tokens
+        out += runner.forward_batch([BatchItem(b, list(range(5, 12)), 1)])
+        out += runner.forward_batch([BatchItem(a, [7], 1)])
+        out += runner.forward_batch([BatchItem(a, [8, 9, 10], 3), BatchItem(b, [11], 1)])
+        runner.release(a)
+        runner.release(b)
+        return out
+
+    results: dict[str, list[torch.Tensor]] = {}
+    with torch.inference_mode():
+        results["one"] = passes(1)
+        results["two"] = passes(2)
+
+    def elsewhere() -> None:
+        with torch.inference_mode():
+            results["two, another thread"] = passes(2)
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    worker.join()
+    for name in ("two", "two, another thread"):
+        assert len(results[name]) == len(results["one"]) == 5
+        for got, want in zip(results[name], results["one"], strict=True):
+            assert torch.equal(got, want), name
+
+
 def test_the_int4_stack_checks_its_call_once_and_refuses_bad_ranges(tiny_target_dir: Any) -> None:
     """The block stack checks a pass's index lists once and then runs on raw pointers:
     a cache slot, key range or row out of range, or a cache of the wrong shape, is an

@@ -16,9 +16,15 @@
 #include <immintrin.h>
 #endif
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -35,7 +41,58 @@ namespace {
 // (libgomp counts that first thread as busy, finds more threads than cores and wakes its
 // workers from sleep rather than from a spin)
 constexpr int64_t kTokenGrain = 128;
-constexpr int64_t kLanes = 16;  // independent partial sums of a reduction (one AVX-512 register)
+constexpr int64_t kLanes = 16;
+
+// --- work split across threads ----------------------------------------------------------
+
+// The team of threads a whole-stack pass runs on (Int4Stack), as this thread sees it: its
+// index and the team's size (size 0: no team, kernels split their work by
+// at::parallel_for). A pass of a few tokens makes ~300 short kernel calls; as parallel
+// regions each would wake the workers (from sleep, off the main thread), so the stack
+// starts one region and the kernels take their share of each call in it, with a spin
+// barrier between calls.
+struct Team {
+  int64_t index = 0, size = 0;
+};
+thread_local Team team;
+
+// f(lo, hi) over [begin, end) in chunks of at least `grain`: this thread's share in a team,
+// else at::parallel_for's split. Every item is computed the same either way.
+template <typename F>
+void split(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (team.size == 0) return at::parallel_for(begin, end, grain, f);
+  if (begin >= end) return;
+  const int64_t chunks = std::min(team.size, (end - begin + grain - 1) / grain);
+  const int64_t chunk = (end - begin + chunks - 1) / chunks;
+  const int64_t lo = begin + team.index * chunk;
+  if (team.index < chunks && lo < end) f(lo, std::min(end, lo + chunk));
+}
+
+// Threads that run split() work: the team's size, else PyTorch's intra-op threads
+inline int64_t split_threads() { return team.size > 0 ? team.size : at::get_num_threads(); }
+
+// All of a team waits here until every member has arrived: a counter that only grows (the
+// n-th barrier opens at n * size), spinning, then yielding the core (a member the system
+// has descheduled, as when the HTTP loop takes a core, needs one to arrive)
+class SpinBarrier {
+ public:
+  void wait(int64_t& passed) {
+    const int64_t open = ++passed * team.size;
+    arrived_.fetch_add(1, std::memory_order_acq_rel);
+    for (int spins = 0; arrived_.load(std::memory_order_acquire) < open; ++spins) {
+      if (spins < 4096) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  std::atomic<int64_t> arrived_{0};
+};  // independent partial sums of a reduction (one AVX-512 register)
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const c10::BFloat16* p, int64_t i) {
@@ -82,7 +139,7 @@ inline void check_rows(const at::Tensor& x, const char* name) {
 template <typename T>
 void rms_norm_rows(const T* hidden, const T* delta, const T* weight, T* hidden_out, T* normed,
                    int64_t tokens, int64_t n, double eps) {
-  at::parallel_for(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
+  split(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
     std::vector<float> x(n), w(n);
     widen(weight, n, w.data());
     for (int64_t t = lo; t < hi; ++t) {
@@ -142,7 +199,7 @@ void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* value
                      const int64_t* rows, const int64_t* slots, int64_t tokens, int64_t heads,
                      int64_t kv_heads, int64_t dim, int64_t capacity) {
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
-  at::parallel_for(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
+  split(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const T* x = qkv + t * width;
       const T* c = cos + t * dim;
@@ -436,7 +493,7 @@ void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* ro
                  const int64_t* limit, const int64_t* extra, int64_t tokens, int64_t heads,
                  int64_t kv_heads, int64_t dim, int64_t capacity, float scale) {
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t lo, int64_t hi) {
+  split(0, tokens * kv_heads, 1, [&](int64_t lo, int64_t hi) {
     thread_local std::vector<float> scores, buffer;
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t t = task / kv_heads, h = task % kv_heads;
@@ -494,7 +551,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t n) {
-  at::parallel_for(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
+  split(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const T* g = gate_up + t * 2 * n;
       const T* u = g + n;
@@ -823,17 +880,21 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   float* scale = stats.data();
   float* sum = scale + tokens * blocks;
   const int64_t size = block_bytes(bits);
-  at::parallel_for(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
+  auto quantize = [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t)
       quantize_row(xp + t * k, k, cp + t * k, scale + t * blocks, sum + t * blocks);
-  });
+  };
+  if (team.size > 0)
+    quantize(0, tokens);  // every member its own copy (a pass of a few tokens: < 1 us each)
+  else
+    at::parallel_for(0, tokens, kTokenGrain, quantize);
   // tiles in groups whose results are written out a token's row at a time (rows of
   // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
   // most kBlockRows tokens a pass over the matrix, the passes evenly filled (7 or 8
   // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head)
   // groups of at most kGroupTiles tiles, as many as fill the threads evenly (a layer's
   // 36-tile matrix in groups of 16, 16 and 4 left one of two threads idle most of it)
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = split_threads();
   int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
   if (groups < 8 * threads) groups = std::min(tiles, (groups + threads - 1) / threads * threads);
   const int64_t group_tiles = (tiles + groups - 1) / groups;
@@ -842,7 +903,7 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
   // one parallel region for all passes; each group's tiles (at most ~250 KB) stay in the
   // core's cache from one pass to the next
-  at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+  split(0, groups, 1, [&](int64_t lo, int64_t hi) {
     alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
     constexpr int64_t ldo = kGroupTiles * kTile;
     for (int64_t g = lo; g < hi; ++g) {
@@ -902,6 +963,9 @@ at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
 bool has_block_products() { return kBlockProducts; }
 
 // --- a whole decoder stack of int4 matrices in one call ----------------------------------
+
+// the most tokens a stack pass runs as one team (more: each kernel call splits on its own)
+constexpr int64_t kTeamTokens = 64;
 
 // The layers of a model whose matrices are all PyTorch's packed int4 (a GGUF's 4-bit
 // tensors, --quantize int4): the same calls decoding/fused.py makes per layer, in the same
@@ -1029,22 +1093,53 @@ class Int4Stack {
       block_product_rows<T>(in, tokens, k, packed_[i].data_ptr<uint8_t>(), out_[i], 4,
                             bias32_[i].defined() ? bias32_[i].data_ptr<float>() : nullptr, y);
     };
-    norm(0, nullptr);
-    for (size_t l = 0; l < keys.size(); ++l) {
-      T* kp = keys[l].data_ptr<T>();
-      T* vp = values[l].data_ptr<T>();
-      product(x, hidden, 4 * l, qkv);
-      rope_store_rows<T>(qkv, cos.data_ptr<T>(), sin.data_ptr<T>(), kp, vp, q, row, slot, tokens,
-                         heads_, kv_heads_, dim, capacity);
-      attend_rows<T>(q, kp, vp, out, row, limit, extra, tokens, heads_, kv_heads_, dim, capacity,
-                     static_cast<float>(scale_));
-      product(out, attended, 4 * l + 1, delta);
-      norm(2 * l + 1, delta);
-      product(x, hidden, 4 * l + 2, gu);
-      silu_mul_rows<T>(gu, gated, tokens, inner);
-      product(gated, inner, 4 * l + 3, delta);
-      norm(2 * l + 2, delta);
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    // every kernel call in order; `sync` between calls whose output the next one reads
+    auto layers = [&](const auto& sync) {
+      norm(0, nullptr);
+      sync();
+      for (size_t l = 0; l < keys.size(); ++l) {
+        T* kp = keys[l].data_ptr<T>();
+        T* vp = values[l].data_ptr<T>();
+        product(x, hidden, 4 * l, qkv);
+        sync();
+        rope_store_rows<T>(qkv, cp, sp, kp, vp, q, row, slot, tokens, heads_, kv_heads_, dim,
+                           capacity);
+        sync();
+        attend_rows<T>(q, kp, vp, out, row, limit, extra, tokens, heads_, kv_heads_, dim,
+                       capacity, static_cast<float>(scale_));
+        sync();
+        product(out, attended, 4 * l + 1, delta);
+        sync();
+        norm(2 * l + 1, delta);
+        sync();
+        product(x, hidden, 4 * l + 2, gu);
+        sync();
+        silu_mul_rows<T>(gu, gated, tokens, inner);
+        sync();
+        product(gated, inner, 4 * l + 3, delta);
+        sync();
+        norm(2 * l + 2, delta);
+        sync();
+      }
+    };
+#if defined(_OPENMP)
+    // one parallel region for the pass (a decoding pass of a few tokens: the bulk products
+    // of long prompt chunks do not come here)
+    if (at::get_num_threads() > 1 && !at::in_parallel_region() && tokens <= kTeamTokens) {
+      SpinBarrier barrier;
+#pragma omp parallel
+      {
+        team = Team{omp_get_thread_num(), omp_get_num_threads()};
+        int64_t passed = 0;
+        layers([&] { barrier.wait(passed); });
+        team = Team{};
+      }
+      return buffer.narrow(0, tokens * hidden, tokens * hidden).view({tokens, hidden});
     }
+#endif
+    layers([] {});
     return buffer.narrow(0, tokens * hidden, tokens * hidden).view({tokens, hidden});
 #else
     TORCH_CHECK(false, "these kernels were built without block products");
