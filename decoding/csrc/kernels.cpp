@@ -41,7 +41,7 @@ namespace {
 // (libgomp counts that first thread as busy, finds more threads than cores and wakes its
 // workers from sleep rather than from a spin)
 constexpr int64_t kTokenGrain = 128;
-constexpr int64_t kLanes = 16;
+constexpr int64_t kLanes = 16;  // independent partial sums of a reduction (one AVX-512 register)
 
 // --- work split across threads ----------------------------------------------------------
 
@@ -92,7 +92,7 @@ class SpinBarrier {
 
  private:
   std::atomic<int64_t> arrived_{0};
-};  // independent partial sums of a reduction (one AVX-512 register)
+};
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const c10::BFloat16* p, int64_t i) {
@@ -891,9 +891,9 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   // tiles in groups whose results are written out a token's row at a time (rows of
   // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
   // most kBlockRows tokens a pass over the matrix, the passes evenly filled (7 or 8
-  // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head)
-  // groups of at most kGroupTiles tiles, as many as fill the threads evenly (a layer's
-  // 36-tile matrix in groups of 16, 16 and 4 left one of two threads idle most of it)
+  // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head). Groups of
+  // at most kGroupTiles tiles, as many as fill the threads evenly (a layer's 36-tile
+  // matrix in groups of 16, 16 and 4 left one of two threads idle most of it)
   const int64_t threads = split_threads();
   int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
   if (groups < 8 * threads) groups = std::min(tiles, (groups + threads - 1) / threads * threads);
