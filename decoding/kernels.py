@@ -116,10 +116,11 @@ def native() -> Any:
         if built is not None:
             return built
         directory.mkdir(parents=True, exist_ok=True)
+        openmp = _openmp()
         return cpp_extension.load(
             name=MODULE, sources=[str(SOURCE)], build_directory=str(directory),
-            extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno", *_openmp()],
-            extra_ldflags=_openmp(), verbose=False)
+            extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno", *openmp],
+            extra_ldflags=openmp, verbose=False)
     except Exception as exc:  # a compiler error, no compiler, no ninja, a read-only home
         lines = str(exc).strip().splitlines() or [repr(exc)]
         # the compiler's own message ("...: error: ..."), else the exception's last line

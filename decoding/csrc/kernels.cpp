@@ -1124,10 +1124,12 @@ class Int4Stack {
         sync();
       }
     };
+    bool as_team = false;
 #if defined(_OPENMP)
     // one parallel region for the pass (a decoding pass of a few tokens: the bulk products
     // of long prompt chunks do not come here)
-    if (at::get_num_threads() > 1 && !at::in_parallel_region() && tokens <= kTeamTokens) {
+    as_team = at::get_num_threads() > 1 && !at::in_parallel_region() && tokens <= kTeamTokens;
+    if (as_team) {
       SpinBarrier barrier;
 #pragma omp parallel
       {
@@ -1136,10 +1138,9 @@ class Int4Stack {
         layers([&] { barrier.wait(passed); });
         team = Team{};
       }
-      return buffer.narrow(0, tokens * hidden, tokens * hidden).view({tokens, hidden});
     }
 #endif
-    layers([] {});
+    if (!as_team) layers([] {});
     return buffer.narrow(0, tokens * hidden, tokens * hidden).view({tokens, hidden});
 #else
     TORCH_CHECK(false, "these kernels were built without block products");
