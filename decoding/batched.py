@@ -48,7 +48,7 @@ from decoding.target import (
     needs_skeleton,
     supports,
 )
-from decoding.weights import ONEDNN_ROWS, LayerWeights, Product, head_product
+from decoding.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +155,15 @@ class BatchedLM(CausalLM):
     def product_activations(self) -> str:
         """What the matrix products multiply: ``int8`` (block matrices, activations
         quantized per block of 32) or the activations' dtype."""
-        mats = [m for w in self._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
-        parts = [p for m in [*mats, self._head] for p in getattr(m, "parts", [m])]
-        if any(isinstance(p, BlockMatrix) for p in parts):
+        if any(isinstance(p, BlockMatrix) for p in self._products()):
             return "int8"
         return str(self.dtype).removeprefix("torch.")
+
+    def _products(self) -> list[Product]:
+        """Every matrix a pass multiplies by (the parts of a ``Stacked`` one), the head's
+        last."""
+        mats = [m for w in self._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+        return [p for m in [*mats, self._head] for p in getattr(m, "parts", [m])]
 
     @property
     def kernels(self) -> str:
@@ -175,6 +179,13 @@ class BatchedLM(CausalLM):
         or ``auto`` (native where they build). Either is batch invariant on its own, but
         their logits differ in the last bits: choose before any sequence runs."""
         self._kernels = fused.load(self.model, choice, self.name, self.device)
+        # the products run natively wherever the kernels build, whatever the layers
+        products = self._kernels
+        if products is None and choice != "torch":
+            products = resolve(choice, self.device)
+        for m in self._products():
+            if isinstance(m, Matrix):
+                m.use_native(products)
         if self._kernels is not None and not self._norms:
             self._norms = fused.norm_weights(self.model, self.dtype)
         self._stack = (fused.int4_stack(self._kernels, self._norms, self)

@@ -32,6 +32,8 @@ ONEDNN_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 28, 32)
 # 1,536-input down projection: docs/performance.md, "Batch invariance"); such a matrix is
 # multiplied as slices of at most this many inputs, summed in a fixed order
 ONEDNN_MAX_INPUTS = 768
+# output rows the native kernels' dense products pack together (kernels.cpp kDenseRows)
+DENSE_ROWS = 64
 
 
 class Product(Protocol):
@@ -58,23 +60,46 @@ def multiply(m: Product, x: torch.Tensor, bulk_from: int) -> torch.Tensor:
 
 
 class Matrix:
-    """A weight matrix kept in the layout a CPU multiplies fastest. On a CPU with oneDNN:
-    packed once into oneDNN's blocked layout. A plain ``[out, in]`` matrix is reordered
-    on every call, and MKL's small products read the weights far below the memory's
-    speed; packed, a product of 2-8 tokens costs little more than one token's (a verify
-    pass of several drafts about a single step), and one token runs faster than MKL's
-    matrix-vector product too. Products run as calls of at most ``ONEDNN_MAX_TOKENS``
-    rows over input slices of at most ``ONEDNN_MAX_INPUTS``, which makes every row's
-    result independent of the others' (measured as fast as one large product for prompt
-    chunks), and a call's rows are padded up to a count of ``ONEDNN_ROWS``, which bounds
-    the primitives oneDNN builds. Without oneDNN (a GPU): the default product; in float32 on a CPU
-    ``[in, out]`` for a single token (one pass streams it, well faster than the usual
-    product)."""
+    """A weight matrix kept in the layout a CPU multiplies fastest. Where the native
+    kernels run (``use_native``, a float32 or bfloat16 matrix): packed once for their
+    ``dense_product``, which streams the matrix near the memory's speed for one token
+    and computes each row as one chain of multiply-adds, whatever else shares the call.
+    Otherwise, on a CPU with oneDNN: packed into oneDNN's blocked layout when first used.
+    A plain ``[out, in]`` matrix is reordered on every call, and MKL's small products
+    read the weights far below the memory's speed; packed, a product of 2-8 tokens costs
+    little more than one token's. oneDNN's products run as calls of at most
+    ``ONEDNN_MAX_TOKENS`` rows over input slices of at most ``ONEDNN_MAX_INPUTS``, which
+    makes every row's result independent of the others' (measured as fast as one large
+    product for prompt chunks), and a call's rows are padded up to a count of
+    ``ONEDNN_ROWS``, which bounds the primitives oneDNN builds. Without oneDNN (a GPU):
+    the default product; in float32 on a CPU ``[in, out]`` for a single token (one pass
+    streams it, well faster than the usual product)."""
 
     def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.rows: torch.Tensor | None = rows  # [out, in], contiguous (None: released)
         self.nbytes = rows.nbytes  # what a product reads
+        self.out_features = rows.shape[0]
         self.bias = bias
+        self.dense: torch.Tensor | None = None  # the native kernels' packing (use_native)
+        self._native: Any = None
+        # oneDNN's packing is made when first needed: a runner on the native kernels
+        # (use_native, right after loading) never makes it
+        self._slices: list[torch.Tensor] | None = None
+        self.cols: torch.Tensor | None = None
+        self._cuts: list[tuple[int, int]] = []
+        self._packed_yet = False
+
+    @property
+    def packed(self) -> list[torch.Tensor] | None:
+        """oneDNN's packed slices (None: not on oneDNN's product)."""
+        if not self._packed_yet and self.dense is None and self.rows is not None:
+            self._pack(self.rows)
+        return self._slices
+
+    def _pack(self, rows: torch.Tensor) -> None:
+        """oneDNN's packed slices of ``rows`` (a CPU that has it), else the single-token
+        ``[in, out]`` copy where that pays."""
+        self._packed_yet = True
         cpu = rows.device.type == "cpu"
         inputs = rows.shape[1]
         cuts = [(lo, min(lo + ONEDNN_MAX_INPUTS, inputs))
@@ -82,12 +107,45 @@ class Matrix:
         slices = [pack(rows[:, lo:hi].contiguous()) for lo, hi in cuts] if cpu else []
         # oneDNN's opaque blocked copies, one per input slice
         kept = [s for s in slices if s is not None]
-        self.packed = kept if kept and len(kept) == len(slices) else None
+        self._slices = kept if kept and len(kept) == len(slices) else None
         self._cuts = cuts
         self.cols = (rows.t().contiguous()
-                     if cpu and self.packed is None and rows.dtype == torch.float32 else None)
+                     if cpu and self._slices is None and rows.dtype == torch.float32 else None)
+
+    def use_native(self, native: Any | None) -> None:
+        """Multiply through ``native``'s ``dense_product`` (the kernels module, on a CPU,
+        in float32 or bfloat16 with an even input size), which replaces oneDNN's packed
+        copy: a row's result is one chain of multiply-adds over its inputs, and one token
+        streams the matrix near the memory's speed (docs/performance.md, "Dense
+        products"). None: back to oneDNN's product (or PyTorch's)."""
+        if native is None:
+            if self.dense is not None:
+                rows = self.plain()
+                self.dense, self._native = None, None
+                self.rows = rows
+                self._pack(rows)
+            return
+        rows = self.plain()
+        if (self.dense is not None or rows.device.type != "cpu"
+                or rows.dtype not in (torch.float32, torch.bfloat16)
+                or (rows.dtype == torch.bfloat16 and rows.shape[1] % 2)):
+            return
+        self.dense, self._native = dense_pack(rows), native
+        self._slices, self.cols, self._packed_yet = None, None, False
+
+    def plain(self) -> torch.Tensor:
+        """The ``[out, in]`` rows: kept, or read back from the native packing."""
+        if self.rows is not None:
+            return self.rows
+        if self.dense is None:
+            raise RuntimeError("this matrix's plain rows were released")
+        return dense_unpack(self.dense, self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            y: torch.Tensor = self._native.dense_product(x.contiguous(), self.dense,
+                                                         self.out_features, self.bias)
+            return y
         if self.packed is not None:
             if x.shape[0] <= ONEDNN_MAX_TOKENS:
                 return self._packed(x)
@@ -101,15 +159,19 @@ class Matrix:
         return F.linear(x, self.rows, self.bias)
 
     def release_rows(self) -> bool:
-        """Let the plain rows go where the packed copy does every product; whether they
-        went now."""
-        if self.packed is None or self.rows is None:
+        """Let the plain rows go where the packed copy (oneDNN's or the native one) does
+        every product; whether they went now."""
+        if (self.packed is None and self.dense is None) or self.rows is None:
             return False
         self.rows = None
         return True
 
     def bulk(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)  # the packed calls are as fast as one large product here
+
+    @property
+    def runs_native(self) -> bool:
+        return self.dense is not None
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (at most ``ONEDNN_MAX_TOKENS`` rows) through the packed slices, its rows
@@ -127,6 +189,39 @@ class Matrix:
             for (lo, hi), part in zip(rest, self.packed[1:], strict=True):
                 y = y + onednn_linear(x[:, lo:hi].contiguous(), part, None)
         return y[:n] if rows != n else y
+
+
+def dense_pack(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[out, in]`` as the native ``dense_product`` reads them: groups of
+    ``DENSE_ROWS`` output rows (the last padded with zeros), each input by input: float32
+    ``[groups, in, 64]``; bfloat16 ``[groups, in / 2, 64, 2]``, each row's inputs in pairs.
+    Copied straight into place: no padded or transposed copy of the whole matrix."""
+    out, inputs = rows.shape
+    groups, full, rest = -(-out // DENSE_ROWS), out // DENSE_ROWS, out % DENSE_ROWS
+    pairs = rows.dtype == torch.bfloat16
+
+    def layout(part: torch.Tensor, n: int, width: int) -> torch.Tensor:  # [n, width, in]
+        if pairs:
+            return part.view(n, width, inputs // 2, 2).permute(0, 2, 1, 3)
+        return part.view(n, width, inputs).transpose(1, 2)
+
+    shape = (groups, inputs // 2, DENSE_ROWS, 2) if pairs else (groups, inputs, DENSE_ROWS)
+    packed = rows.new_zeros(shape) if rest else rows.new_empty(shape)
+    if full:
+        packed[:full] = layout(rows[: full * DENSE_ROWS], full, DENSE_ROWS)
+    if rest:  # the rows' axis is the third in either layout
+        packed[full:, :, :rest] = layout(rows[full * DENSE_ROWS :], 1, rest)
+    return packed
+
+
+def dense_unpack(packed: torch.Tensor, out: int) -> torch.Tensor:
+    """The ``[out, in]`` rows ``dense_pack`` packed."""
+    if packed.dim() == 4:
+        groups, pairs = packed.shape[:2]
+        return (packed.permute(0, 2, 1, 3).reshape(groups * DENSE_ROWS, 2 * pairs)[:out]
+                .contiguous())
+    groups, inputs = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(groups * DENSE_ROWS, inputs)[:out].contiguous()
 
 
 def padded_rows(n: int) -> int:

@@ -254,17 +254,19 @@ def test_weight_products_match_the_plain_product_on_every_path(
             torch.testing.assert_close(got.float(), want, atol=tolerance * 8, rtol=tolerance)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
-                                                      dtype: str) -> None:
-    """A server keeps only what the products read: the packed matrices' plain rows and
+                                                      dtype: str, kernels: str) -> None:
+    """A server keeps only what the products read (the native kernels' packing, or
+    oneDNN's with ``--kernels torch``): the packed matrices' plain rows and
     the modules' views of them go (their bytes counted once), the tied head's input
     embedding reads its rows from the weights file instead of holding the table, the rest
     of the model is copied out of the file's mapping, and every pass gives the logits it
     gave before."""
     from pathlib import Path
 
-    target = BatchedLM.load(str(Path(str(tiny_target_dir))), dtype=dtype)
+    target = BatchedLM.load(str(Path(str(tiny_target_dir))), dtype=dtype, kernels=kernels)
     ids = [random.Random(0).randrange(target.vocab_size) for _ in range(40)]
 
     def logits() -> list[torch.Tensor]:
@@ -279,9 +281,12 @@ def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
 
     before = logits()
     mats = [m for w in target._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
-    packed = [m for m in mats if isinstance(m, weights.Matrix) and m.packed is not None]
+    packed = [m for m in mats
+              if isinstance(m, weights.Matrix) and (m.runs_native or m.packed is not None)]
     if not packed:
-        pytest.skip("this PyTorch build packs no float matrix (no oneDNN for this dtype)")
+        pytest.skip("nothing packs a float matrix here (no native kernels; this PyTorch "
+                    "build has no oneDNN for this dtype)")
+    assert all(m.runs_native == (kernels == "auto") for m in packed)
     embed = target.model.model.embed_tokens
     table = embed.weight.detach().clone()
     released = target.release_plain_weights()

@@ -252,15 +252,16 @@ def test_the_kernels_benchmark_writes_its_table_and_json(
 
 def test_the_portable_build_passes_the_same_checks(tmp_path: Any) -> None:
     """A build for x86-64-v3 (AVX2, as the container image makes it) takes the kernels'
-    generic paths instead of the AVX-512 ones, and the block products their AVX2 one: the
-    same checks, in a process of its own."""
+    generic paths instead of the AVX-512 ones, and the block and dense products their AVX2
+    ones: the same checks, in a process of its own."""
     env = {**os.environ, "SPECSERVE_HOME": str(tmp_path), kernels.ARCH_VARIABLE: "x86-64-v3"}
     env.pop(kernels.DIR_VARIABLE, None)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         str(Path(__file__).with_name("test_block_products.py")), "-k",
+         str(Path(__file__).with_name("test_block_products.py")),
+         str(Path(__file__).with_name("test_dense_products.py")), "-k",
          "not portable and not benchmark and not cannot_build and not default_model "
-         "and not gguf_target"],
+         "and not gguf_target and not every_build"],
         env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert list(tmp_path.glob("kernels/*/specserve_kernels.so")), "nothing was built"

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -962,6 +963,230 @@ at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 bool has_block_products() { return kBlockProducts; }
 
+// --- products of float32 and bfloat16 matrices --------------------------------------------
+
+// A float32 or bfloat16 [out, in] matrix packed in groups of 64 output rows, each group
+// input by input (decoding/weights.py packs it; rows past `out` are zeros): float32 as
+// [groups, in, 64]; bfloat16 as [groups, in / 2, 64, 2], each row's inputs in pairs.
+// Output row c of a token is one chain of fused multiply-adds over the inputs in order,
+// starting from zero, then the bias; bfloat16 takes each pair's odd input first, as
+// AVX512-BF16's vdpbf16ps does (checked on this hardware: bitwise two fused multiply-adds,
+// odd then even, for inputs that are not subnormal). A fixed sequence that depends on
+// nothing but the token, the same in every build below. One pass over the matrix serves
+// up to kDenseTokens tokens (each weight loaded once for all of them), and the 64 rows'
+// chains run side by side, so one token alone keeps the multiply-add units busy while
+// the matrix streams through.
+
+constexpr int64_t kDenseRows = 64;
+
+#if defined(__AVX512F__)
+constexpr int kDenseTokens = 6;  // 24 accumulators, 4 weights and a broadcast: 29 registers
+
+// R tokens (xs [R, k], ldx apart) against one group: [R, 64] float32 into out
+template <int R>
+inline void dense_group(const float* w, int64_t k, const float* xs, int64_t ldx, float* out) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i, w += kDenseRows) {
+    prefetch_row(w + kPrefetchBytes / 4, kDenseRows * 4);
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(xs[r * ldx + i]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], x, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kDenseRows + 16 * j, acc[r][j]);
+}
+
+template <int R>
+inline void dense_group(const c10::BFloat16* w, int64_t k, const c10::BFloat16* xs, int64_t ldx,
+                        float* out) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 2, w += 2 * kDenseRows) {
+    prefetch_row(w + kPrefetchBytes / 2, kDenseRows * 4);
+    __m512i wv[4];  // lane c: row c's inputs i (low half) and i + 1 (high half)
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xs + r * ldx + i, 4);
+      const __m512i x = _mm512_set1_epi32(pair);
+#if defined(__AVX512BF16__)
+      for (int j = 0; j < 4; ++j)
+        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[j], (__m512bh)x);
+#else
+      const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      for (int j = 0; j < 4; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(wv[j], high)), odd,
+                                    acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv[j], 16)), even,
+                                    acc[r][j]);
+      }
+#endif
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kDenseRows + 16 * j, acc[r][j]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kDenseTokens = 1;  // 8 accumulators of 8 rows
+
+template <int R>
+inline void dense_group(const float* w, int64_t k, const float* xs, int64_t, float* out) {
+  static_assert(R == 1, "one token a pass");
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i, w += kDenseRows) {
+    prefetch_row(w + kPrefetchBytes / 4, kDenseRows * 4);
+    const __m256 x = _mm256_set1_ps(xs[i]);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * j), x, acc[j]);
+  }
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+template <int R>
+inline void dense_group(const c10::BFloat16* w, int64_t k, const c10::BFloat16* xs, int64_t,
+                        float* out) {
+  static_assert(R == 1, "one token a pass");
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t i = 0; i < k; i += 2, w += 2 * kDenseRows) {
+    prefetch_row(w + kPrefetchBytes / 2, kDenseRows * 4);
+    int32_t pair;
+    std::memcpy(&pair, xs + i, 4);
+    const __m256i x = _mm256_set1_epi32(pair);
+    const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+    const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    for (int j = 0; j < 8; ++j) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
+      acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(wv, high)), odd, acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), even, acc[j]);
+    }
+  }
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+#else
+constexpr int kDenseTokens = 1;
+
+template <int R>
+inline void dense_group(const float* w, int64_t k, const float* xs, int64_t, float* out) {
+  static_assert(R == 1, "one token a pass");
+  float acc[kDenseRows] = {0};
+  for (int64_t i = 0; i < k; ++i, w += kDenseRows)
+    for (int64_t c = 0; c < kDenseRows; ++c) acc[c] = std::fma(w[c], xs[i], acc[c]);
+  std::memcpy(out, acc, sizeof acc);
+}
+
+template <int R>
+inline void dense_group(const c10::BFloat16* w, int64_t k, const c10::BFloat16* xs, int64_t,
+                        float* out) {
+  static_assert(R == 1, "one token a pass");
+  float acc[kDenseRows] = {0};
+  for (int64_t i = 0; i < k; i += 2, w += 2 * kDenseRows) {
+    const float odd = load(xs, i + 1), even = load(xs, i);
+    for (int64_t c = 0; c < kDenseRows; ++c)
+      acc[c] = std::fma(load(w, 2 * c), even, std::fma(load(w, 2 * c + 1), odd, acc[c]));
+  }
+  std::memcpy(out, acc, sizeof acc);
+}
+#endif
+
+// dense_group for a run-time number of tokens (at most kDenseTokens)
+template <typename W, typename X>
+void dense_group_rows(int rows, const W* w, int64_t k, const X* xs, int64_t ldx, float* out) {
+  static_assert(kDenseTokens <= 6, "a case per token count");
+  switch (rows) {
+#define SPECSERVE_ROWS(R)         \
+  case R:                        \
+    if constexpr (R <= kDenseTokens) \
+      return dense_group<R>(w, k, xs, ldx, out);
+    SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
+    SPECSERVE_ROWS(5) SPECSERVE_ROWS(6)
+#undef SPECSERVE_ROWS
+  }
+  TORCH_CHECK(false, "dense_group_rows: ", rows, " tokens");
+}
+
+// dense_product's work on checked pointers: xs [tokens, k] (float32 for float32 weights,
+// bfloat16 for bfloat16 ones) times a packed [n, k] matrix (+ bias, float32, or null) into
+// y [tokens, n]
+template <typename T, typename W, typename X>
+void dense_product_rows(const X* xs, int64_t tokens, int64_t k, const W* wp, int64_t n,
+                        const float* bp, T* yp) {
+  const int64_t groups = (n + kDenseRows - 1) / kDenseRows;
+  // passes of at most kDenseTokens tokens, evenly filled; a thread's groups are read from
+  // memory by the first pass and from its cache by the others (a group is 64 x k weights:
+  // 147 KB for k = 576 in float32)
+  const int64_t passes = (tokens + kDenseTokens - 1) / kDenseTokens;
+  const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
+  split(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    alignas(64) float buffer[kDenseTokens * kDenseRows];
+    for (int64_t g = lo; g < hi; ++g) {
+      const int64_t col = g * kDenseRows, width = std::min(n - col, kDenseRows);
+      const W* w = wp + g * k * kDenseRows;
+      for (int64_t r = 0; r < tokens; r += per_pass) {
+        const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
+        dense_group_rows(rows, w, k, xs + r * k, k, buffer);
+        for (int i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < width; ++c)
+            store(yp + (r + i) * n + col, c,
+                  bp != nullptr ? buffer[i * kDenseRows + c] + bp[col + c]
+                                : buffer[i * kDenseRows + c]);
+      }
+    }
+  });
+}
+
+// x [tokens, in] times a packed [out, in] matrix (+ bias): [tokens, out] in x's dtype.
+// float32 weights take float32 or bfloat16 activations (multiplied in float32),
+// bfloat16 weights bfloat16 ones.
+at::Tensor dense_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  const int64_t tokens = x.size(0), k = x.size(1), n = out_features;
+  const int64_t groups = (n + kDenseRows - 1) / kDenseRows;
+  const bool wide = packed.scalar_type() == at::kFloat;
+  TORCH_CHECK(n > 0 && k > 0 && (wide || k % 2 == 0),
+              "a [", n, ", ", k, "] matrix: empty, or bfloat16 with an odd input size");
+  TORCH_CHECK(packed.numel() == groups * k * kDenseRows && packed.is_contiguous() &&
+                  packed.device().is_cpu() && (wide || packed.scalar_type() == at::kBFloat16),
+              "packed does not hold a [", n, ", ", k, "] float32 or bfloat16 matrix in groups of ",
+              kDenseRows, " rows");
+  TORCH_CHECK(wide || x.scalar_type() == at::kBFloat16,
+              "a bfloat16 matrix multiplies bfloat16 activations");
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor b32;
+  if (has_bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [out]");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({tokens, n}, x.options());
+  const float* bp = has_bias ? b32.data_ptr<float>() : nullptr;
+  DISPATCH(x.scalar_type(), "dense_product", [&] {
+    using T = scalar_t;
+    if (!wide) {
+      const auto* xs = reinterpret_cast<const c10::BFloat16*>(x.data_ptr<T>());
+      return dense_product_rows(xs, tokens, k, packed.data_ptr<c10::BFloat16>(), n, bp,
+                                y.data_ptr<T>());
+    }
+    const float* xs = reinterpret_cast<const float*>(x.data_ptr<T>());
+    at::Tensor widened;
+    if (!std::is_same_v<T, float>) {  // float32 weights multiply float32 activations
+      widened = x.to(at::kFloat);
+      xs = widened.data_ptr<float>();
+    }
+    dense_product_rows(xs, tokens, k, packed.data_ptr<float>(), n, bp, y.data_ptr<T>());
+  });
+  return y;
+}
+
 // --- a whole decoder stack of int4 matrices in one call ----------------------------------
 
 // the most tokens a stack pass runs as one team (more: each kernel call splits on its own)
@@ -1181,6 +1406,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_rows", &block_rows, "rows of a block matrix, dequantized");
   m.def("block_product", &block_product, "x times a block matrix, with int8 activations",
         release());
+  m.def("dense_product", &dense_product,
+        "x times a float32 or bfloat16 matrix packed in groups of 64 rows", release());
   m.def("has_block_products", &has_block_products,
         "whether block_product runs (built for AVX512-VNNI or AVX2)");
   py::class_<Int4Stack>(m, "Int4Stack")
