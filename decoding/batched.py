@@ -188,7 +188,7 @@ class BatchedLM(CausalLM):
                 m.use_native(products)
         if self._kernels is not None and not self._norms:
             self._norms = fused.norm_weights(self.model, self.dtype)
-        self._stack = (fused.int4_stack(self._kernels, self._norms, self)
+        self._stack = (fused.layer_stack(self._kernels, self._norms, self)
                        if self._kernels is not None else None)
 
     # -- sequences --------------------------------------------------------------------

@@ -15,7 +15,7 @@ from decoding import handoff, kernels
 from decoding.layout import Layout
 from decoding.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix
 from decoding.target import GEMMA_FAMILIES, activation
-from decoding.weights import Product, multiply, norm_heads
+from decoding.weights import Matrix, Product, multiply, norm_heads
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
 # rotary embeddings whose cos/sin depend on the position alone (not on the sequence length,
@@ -90,32 +90,46 @@ def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
             for m in _norms(model)]
 
 
-def int4_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
-    """The kernels' whole-stack loop (``Int4Stack``) over ``runner``'s layers when every
-    matrix is 4-bit in bfloat16, all PyTorch's packed int4 or all 4-bit ``BlockMatrix``
-    (a GGUF's 4-bit tensors, ``--quantize int4``), else None. It makes the calls
+def layer_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
+    """The kernels' whole-stack loop (``LayerStack``) over ``runner``'s layers in
+    bfloat16 when every layer matrix runs natively (4- and 8-bit ``BlockMatrix``, a dense
+    bfloat16 ``Matrix``: a GGUF's tensors, ``--quantize int4``, a bfloat16 model) or every
+    one is PyTorch's packed int4 of one group size, else None. It makes the calls
     ``forward`` makes, in C++."""
     mats = [m for w in runner._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
     if runner.dtype != ACTIVATIONS or any(w.qk_norms is not None for w in runner._weights):
         return None  # (its loop has no per-head q/k norms)
-    if all(type(m) is BlockMatrix and m.bits == 4 for m in mats):
-        return native.Int4Stack([m.packed for m in mats], [m.packed for m in mats],
-                                [m.out_features for m in mats], [m.bias for m in mats],
-                                [w for w, _ in norms], [e for _, e in norms], 32,
-                                runner.heads, runner.kv_heads, runner.scaling, True)
+    kinds = [stack_kind(m) for m in mats]
+    if all(kinds):
+        packed = [m.packed if isinstance(m, BlockMatrix) else m.dense for m in mats]
+        return native.LayerStack(packed, packed, [m.out_features for m in mats],
+                                 [m.bias for m in mats], [w for w, _ in norms],
+                                 [e for _, e in norms], 32, runner.heads, runner.kv_heads,
+                                 runner.scaling, kinds)
     if not all(type(m) is Int4Matrix for m in mats) or len({m.group for m in mats}) != 1:
         return None
-    return native.Int4Stack([m.packed for m in mats], [m.scales_zeros for m in mats],
-                            [m.out_features for m in mats], [m.bias for m in mats],
-                            [w for w, _ in norms], [e for _, e in norms], mats[0].group,
-                            runner.heads, runner.kv_heads, runner.scaling, False)
+    return native.LayerStack([m.packed for m in mats], [m.scales_zeros for m in mats],
+                             [m.out_features for m in mats], [m.bias for m in mats],
+                             [w for w, _ in norms], [e for _, e in norms], mats[0].group,
+                             runner.heads, runner.kv_heads, runner.scaling, [0] * len(mats))
+
+
+def stack_kind(m: Product) -> int:
+    """What ``LayerStack`` takes ``m`` as: 4 or 8 (a block matrix of those bits), 16 (a
+    bfloat16 matrix on the native ``dense_product``), or 0 (none of them)."""
+    if type(m) is BlockMatrix:
+        return m.bits
+    if (isinstance(m, Matrix) and m.dense is not None
+            and m.dense.dtype == torch.bfloat16):
+        return 16
+    return 0
 
 
 def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,
             stack: Any = None) -> torch.Tensor:
     """The decoder layers and the final norm over ``batch``'s packed tokens; ``[T, H]``.
     ``runner`` is the ``BatchedLM`` (its modules, matrices and KV buffers); ``stack``:
-    its ``int4_stack``, which runs the same loop in one call (not for bulk products)."""
+    its ``layer_stack``, which runs the same loop in one call (not for bulk products)."""
     inner = runner.model.model
     hidden = inner.embed_tokens(batch.ids)  # [T, H]
     cos, sin = runner._rotary(hidden, batch.positions)  # [T, D] each

@@ -5,9 +5,10 @@ A decoder layer run op by op in eager PyTorch is some sixty small operations, ea
 costing a few microseconds of dispatch, and PyTorch's CPU attention pads every query's
 keys to whole blocks. The kernels do a layer's elementwise work in four calls (the norm
 with the residual addition, the rotary embedding with the cache writes, attention over
-exactly the keys each query sees, the gated activation); the matrix products stay
-PyTorch's. Each kernel computes every token on its own in a fixed order, so a pass's
-logits do not depend on what else shares it (docs/performance.md, "Native kernels").
+exactly the keys each query sees, the gated activation), and multiply float32, bfloat16
+and 4- and 8-bit block matrices (int8 matrices stay PyTorch's). Each kernel computes
+every token on its own in a fixed order, so a pass's logits do not depend on what else
+shares it (docs/performance.md, "Native kernels").
 
 They need a C++ compiler (g++) and ninja when first built; where either is missing, or
 ``--kernels torch`` is set, the runner keeps its PyTorch path.

@@ -165,8 +165,9 @@ def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto")
                         "GGUF), none (as stored, in --dtype), int8/int4 (quantized at load)")
     _draft_dtype_flag(p)
     p.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
-                   help="the target's norms, rotary embedding, attention and activation on a "
-                        "CPU: native (fused C++ kernels), torch (PyTorch's ops), auto")
+                   help="the target's norms, rotary embedding, attention, activation and "
+                        "matrix products on a CPU: native (fused C++ kernels), torch "
+                        "(PyTorch's ops and oneDNN's products), auto")
     p.add_argument("--no-int8-activations", dest="int8_activations", action="store_false",
                    help="bfloat16 activations for 4-bit and Q8_0 matrices (default: int8 per "
                         "block of 32 where the native kernels can)")

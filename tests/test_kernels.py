@@ -268,14 +268,17 @@ def test_the_portable_build_passes_the_same_checks(tmp_path: Any) -> None:
     assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]  # blocks ran
 
 
-@pytest.mark.parametrize("int8_activations", [True, False], ids=["blocks", "torch-int4"])
-def test_the_int4_stack_is_the_python_loop_bitwise(tiny_target_dir: Any,
-                                                   int8_activations: bool) -> None:
-    """An int4 model's layers run as one ``Int4Stack`` call: the same logits, bit for bit,
-    as the per-layer Python loop over the same kernels, for a prompt, steps and a
-    verify pass beside another sequence; with block matrices (int8 activations) and
-    with PyTorch's int4 ones."""
-    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4",
+STACKS = {"blocks": ("int4", True), "torch-int4": ("int4", False), "dense": ("none", True)}
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_the_layer_stack_is_the_python_loop_bitwise(tiny_target_dir: Any, stack: str) -> None:
+    """A bfloat16 model's layers run as one ``LayerStack`` call: the same logits, bit for
+    bit, as the per-layer Python loop over the same kernels, for a prompt, steps and a
+    verify pass beside another sequence; with int4 block matrices (int8 activations),
+    PyTorch's int4 ones and dense bfloat16 ones."""
+    quantize, int8_activations = STACKS[stack]
+    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize=quantize,
                             int8_activations=int8_activations)
     assert isinstance(runner, BatchedLM) and runner._stack is not None
     stack = runner._stack
@@ -301,15 +304,16 @@ def test_the_int4_stack_is_the_python_loop_bitwise(tiny_target_dir: Any,
         assert torch.equal(got, want)
 
 
-def test_the_int4_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
-                                                          threads: None) -> None:
+@pytest.mark.parametrize("quantize", ["int4", "none"], ids=["blocks", "dense"])
+def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
+                                                          threads: None, quantize: str) -> None:
     """A stack pass of a few tokens runs as one team of threads (one parallel region,
     spin barriers between kernel calls): bit for bit its one-thread logits, whether the
     pass starts on the main thread or on another (as the server's model thread does), for
     a step, a verify pass beside another sequence and a prompt longer than a team takes."""
     import threading
 
-    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4")
+    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize=quantize)
     assert isinstance(runner, BatchedLM) and runner._stack is not None
 
     def passes(n: int) -> list[torch.Tensor]:
@@ -341,7 +345,7 @@ def test_the_int4_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
             assert torch.equal(got, want), name
 
 
-def test_the_int4_stack_checks_its_call_once_and_refuses_bad_ranges(tiny_target_dir: Any) -> None:
+def test_the_layer_stack_checks_its_call_once_and_refuses_bad_ranges(tiny_target_dir: Any) -> None:
     """The block stack checks a pass's index lists once and then runs on raw pointers:
     a cache slot, key range or row out of range, or a cache of the wrong shape, is an
     error, not a read or a write out of bounds."""
@@ -412,3 +416,26 @@ def test_the_rotary_table_is_the_model_s_rotary_embedding_bitwise(tiny_target: C
     cos, _ = per_pass(hidden, torch.tensor([5, 6]))
     assert torch.equal(cos, module(hidden, torch.tensor([[5, 6]]))[0][0])
     assert per_pass._cos is None
+
+
+def test_the_layer_stack_refuses_matrices_of_the_wrong_kind(tiny_target_dir: Any) -> None:
+    """Each matrix's kind is checked against its packing and shape when the stack is made:
+    a dense matrix called a block one, PyTorch's int4 mixed with native kinds, or an
+    unknown kind is an error, not a misread."""
+    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16")
+    assert isinstance(runner, BatchedLM) and runner._stack is not None
+    mats = [m for w in runner._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+    native = kernels.native()
+
+    def make(kinds: list[int]) -> Any:
+        packed = [m.dense for m in mats]
+        return native.LayerStack(packed, packed, [m.out_features for m in mats],
+                                 [m.bias for m in mats], [w for w, _ in runner._norms],
+                                 [e for _, e in runner._norms], 32, runner.heads,
+                                 runner.kv_heads, runner.scaling, kinds)
+
+    assert make([16] * len(mats)) is not None
+    for kinds in ([4] + [16] * (len(mats) - 1), [0] + [16] * (len(mats) - 1),
+                  [16] * (len(mats) - 1) + [0], [3] * len(mats), [16] * (len(mats) - 1)):
+        with pytest.raises(RuntimeError):
+            make(kinds)

@@ -46,7 +46,7 @@ constexpr int64_t kLanes = 16;  // independent partial sums of a reduction (one 
 
 // --- work split across threads ----------------------------------------------------------
 
-// The team of threads a whole-stack pass runs on (Int4Stack), as this thread sees it: its
+// The team of threads a whole-stack pass runs on (LayerStack), as this thread sees it: its
 // index and the team's size (size 0: no team, kernels split their work by
 // at::parallel_for). A pass of a few tokens makes ~300 short kernel calls; as parallel
 // regions each would wake the workers (from sleep, off the main thread), so the stack
@@ -1187,45 +1187,65 @@ at::Tensor dense_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
-// --- a whole decoder stack of int4 matrices in one call ----------------------------------
+// --- a whole decoder stack in one call -----------------------------------------------------
 
 // the most tokens a stack pass runs as one team (more: each kernel call splits on its own)
 constexpr int64_t kTeamTokens = 64;
 
-// The layers of a model whose matrices are all PyTorch's packed int4 (a GGUF's 4-bit
-// tensors, --quantize int4): the same calls decoding/fused.py makes per layer, in the same
-// order, without a Python round trip per op. Its output is bitwise the Python loop's.
-class Int4Stack {
+// What a stack's matrix is: PyTorch's packed int4 (every matrix of the stack, then), a
+// 4- or 8-bit block matrix (block_product), or a bfloat16 one packed for dense_product
+constexpr int64_t kTorchInt4 = 0, kDenseBf16 = 16;
+
+// The layers of a Llama-family model in bfloat16 whose matrices are all PyTorch's packed
+// int4, or all native ones (4- and 8-bit block matrices, bfloat16 dense ones, mixed as a
+// GGUF file mixes its tensor types): the same calls decoding/fused.py makes per layer, in
+// the same order, without a Python round trip per op. Its output is bitwise the Python
+// loop's.
+class LayerStack {
  public:
-  Int4Stack(std::vector<at::Tensor> packed, std::vector<at::Tensor> scales_zeros,
-            std::vector<int64_t> out_features, std::vector<c10::optional<at::Tensor>> biases,
-            std::vector<at::Tensor> norms, std::vector<double> eps, int64_t group,
-            int64_t heads, int64_t kv_heads, double scale, bool blocks)
+  LayerStack(std::vector<at::Tensor> packed, std::vector<at::Tensor> scales_zeros,
+             std::vector<int64_t> out_features, std::vector<c10::optional<at::Tensor>> biases,
+             std::vector<at::Tensor> norms, std::vector<double> eps, int64_t group,
+             int64_t heads, int64_t kv_heads, double scale, std::vector<int64_t> kinds)
       : packed_(std::move(packed)), scales_zeros_(std::move(scales_zeros)),
         out_(std::move(out_features)), biases_(std::move(biases)), norms_(std::move(norms)),
         eps_(std::move(eps)), group_(group), heads_(heads), kv_heads_(kv_heads), scale_(scale),
-        blocks_(blocks) {
+        kinds_(std::move(kinds)) {
     const size_t n = packed_.size();
     TORCH_CHECK(n > 0 && n % 4 == 0 && scales_zeros_.size() == n && out_.size() == n &&
-                    biases_.size() == n && norms_.size() == n / 2 + 1 && eps_.size() == norms_.size(),
+                    biases_.size() == n && kinds_.size() == n && norms_.size() == n / 2 + 1 &&
+                    eps_.size() == norms_.size(),
                 "at least one layer: four matrices a layer, two norms a layer and the final one");
-    if (!blocks_) return;
-    TORCH_CHECK(kBlockProducts, "these kernels were built without block products (AVX512-VNNI or AVX2)");
+    native_ = kinds_[0] != kTorchInt4;
     const int64_t hidden = norms_[0].numel(), dim = out_[0] / (heads_ + 2 * kv_heads_);
     for (size_t i = 0; i < n; ++i) {
+      const int64_t kind = kinds_[i];
+      TORCH_CHECK(native_ ? (kind == 4 || kind == 8 || kind == kDenseBf16) : kind == kTorchInt4,
+                  "matrix ", i, ": kind ", kind, " (all PyTorch's int4, or all 4, 8 or 16)");
+      if (!native_) continue;
       // each matrix's input: the hidden state, attention's output, the hidden state, the
       // gated activation
       const int64_t in = i % 4 == 1 ? heads_ * dim : i % 4 == 3 ? out_[i - 1] / 2 : hidden;
-      const int64_t tiles = (out_[i] + kTile - 1) / kTile;
-      TORCH_CHECK(in % kBlock == 0 && packed_[i].scalar_type() == at::kByte &&
-                      packed_[i].is_contiguous() &&
-                      packed_[i].numel() == tiles * (in / kBlock) * block_bytes(4) &&
-                      out_[i] == (i % 4 == 0 ? (heads_ + 2 * kv_heads_) * dim
-                                  : i % 4 == 2 ? out_[2] : hidden),
-                  "matrix ", i, " is not a 4-bit block matrix of its layer's shape");
+      TORCH_CHECK(out_[i] == (i % 4 == 0 ? (heads_ + 2 * kv_heads_) * dim
+                              : i % 4 == 2 ? out_[2] : hidden) && packed_[i].is_contiguous(),
+                  "matrix ", i, " is not of its layer's shape");
+      if (kind == kDenseBf16) {
+        const int64_t groups = (out_[i] + kDenseRows - 1) / kDenseRows;
+        TORCH_CHECK(in % 2 == 0 && packed_[i].scalar_type() == at::kBFloat16 &&
+                        packed_[i].numel() == groups * in * kDenseRows,
+                    "matrix ", i, " is not a bfloat16 dense matrix of its layer's shape");
+      } else {
+        TORCH_CHECK(kBlockProducts,
+                    "these kernels were built without block products (AVX512-VNNI or AVX2)");
+        const int64_t tiles = (out_[i] + kTile - 1) / kTile;
+        TORCH_CHECK(in % kBlock == 0 && packed_[i].scalar_type() == at::kByte &&
+                        packed_[i].numel() == tiles * (in / kBlock) * block_bytes(kind),
+                    "matrix ", i, " is not a ", kind, "-bit block matrix of its layer's shape");
+      }
       bias32_.push_back(biases_[i].has_value() && biases_[i]->defined()
                             ? biases_[i]->to(at::kFloat).contiguous() : at::Tensor());
     }
+    if (!native_) return;
     for (const at::Tensor& w : norms_)
       TORCH_CHECK(w.numel() == hidden && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
                   "norm weights must be contiguous bfloat16 [hidden]");
@@ -1239,7 +1259,7 @@ class Int4Stack {
     const size_t layers = packed_.size() / 4;
     TORCH_CHECK(keys.size() == layers && values.size() == layers, "one cache per layer");
     TORCH_CHECK(embedded.scalar_type() == at::kBFloat16, "int4 layers take bfloat16");
-    if (blocks_) return forward_blocks(embedded, cos, sin, keys, values, rows, slots, limits, extras);
+    if (native_) return forward_native(embedded, cos, sin, keys, values, rows, slots, limits, extras);
     std::vector<at::Tensor> state = add_rms_norm(embedded.contiguous(), c10::nullopt, norms_[0], eps_[0]);
     at::Tensor hidden = state[0], x = state[1];
     for (size_t l = 0; l < layers; ++l) {
@@ -1257,15 +1277,14 @@ class Int4Stack {
   }
 
  private:
-  // forward with block matrices: the same kernels in the same order on one buffer that
+  // forward with native matrices: the same kernels in the same order on one buffer that
   // holds every intermediate, reused layer by layer, with the checks made once (a tensor
   // per kernel call cost ~0.5 us, ten a layer)
-  at::Tensor forward_blocks(const at::Tensor& embedded, const at::Tensor& cos,
+  at::Tensor forward_native(const at::Tensor& embedded, const at::Tensor& cos,
                             const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                             const std::vector<at::Tensor>& values, const at::Tensor& rows,
                             const at::Tensor& slots, const at::Tensor& limits,
                             const at::Tensor& extras) const {
-#if defined(SPECSERVE_BLOCK_PRODUCTS)
     using T = c10::BFloat16;
     check_rows(embedded, "hidden");
     check_rows(cos, "cos");
@@ -1315,8 +1334,13 @@ class Int4Stack {
                        hidden, eps_[i]);
     };
     auto product = [&](const T* in, int64_t k, size_t i, T* y) {
-      block_product_rows<T>(in, tokens, k, packed_[i].data_ptr<uint8_t>(), out_[i], 4,
-                            bias32_[i].defined() ? bias32_[i].data_ptr<float>() : nullptr, y);
+      const float* bias = bias32_[i].defined() ? bias32_[i].data_ptr<float>() : nullptr;
+      if (kinds_[i] == kDenseBf16)
+        return dense_product_rows(in, tokens, k, packed_[i].data_ptr<T>(), out_[i], bias, y);
+#if defined(SPECSERVE_BLOCK_PRODUCTS)
+      block_product_rows<T>(in, tokens, k, packed_[i].data_ptr<uint8_t>(), out_[i], kinds_[i],
+                            bias, y);
+#endif
     };
     const T* cp = cos.data_ptr<T>();
     const T* sp = sin.data_ptr<T>();
@@ -1367,12 +1391,9 @@ class Int4Stack {
 #endif
     if (!as_team) layers([] {});
     return buffer.narrow(0, tokens * hidden, tokens * hidden).view({tokens, hidden});
-#else
-    TORCH_CHECK(false, "these kernels were built without block products");
-#endif
   }
 
-  // PyTorch's int4 matrices (block matrices run in forward_blocks), as
+  // PyTorch's int4 matrices (native ones run in forward_native), as
   // decoding/quantized.py Int4Matrix.__call__ and decoding/fused.py product do
   at::Tensor product(const at::Tensor& x, size_t i) const {
     at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, packed_[i], group_, scales_zeros_[i]);
@@ -1389,7 +1410,8 @@ class Int4Stack {
   std::vector<double> eps_;
   int64_t group_, heads_, kv_heads_;
   double scale_;
-  bool blocks_;  // BlockMatrix packings (4-bit), else PyTorch's int4 ones
+  std::vector<int64_t> kinds_;  // each matrix's kind (kTorchInt4, 4, 8, kDenseBf16)
+  bool native_ = false;          // native matrices (forward_native), else PyTorch's int4
 };
 
 }  // namespace
@@ -1410,9 +1432,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x times a float32 or bfloat16 matrix packed in groups of 64 rows", release());
   m.def("has_block_products", &has_block_products,
         "whether block_product runs (built for AVX512-VNNI or AVX2)");
-  py::class_<Int4Stack>(m, "Int4Stack")
+  py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<c10::optional<at::Tensor>>, std::vector<at::Tensor>,
-                    std::vector<double>, int64_t, int64_t, int64_t, double, bool>())
-      .def("forward", &Int4Stack::forward, release());
+                    std::vector<double>, int64_t, int64_t, int64_t, double,
+                    std::vector<int64_t>>())
+      .def("forward", &LayerStack::forward, release());
 }
