@@ -21,6 +21,7 @@ from decoding.batched import BatchedLM
 from decoding.factory import load_target
 from decoding.gguf_weights import GGUFModel, int4_rows
 from decoding.quantized import BlockMatrix, Int4Matrix, quantize_int4
+from decoding.target import BatchItem
 from tests.test_gguf import NAMES, dense, encode, file_weights, tiny_dir, write_gguf
 
 __all__ = ["tiny_dir"]  # a fixture, shared
@@ -306,3 +307,34 @@ def test_the_portable_build_computes_the_same_products(native: Any, tmp_path: Pa
         x = inputs[name]
         for got, n in zip(portable[name], (1, 2, 5, 9), strict=True):
             assert torch.equal(got, m(x[:n])), (name, n)
+
+
+def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Path,
+                                                       tiny_dir: Path) -> None:
+    """4-bit, 8-bit (Q8_0) and dense bfloat16 (Q6_K) layer matrices run in one
+    ``LayerStack`` call a pass: bitwise the per-layer Python loop's logits."""
+    from decoding import fused
+
+    kinds = {"attn_q": GT.Q8_0, "attn_k": GT.Q8_0, "attn_v": GT.Q8_0, "ffn_down": GT.Q6_K}
+    target = load_target(str(write_gguf(tmp_path, tiny_dir, kinds)), quantize="auto")
+    assert isinstance(target, BatchedLM) and target._stack is not None
+    layer = target._weights[0]
+    assert [fused.stack_kind(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [
+        8, 4, 4, 16]
+    ids = list(range(300, 340))
+
+    def logits() -> torch.Tensor:
+        state = target.new_state()
+        try:
+            out = target.score(state, ids)
+            steps = [target.forward_batch([BatchItem(state, [t], 1)])[0] for t in (5, 6)]
+            return torch.cat([out, *steps])
+        finally:
+            target.release(state)
+
+    stacked = logits()
+    stack, target._stack = target._stack, None
+    try:
+        assert torch.equal(logits(), stacked)
+    finally:
+        target._stack = stack
