@@ -91,22 +91,24 @@ def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
 
 
 def layer_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
-    """The kernels' whole-stack loop (``LayerStack``) over ``runner``'s layers in
-    bfloat16 when every layer matrix runs natively (4- and 8-bit ``BlockMatrix``, a dense
-    bfloat16 ``Matrix``: a GGUF's tensors, ``--quantize int4``, a bfloat16 model) or every
-    one is PyTorch's packed int4 of one group size, else None. It makes the calls
-    ``forward`` makes, in C++."""
+    """The kernels' whole-stack loop (``LayerStack``) over ``runner``'s layers when every
+    layer matrix runs natively (4- and 8-bit ``BlockMatrix``, a dense ``Matrix`` in the
+    model's dtype: a GGUF's tensors, ``--quantize int4``, a bfloat16 or float32 model), or
+    every one is PyTorch's packed int4 of one group size in bfloat16; else None. It makes
+    the calls ``forward`` makes, in C++."""
     mats = [m for w in runner._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
-    if runner.dtype != ACTIVATIONS or any(w.qk_norms is not None for w in runner._weights):
+    if (runner.dtype not in (ACTIVATIONS, torch.float32)
+            or any(w.qk_norms is not None for w in runner._weights)):
         return None  # (its loop has no per-head q/k norms)
-    kinds = [stack_kind(m) for m in mats]
+    kinds = [stack_kind(m, runner.dtype) for m in mats]
     if all(kinds):
         packed = [m.packed if isinstance(m, BlockMatrix) else m.dense for m in mats]
         return native.LayerStack(packed, packed, [m.out_features for m in mats],
                                  [m.bias for m in mats], [w for w, _ in norms],
                                  [e for _, e in norms], 32, runner.heads, runner.kv_heads,
                                  runner.scaling, kinds)
-    if not all(type(m) is Int4Matrix for m in mats) or len({m.group for m in mats}) != 1:
+    if (runner.dtype != ACTIVATIONS or not all(type(m) is Int4Matrix for m in mats)
+            or len({m.group for m in mats}) != 1):
         return None
     return native.LayerStack([m.packed for m in mats], [m.scales_zeros for m in mats],
                              [m.out_features for m in mats], [m.bias for m in mats],
@@ -114,14 +116,14 @@ def layer_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
                              runner.heads, runner.kv_heads, runner.scaling, [0] * len(mats))
 
 
-def stack_kind(m: Product) -> int:
-    """What ``LayerStack`` takes ``m`` as: 4 or 8 (a block matrix of those bits), 16 (a
-    bfloat16 matrix on the native ``dense_product``), or 0 (none of them)."""
+def stack_kind(m: Product, dtype: torch.dtype) -> int:
+    """What ``LayerStack`` takes ``m`` as in a model of ``dtype``: 4 or 8 (a block
+    matrix of those bits), 16 or 32 (a bfloat16 or float32 matrix on the native
+    ``dense_product``, in the model's dtype), or 0 (none of them)."""
     if type(m) is BlockMatrix:
         return m.bits
-    if (isinstance(m, Matrix) and m.dense is not None
-            and m.dense.dtype == torch.bfloat16):
-        return 16
+    if isinstance(m, Matrix) and m.dense is not None and m.dense.dtype == dtype:
+        return {torch.bfloat16: 16, torch.float32: 32}[dtype]
     return 0
 
 

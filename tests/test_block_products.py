@@ -319,7 +319,8 @@ def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Pa
     target = load_target(str(write_gguf(tmp_path, tiny_dir, kinds)), quantize="auto")
     assert isinstance(target, BatchedLM) and target._stack is not None
     layer = target._weights[0]
-    assert [fused.stack_kind(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [
+    assert [fused.stack_kind(m, target.dtype)
+            for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [
         8, 4, 4, 16]
     ids = list(range(300, 340))
 

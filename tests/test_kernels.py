@@ -268,17 +268,18 @@ def test_the_portable_build_passes_the_same_checks(tmp_path: Any) -> None:
     assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]  # blocks ran
 
 
-STACKS = {"blocks": ("int4", True), "torch-int4": ("int4", False), "dense": ("none", True)}
+STACKS = {"blocks": ("bfloat16", "int4", True), "torch-int4": ("bfloat16", "int4", False),
+          "dense": ("bfloat16", "none", True), "dense-float32": ("float32", "none", True)}
 
 
 @pytest.mark.parametrize("stack", list(STACKS))
 def test_the_layer_stack_is_the_python_loop_bitwise(tiny_target_dir: Any, stack: str) -> None:
-    """A bfloat16 model's layers run as one ``LayerStack`` call: the same logits, bit for
-    bit, as the per-layer Python loop over the same kernels, for a prompt, steps and a
-    verify pass beside another sequence; with int4 block matrices (int8 activations),
-    PyTorch's int4 ones and dense bfloat16 ones."""
-    quantize, int8_activations = STACKS[stack]
-    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize=quantize,
+    """A model's layers run as one ``LayerStack`` call: the same logits, bit for bit, as
+    the per-layer Python loop over the same kernels, for a prompt, steps and a verify
+    pass beside another sequence; with int4 block matrices (int8 activations), PyTorch's
+    int4 ones and dense bfloat16 and float32 ones."""
+    dtype, quantize, int8_activations = STACKS[stack]
+    runner = BatchedLM.load(str(tiny_target_dir), dtype=dtype, quantize=quantize,
                             int8_activations=int8_activations)
     assert isinstance(runner, BatchedLM) and runner._stack is not None
     stack = runner._stack
@@ -304,16 +305,19 @@ def test_the_layer_stack_is_the_python_loop_bitwise(tiny_target_dir: Any, stack:
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("quantize", ["int4", "none"], ids=["blocks", "dense"])
+@pytest.mark.parametrize(("dtype", "quantize"), [("bfloat16", "int4"), ("bfloat16", "none"),
+                                               ("float32", "none")],
+                         ids=["blocks", "dense", "dense-float32"])
 def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
-                                                          threads: None, quantize: str) -> None:
+                                                          threads: None, dtype: str,
+                                                          quantize: str) -> None:
     """A stack pass of a few tokens runs as one team of threads (one parallel region,
     spin barriers between kernel calls): bit for bit its one-thread logits, whether the
     pass starts on the main thread or on another (as the server's model thread does), for
     a step, a verify pass beside another sequence and a prompt longer than a team takes."""
     import threading
 
-    runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize=quantize)
+    runner = BatchedLM.load(str(tiny_target_dir), dtype=dtype, quantize=quantize)
     assert isinstance(runner, BatchedLM) and runner._stack is not None
 
     def passes(n: int) -> list[torch.Tensor]:
@@ -436,6 +440,7 @@ def test_the_layer_stack_refuses_matrices_of_the_wrong_kind(tiny_target_dir: Any
 
     assert make([16] * len(mats)) is not None
     for kinds in ([4] + [16] * (len(mats) - 1), [0] + [16] * (len(mats) - 1),
-                  [16] * (len(mats) - 1) + [0], [3] * len(mats), [16] * (len(mats) - 1)):
+                  [16] * (len(mats) - 1) + [0], [3] * len(mats), [16] * (len(mats) - 1),
+                  [32] * len(mats)):
         with pytest.raises(RuntimeError):
             make(kinds)

@@ -1193,12 +1193,13 @@ at::Tensor dense_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
 constexpr int64_t kTeamTokens = 64;
 
 // What a stack's matrix is: PyTorch's packed int4 (every matrix of the stack, then), a
-// 4- or 8-bit block matrix (block_product), or a bfloat16 one packed for dense_product
-constexpr int64_t kTorchInt4 = 0, kDenseBf16 = 16;
+// 4- or 8-bit block matrix (block_product), or a bfloat16 or float32 one packed for
+// dense_product
+constexpr int64_t kTorchInt4 = 0, kDenseBf16 = 16, kDenseF32 = 32;
 
-// The layers of a Llama-family model in bfloat16 whose matrices are all PyTorch's packed
-// int4, or all native ones (4- and 8-bit block matrices, bfloat16 dense ones, mixed as a
-// GGUF file mixes its tensor types): the same calls decoding/fused.py makes per layer, in
+// The layers of a Llama-family model whose matrices are all PyTorch's packed int4 (in
+// bfloat16), or all native ones (4- and 8-bit block matrices, dense ones in the model's
+// dtype, mixed as a GGUF file mixes its tensor types): the same calls decoding/fused.py makes per layer, in
 // the same order, without a Python round trip per op. Its output is bitwise the Python
 // loop's.
 class LayerStack {
@@ -1217,11 +1218,16 @@ class LayerStack {
                     eps_.size() == norms_.size(),
                 "at least one layer: four matrices a layer, two norms a layer and the final one");
     native_ = kinds_[0] != kTorchInt4;
+    dtype_ = native_ ? norms_[0].scalar_type() : at::kBFloat16;
+    TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat,
+                "the layers run in bfloat16 or float32");
+    const int64_t dense = dtype_ == at::kFloat ? kDenseF32 : kDenseBf16;
     const int64_t hidden = norms_[0].numel(), dim = out_[0] / (heads_ + 2 * kv_heads_);
     for (size_t i = 0; i < n; ++i) {
       const int64_t kind = kinds_[i];
-      TORCH_CHECK(native_ ? (kind == 4 || kind == 8 || kind == kDenseBf16) : kind == kTorchInt4,
-                  "matrix ", i, ": kind ", kind, " (all PyTorch's int4, or all 4, 8 or 16)");
+      TORCH_CHECK(native_ ? (kind == 4 || kind == 8 || kind == dense) : kind == kTorchInt4,
+                  "matrix ", i, ": kind ", kind, " (all PyTorch's int4, or 4, 8 and ", dense,
+                  " for a model in ", dtype_, ")");
       if (!native_) continue;
       // each matrix's input: the hidden state, attention's output, the hidden state, the
       // gated activation
@@ -1229,11 +1235,11 @@ class LayerStack {
       TORCH_CHECK(out_[i] == (i % 4 == 0 ? (heads_ + 2 * kv_heads_) * dim
                               : i % 4 == 2 ? out_[2] : hidden) && packed_[i].is_contiguous(),
                   "matrix ", i, " is not of its layer's shape");
-      if (kind == kDenseBf16) {
+      if (kind == dense) {
         const int64_t groups = (out_[i] + kDenseRows - 1) / kDenseRows;
-        TORCH_CHECK(in % 2 == 0 && packed_[i].scalar_type() == at::kBFloat16 &&
+        TORCH_CHECK((dtype_ == at::kFloat || in % 2 == 0) && packed_[i].scalar_type() == dtype_ &&
                         packed_[i].numel() == groups * in * kDenseRows,
-                    "matrix ", i, " is not a bfloat16 dense matrix of its layer's shape");
+                    "matrix ", i, " is not a dense ", dtype_, " matrix of its layer's shape");
       } else {
         TORCH_CHECK(kBlockProducts,
                     "these kernels were built without block products (AVX512-VNNI or AVX2)");
@@ -1247,19 +1253,23 @@ class LayerStack {
     }
     if (!native_) return;
     for (const at::Tensor& w : norms_)
-      TORCH_CHECK(w.numel() == hidden && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
-                  "norm weights must be contiguous bfloat16 [hidden]");
+      TORCH_CHECK(w.numel() == hidden && w.is_contiguous() && w.scalar_type() == dtype_,
+                  "norm weights must be contiguous [hidden], in the model's dtype");
   }
 
-  // hidden [T, H] bfloat16 -> the final norm of the last layer's output, [T, H]
+  // hidden [T, H] (the model's dtype) -> the final norm of the last layer's output, [T, H]
   at::Tensor forward(const at::Tensor& embedded, const at::Tensor& cos, const at::Tensor& sin,
                      std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                      const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& limits,
                      const at::Tensor& extras) const {
     const size_t layers = packed_.size() / 4;
     TORCH_CHECK(keys.size() == layers && values.size() == layers, "one cache per layer");
-    TORCH_CHECK(embedded.scalar_type() == at::kBFloat16, "int4 layers take bfloat16");
-    if (native_) return forward_native(embedded, cos, sin, keys, values, rows, slots, limits, extras);
+    TORCH_CHECK(embedded.scalar_type() == dtype_, "these layers take ", dtype_);
+    if (native_ && dtype_ == at::kFloat)
+      return forward_native<float>(embedded, cos, sin, keys, values, rows, slots, limits, extras);
+    if (native_)
+      return forward_native<c10::BFloat16>(embedded, cos, sin, keys, values, rows, slots, limits,
+                                           extras);
     std::vector<at::Tensor> state = add_rms_norm(embedded.contiguous(), c10::nullopt, norms_[0], eps_[0]);
     at::Tensor hidden = state[0], x = state[1];
     for (size_t l = 0; l < layers; ++l) {
@@ -1279,13 +1289,13 @@ class LayerStack {
  private:
   // forward with native matrices: the same kernels in the same order on one buffer that
   // holds every intermediate, reused layer by layer, with the checks made once (a tensor
-  // per kernel call cost ~0.5 us, ten a layer)
+  // per kernel call cost ~0.5 us, ten a layer); T: the model's dtype
+  template <typename T>
   at::Tensor forward_native(const at::Tensor& embedded, const at::Tensor& cos,
                             const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                             const std::vector<at::Tensor>& values, const at::Tensor& rows,
                             const at::Tensor& slots, const at::Tensor& limits,
                             const at::Tensor& extras) const {
-    using T = c10::BFloat16;
     check_rows(embedded, "hidden");
     check_rows(cos, "cos");
     check_rows(sin, "sin");
@@ -1294,16 +1304,17 @@ class LayerStack {
     const int64_t attended = heads_ * dim, gate_up = out_[2], inner = gate_up / 2;
     TORCH_CHECK(embedded.size(1) == hidden, "hidden must be [tokens, ", hidden, "]");
     TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == dim &&
-                    cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-                "cos/sin must be bfloat16 [tokens, ", dim, "]");
+                    cos.scalar_type() == dtype_ && sin.scalar_type() == dtype_,
+                "cos/sin must be [tokens, ", dim, "] in the model's dtype");
     const at::Tensor& first = keys[0];
     TORCH_CHECK(first.dim() == 4 && first.size(1) == kv_heads_ && first.size(3) == dim,
                 "keys/values must be [rows, kv_heads, capacity, dim]");
     for (size_t l = 0; l < keys.size(); ++l)
       for (const at::Tensor* t : {&keys[l], &values[l]})
         TORCH_CHECK(t->sizes() == first.sizes() && t->is_contiguous() &&
-                        t->scalar_type() == at::kBFloat16,
-                    "every layer's keys/values must be contiguous bfloat16 of one shape");
+                        t->scalar_type() == dtype_,
+                    "every layer's keys/values must be contiguous, of one shape, in the "
+                    "model's dtype");
     const int64_t kv_rows = first.size(0), capacity = first.size(2);
     for (const at::Tensor* t : {&rows, &slots, &limits, &extras})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == tokens && t->is_contiguous(),
@@ -1335,7 +1346,7 @@ class LayerStack {
     };
     auto product = [&](const T* in, int64_t k, size_t i, T* y) {
       const float* bias = bias32_[i].defined() ? bias32_[i].data_ptr<float>() : nullptr;
-      if (kinds_[i] == kDenseBf16)
+      if (kinds_[i] == kDenseBf16 || kinds_[i] == kDenseF32)
         return dense_product_rows(in, tokens, k, packed_[i].data_ptr<T>(), out_[i], bias, y);
 #if defined(SPECSERVE_BLOCK_PRODUCTS)
       block_product_rows<T>(in, tokens, k, packed_[i].data_ptr<uint8_t>(), out_[i], kinds_[i],
@@ -1412,6 +1423,7 @@ class LayerStack {
   double scale_;
   std::vector<int64_t> kinds_;  // each matrix's kind (kTorchInt4, 4, 8, kDenseBf16)
   bool native_ = false;          // native matrices (forward_native), else PyTorch's int4
+  at::ScalarType dtype_;         // the activations', norms' and cache's dtype
 };
 
 }  // namespace
