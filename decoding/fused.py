@@ -86,7 +86,10 @@ def _norms(model: Any) -> list[Any]:
 
 
 def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
-    return [(m.weight.detach().to(dtype).contiguous(), float(m.variance_epsilon))
+    """Each norm's weight in ``dtype`` and its eps; the weights are copies of their own
+    (a view would keep alive whatever holds the model's parameter: the weights file's
+    whole mapping, as a ``LayerStack`` holds its norms)."""
+    return [(m.weight.detach().to(dtype, copy=True).contiguous(), float(m.variance_epsilon))
             for m in _norms(model)]
 
 

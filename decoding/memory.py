@@ -4,8 +4,9 @@ Loading frees far more than it keeps (dequantized temporaries, float copies, a
 tokenizer's conversion). glibc keeps freed heap pages unless asked, and they would
 count as the server's memory; the loaders call ``release_freed_memory`` once their
 temporaries are gone. A server also lets go of the plain copies of matrices that run
-packed (``release_plain_weights``), and of an input embedding whose rows the weights file
-holds (``read_embedding_from_file``)."""
+packed (``release_plain_weights``), and of an input embedding whose rows a tied head's
+native packing (``read_embedding_from_head``) or the weights file
+(``read_embedding_from_file``) holds."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def release_plain_weights(runner: BatchedLM) -> int:
     head, matrix = runner.model.get_output_embeddings(), runner._head
     if (isinstance(matrix, Matrix) and matrix.release_rows() and head is not None
             and (head.weight is not runner._inner.embed_tokens.weight
+                 or read_embedding_from_head(runner, matrix)
                  or read_embedding_from_file(runner))):
         released += matrix.nbytes  # an untied head's own weight, or a tied one's table
         drop_weight(head)
@@ -83,10 +85,26 @@ def release_plain_weights(runner: BatchedLM) -> int:
                 setattr(module, name, copies[key(param)])
     if isinstance(matrix, Matrix) and matrix.rows is not None and key(matrix.rows) in copies:
         matrix.rows = copies[key(matrix.rows)].detach()  # a head that does not run packed
-    if runner._kernels is not None:
+    if runner._kernels is not None:  # (the stack holds the norms: made anew with them)
         runner._norms = fused.norm_weights(runner.model, runner.dtype)
+        runner._stack = fused.layer_stack(runner._kernels, runner._norms, runner)
     release_freed_memory()
     return released
+
+
+def read_embedding_from_head(runner: BatchedLM, head: Matrix) -> bool:
+    """Let ``runner``'s input embedding look its rows up in the tied ``head``'s native
+    packing (``Matrix.take``) rather than hold the table: whether it now does. The
+    packing was made from the table itself, in its dtype, so every row is bitwise the
+    table's; a lookup gathers from memory, where a file read takes a system call a row,
+    and a GGUF served ``--quantize none`` has no safetensors file to read."""
+    embed = runner._inner.embed_tokens
+    if (not isinstance(embed, Embedding) or embed.rows is not None or head.dense is None
+            or head.dense.dtype != embed.weight.dtype
+            or head.out_features != embed.weight.shape[0]):
+        return False
+    embed.read_rows_from(head.take)
+    return True
 
 
 def read_embedding_from_file(runner: BatchedLM) -> bool:

@@ -125,8 +125,10 @@ class Matrix:
                 self.rows = rows
                 self._pack(rows)
             return
-        rows = self.plain()
-        if (self.dense is not None or rows.device.type != "cpu"
+        if self.dense is not None or self.rows is None:  # (released beside oneDNN's copy)
+            return
+        rows = self.rows
+        if (rows.device.type != "cpu"
                 or rows.dtype not in (torch.float32, torch.bfloat16)
                 or (rows.dtype == torch.bfloat16 and rows.shape[1] % 2)):
             return
@@ -157,6 +159,22 @@ class Matrix:
             return x @ self.cols
         assert self.rows is not None  # released only beside a packed copy
         return F.linear(x, self.rows, self.bias)
+
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (``[...]``) of the matrix, ``[..., in]``: the plain rows', or read
+        from the native packing (a tied head's rows, which its input embedding looks up:
+        ``memory.read_embedding_from_head``)."""
+        if self.rows is not None or self.dense is None:
+            return self.plain()[ids]
+        flat = ids.reshape(-1)
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.out_features:
+            raise IndexError(f"a row id out of range for {self.out_features} rows")
+        group, column = flat // DENSE_ROWS, flat % DENSE_ROWS
+        if self.dense.dim() == 4:  # bfloat16: [groups, in / 2, 64, 2]
+            rows = self.dense[group, :, column, :].reshape(flat.numel(), -1)
+        else:
+            rows = self.dense[group, :, column]
+        return rows.reshape(*ids.shape, rows.shape[-1])
 
     def release_rows(self) -> bool:
         """Let the plain rows go where the packed copy (oneDNN's or the native one) does

@@ -114,9 +114,9 @@ def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_packing_round_trips_and_switches_back(native: Any, dtype: torch.dtype) -> None:
-    """The rows come back bitwise from the native packing once the plain copy is let go;
-    switching back to PyTorch's product keeps the products to rounding, and to native
-    again gives the native products bitwise."""
+    """The rows come back bitwise from the native packing once the plain copy is let go
+    (all of them, or those a lookup asks for); switching back to PyTorch's product keeps
+    the products to rounding, and to native again gives the native products bitwise."""
     rows, bias = torch.randn(70, 48).to(dtype), torch.randn(70).to(dtype)
     x = torch.randn(5, 48).to(dtype)
     m = weights.Matrix(rows, bias)
@@ -126,6 +126,10 @@ def test_the_packing_round_trips_and_switches_back(native: Any, dtype: torch.dty
     first = m(x)
     assert m.release_rows() and m.rows is None
     assert torch.equal(m.plain(), rows)
+    ids = torch.tensor([[69, 0, 64], [63, 5, 69]])
+    assert torch.equal(m.take(ids), rows[ids])  # a tied embedding's lookups
+    with pytest.raises(IndexError):
+        m.take(torch.tensor([70]))  # a padding row of the last group is no row
     assert torch.equal(m(x), first)
     m.use_native(None)
     assert not m.runs_native and torch.equal(m.plain(), rows)

@@ -444,3 +444,17 @@ def test_the_layer_stack_refuses_matrices_of_the_wrong_kind(tiny_target_dir: Any
                   [32] * len(mats)):
         with pytest.raises(RuntimeError):
             make(kinds)
+
+
+def test_the_norms_the_kernels_hold_are_copies(tiny_target: CausalLM) -> None:
+    """The norms a pass (and ``LayerStack``) reads are copies of the model's weights, in
+    its dtype, even where no conversion is needed (float32): a view would keep the
+    weights file's whole mapping resident once a server lets the model's weights go."""
+    from decoding import fused
+
+    assert isinstance(tiny_target, BatchedLM) and tiny_target.dtype == torch.float32
+    modules = fused._norms(tiny_target.model)
+    assert len(modules) == len(tiny_target._norms)
+    for (weight, _), module in zip(tiny_target._norms, modules, strict=True):
+        assert torch.equal(weight, module.weight)
+        assert weight.untyped_storage().data_ptr() != module.weight.untyped_storage().data_ptr()

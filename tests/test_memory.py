@@ -90,8 +90,9 @@ def test_a_float32_target_and_its_bfloat16_draft_hold_no_embedding_table(
         default_model_dir: Path) -> None:
     """The server's float32 default model beside the shipped draft in bfloat16: the draft
     converts the target's rows as it looks them up, the target (its tied head packed)
-    reads them from its weights file once the server lets its plain weights go, and
-    neither changes a logit of either model."""
+    reads them from its head's native packing once the server lets its plain weights go
+    (from its weights file on PyTorch's path: tests/test_batched.py), and neither changes
+    a logit of either model."""
     target = BatchedLM.load(str(default_model_dir), dtype="float32")
     directory = draft_format.resolve_draft_dir(draft_format.DEFAULT_DRAFT)
     assert directory is not None
@@ -119,7 +120,7 @@ def test_a_float32_target_and_its_bfloat16_draft_hold_no_embedding_table(
     if not target.release_plain_weights():
         pytest.skip("this PyTorch build packs no float32 matrix (no oneDNN)")
     embed = target.model.model.embed_tokens
-    assert isinstance(embed, Embedding) and isinstance(embed.rows, FileRows)
+    assert isinstance(embed, Embedding) and embed.rows == target._head.take
     assert embed.weight.numel() == 0
     assert torch.equal(embed(torch.arange(target.vocab_size)), table)
     assert torch.equal(logits(target), target_before)
