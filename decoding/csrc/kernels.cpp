@@ -932,6 +932,13 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
 }
 #endif
 
+// A product's bias [out] in float32 (undefined: none)
+at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [out]");
+  return bias->to(at::kFloat).contiguous();
+}
+
 // x [tokens, in] (float32 or bfloat16) times a block_pack-ed [out, in] matrix (+ bias): [tokens, out]
 at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          int64_t bits, const c10::optional<at::Tensor>& bias) {
@@ -944,17 +951,12 @@ at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == tiles * blocks * block_bytes(bits),
               "packed does not hold a [", n, ", ", k, "] ", bits, "-bit block matrix");
-  const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor b32;
-  if (has_bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [out]");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b32 = float_bias(bias, n);
   at::Tensor y = at::empty({tokens, n}, x.options());
 #if defined(SPECSERVE_BLOCK_PRODUCTS)
   DISPATCH(x.scalar_type(), "block_product", [&] {
     block_product_rows<scalar_t>(x.data_ptr<scalar_t>(), tokens, k, packed.data_ptr<uint8_t>(), n,
-                                 bits, has_bias ? b32.data_ptr<float>() : nullptr,
+                                 bits, b32.defined() ? b32.data_ptr<float>() : nullptr,
                                  y.data_ptr<scalar_t>());
   });
 #endif
@@ -1161,14 +1163,9 @@ at::Tensor dense_product(const at::Tensor& x, const at::Tensor& packed, int64_t 
               kDenseRows, " rows");
   TORCH_CHECK(wide || x.scalar_type() == at::kBFloat16,
               "a bfloat16 matrix multiplies bfloat16 activations");
-  const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor b32;
-  if (has_bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [out]");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b32 = float_bias(bias, n);
   at::Tensor y = at::empty({tokens, n}, x.options());
-  const float* bp = has_bias ? b32.data_ptr<float>() : nullptr;
+  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   DISPATCH(x.scalar_type(), "dense_product", [&] {
     using T = scalar_t;
     if (!wide) {
