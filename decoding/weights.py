@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch.nn import functional as F
 
+from decoding import dense
+
 # the product size oneDNN's layout is chosen for (products of 1 to 8 tokens cost about
 # the same packed for 8)
 PACK_TOKENS = 8
@@ -32,8 +34,6 @@ ONEDNN_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 28, 32)
 # 1,536-input down projection: docs/performance.md, "Batch invariance"); such a matrix is
 # multiplied as slices of at most this many inputs, summed in a fixed order
 ONEDNN_MAX_INPUTS = 768
-# output rows the native kernels' dense products pack together (kernels.cpp kDenseRows)
-DENSE_ROWS = 64
 
 
 class Product(Protocol):
@@ -132,7 +132,7 @@ class Matrix:
                 or rows.dtype not in (torch.float32, torch.bfloat16)
                 or (rows.dtype == torch.bfloat16 and rows.shape[1] % 2)):
             return
-        self.dense, self._native = dense_pack(rows), native
+        self.dense, self._native = dense.pack(rows), native
         self._slices, self.cols, self._packed_yet = None, None, False
 
     def plain(self) -> torch.Tensor:
@@ -141,7 +141,7 @@ class Matrix:
             return self.rows
         if self.dense is None:
             raise RuntimeError("this matrix's plain rows were released")
-        return dense_unpack(self.dense, self.out_features)
+        return dense.unpack(self.dense, self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
@@ -166,15 +166,7 @@ class Matrix:
         ``memory.read_embedding_from_head``)."""
         if self.rows is not None or self.dense is None:
             return self.plain()[ids]
-        flat = ids.reshape(-1)
-        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.out_features:
-            raise IndexError(f"a row id out of range for {self.out_features} rows")
-        group, column = flat // DENSE_ROWS, flat % DENSE_ROWS
-        if self.dense.dim() == 4:  # bfloat16: [groups, in / 2, 64, 2]
-            rows = self.dense[group, :, column, :].reshape(flat.numel(), -1)
-        else:
-            rows = self.dense[group, :, column]
-        return rows.reshape(*ids.shape, rows.shape[-1])
+        return dense.take(self.dense, self.out_features, ids)
 
     def release_rows(self) -> bool:
         """Let the plain rows go where the packed copy (oneDNN's or the native one) does
@@ -207,39 +199,6 @@ class Matrix:
             for (lo, hi), part in zip(rest, self.packed[1:], strict=True):
                 y = y + onednn_linear(x[:, lo:hi].contiguous(), part, None)
         return y[:n] if rows != n else y
-
-
-def dense_pack(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` ``[out, in]`` as the native ``dense_product`` reads them: groups of
-    ``DENSE_ROWS`` output rows (the last padded with zeros), each input by input: float32
-    ``[groups, in, 64]``; bfloat16 ``[groups, in / 2, 64, 2]``, each row's inputs in pairs.
-    Copied straight into place: no padded or transposed copy of the whole matrix."""
-    out, inputs = rows.shape
-    groups, full, rest = -(-out // DENSE_ROWS), out // DENSE_ROWS, out % DENSE_ROWS
-    pairs = rows.dtype == torch.bfloat16
-
-    def layout(part: torch.Tensor, n: int, width: int) -> torch.Tensor:  # [n, width, in]
-        if pairs:
-            return part.view(n, width, inputs // 2, 2).permute(0, 2, 1, 3)
-        return part.view(n, width, inputs).transpose(1, 2)
-
-    shape = (groups, inputs // 2, DENSE_ROWS, 2) if pairs else (groups, inputs, DENSE_ROWS)
-    packed = rows.new_zeros(shape) if rest else rows.new_empty(shape)
-    if full:
-        packed[:full] = layout(rows[: full * DENSE_ROWS], full, DENSE_ROWS)
-    if rest:  # the rows' axis is the third in either layout
-        packed[full:, :, :rest] = layout(rows[full * DENSE_ROWS :], 1, rest)
-    return packed
-
-
-def dense_unpack(packed: torch.Tensor, out: int) -> torch.Tensor:
-    """The ``[out, in]`` rows ``dense_pack`` packed."""
-    if packed.dim() == 4:
-        groups, pairs = packed.shape[:2]
-        return (packed.permute(0, 2, 1, 3).reshape(groups * DENSE_ROWS, 2 * pairs)[:out]
-                .contiguous())
-    groups, inputs = packed.shape[:2]
-    return packed.transpose(1, 2).reshape(groups * DENSE_ROWS, inputs)[:out].contiguous()
 
 
 def padded_rows(n: int) -> int:
