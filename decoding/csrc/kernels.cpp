@@ -968,7 +968,7 @@ bool has_block_products() { return kBlockProducts; }
 // --- products of float32 and bfloat16 matrices --------------------------------------------
 
 // A float32 or bfloat16 [out, in] matrix packed in groups of 64 output rows, each group
-// input by input (decoding/weights.py packs it; rows past `out` are zeros): float32 as
+// input by input (decoding/dense.py packs it; rows past `out` are zeros): float32 as
 // [groups, in, 64]; bfloat16 as [groups, in / 2, 64, 2], each row's inputs in pairs.
 // Output row c of a token is one chain of fused multiply-adds over the inputs in order,
 // starting from zero, then the bias; bfloat16 takes each pair's odd input first, as
