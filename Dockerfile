@@ -22,6 +22,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY decoding ./decoding
+COPY runtime ./runtime
 COPY trt ./trt
 COPY observability ./observability
 COPY specserve ./specserve
@@ -48,7 +49,7 @@ RUN python pyproject_requirements.py pyproject.toml "${EXTRAS}" > requirements.t
     && pip install -r requirements.txt
 
 # ---------------------------------------------------------------------------
-# The fused CPU kernels (decoding/csrc), built here with g++ so the slim runtime needs no
+# The fused CPU kernels (runtime/csrc), built here with g++ so the slim runtime needs no
 # compiler. KERNELS_ARCH is the instruction set they may use: x86-64-v3 (AVX2, with the
 # int8-activation block products) runs on any recent x86 server; x86-64-v4 adds AVX-512
 # (faster attention), and a -march with AVX512-VNNI (icelake-server, znver4) the faster
@@ -63,7 +64,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-deps /wheels/specserve-*.whl \
-    && python -m decoding.kernels \
+    && python -m runtime.kernels \
     && test -n "$(find /opt/specserve/kernels -name 'specserve_kernels.so')"
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The decoding core: target, drafters, verification, scheduling.
+"""The speculative core: the engine, the round, verification, sampling, drafters,
+policies, constraints, the prefix cache and the ``Target`` protocol.
 
-This package knows nothing about HTTP, Redis or TensorRT.
+It knows nothing of HTTP, Redis or TensorRT, and builds no model: ``runtime`` does.
 """

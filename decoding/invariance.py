@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from decoding.target import BatchItem, Target
+from decoding.target import Target
+from runtime.causal_lm import BatchItem
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.prefix_use import load_prefix, remember_continuation, store_prefix
 from decoding.sampling import apply_penalties, logits_to_probs, make_randomness, output_counts
-from decoding.target import BatchItem, Target
+from decoding.target import Target
 from decoding.text import TextStream
 from decoding.types import (
     Draft,
@@ -33,6 +33,7 @@ from decoding.types import (
     RoundTiming,
 )
 from decoding.verify import Verdict, verify
+from runtime.causal_lm import BatchItem
 
 log = logging.getLogger(__name__)
 

@@ -28,25 +28,12 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from transformers.utils import logging as transformers_logging
 
-from decoding import model_store
-from decoding.batched import BatchedLM
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
-from decoding.factory import (
-    CACHE,
-    NGRAM,
-    NO_DRAFT,
-    DraftLoader,
-    load_drafter,
-    load_target,
-    target_precision,
-    torch_draft_loader,
-)
+from decoding.factory import CACHE, NGRAM, NO_DRAFT, DraftLoader, load_drafter, torch_draft_loader
 from decoding.invariance import InvarianceCheck
-from decoding.memory import release_freed_memory
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
-from decoding.target import CausalLM
 from decoding.threads import default_decode_threads
 from gateway import pages
 from gateway.errors import install_error_handlers
@@ -62,6 +49,11 @@ from observability.logging import configure_logging
 from observability.metrics import start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import build_tracer_provider
+from runtime import model_store
+from runtime.batched import BatchedLM
+from runtime.causal_lm import CausalLM
+from runtime.loading import load_target, target_precision
+from runtime.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +68,7 @@ def kernels_key(target: CausalLM) -> str:
     products = getattr(target, "product_activations", "")
     if getattr(target, "kernels", "torch") != "native":
         return "torch" if products != "int8" else "torch-int8"
-    from decoding.kernels import build_dir
+    from runtime.kernels import build_dir
 
     return f"native-{build_dir().name}" + ("-int8" if products == "int8" else "")
 

@@ -5,7 +5,7 @@
 #   the linter shellcheck  for the image's entrypoint script
 #   chromium, chromedriver the playground page in a headless browser
 #   node, npm              the official openai npm package against a real server (tests/sdk)
-#   g++                    builds the fused CPU kernels (decoding/csrc), which the tests run
+#   g++                    builds the fused CPU kernels (runtime/csrc), which the tests run
 # Idempotent and quick: when every program is on PATH it returns at once. As root with
 # apt-get it installs what is missing; otherwise it fails, naming the command to run.
 #

@@ -28,12 +28,13 @@ from typing import Any, TextIO
 
 import torch
 
-from decoding import draft_format as distilled
 from decoding.drafters.base import DraftContext, Drafter
-from decoding.factory import draft_parts, load_target
+from decoding.factory import draft_parts
 from decoding.prompting import encode_chat
-from decoding.target import DTYPES
 from decoding.types import SamplingParams
+from runtime import draft_format as distilled
+from runtime.causal_lm import DTYPES
+from runtime.loading import load_target
 from specbench.compare import (
     QUICK_MAX_TOKENS,
     QUICK_PROMPTS,

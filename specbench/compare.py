@@ -25,16 +25,10 @@ from typing import Any
 
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import (
-    NGRAM,
-    NO_DRAFT,
-    PRECISIONS,
-    load_drafter,
-    load_target,
-    torch_draft_dtype,
-)
+from decoding.factory import NGRAM, NO_DRAFT, load_drafter
 from decoding.prompting import encode_chat
-from decoding.target import CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.loading import PRECISIONS, load_target, torch_draft_dtype
 from specbench.methods import (
     ALL_METHODS,
     DRAFT_METHODS,
@@ -80,7 +74,7 @@ class BenchConfig:
     methods: tuple[str, ...]
     quick: bool
     draft_dtype: str = "auto"  # of a PyTorch draft model; see factory.torch_draft_dtype
-    kernels: str = "auto"  # the target's elementwise work and attention (decoding.kernels)
+    kernels: str = "auto"  # the target's elementwise work and attention (runtime.kernels)
     int8_activations: bool = True  # 4-bit/Q8_0 matrices with int8 activations (BlockMatrix)
 
     @classmethod

@@ -38,10 +38,11 @@ import torch
 
 from decoding.drafters.base import Drafter
 from decoding.engine import Engine
-from decoding.factory import NGRAM, load_drafter, load_target
+from decoding.factory import NGRAM, load_drafter
 from decoding.prompting import encode_chat
-from decoding.target import DTYPES, CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from runtime.causal_lm import DTYPES, CausalLM
+from runtime.loading import load_target
 from specbench.plots import write_plots
 from specbench.report import load_average, machine_info
 

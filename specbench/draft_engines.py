@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from decoding.drafters.base import DraftContext, Drafter
-from decoding.factory import load_target
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from runtime.causal_lm import CausalLM
+from runtime.loading import load_target
 from trt.backends import load_draft
 
 log = logging.getLogger(__name__)

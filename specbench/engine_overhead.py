@@ -25,11 +25,13 @@ import torch
 
 from decoding.drafters import Drafter
 from decoding.engine import Engine
-from decoding.factory import load_drafter, load_target
+from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import BatchItem, Target
+from decoding.target import Target
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
+from runtime.causal_lm import BatchItem
+from runtime.loading import load_target
 from specbench.compare import load_prompts
 
 MS = 1000.0

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from decoding.batched import BatchedLM
 from decoding.engine import Engine
-from decoding.factory import load_drafter, load_target
+from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from runtime.batched import BatchedLM
+from runtime.causal_lm import CausalLM
+from runtime.loading import load_target
 from specbench.compare import load_prompts
 
 

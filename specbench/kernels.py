@@ -6,7 +6,7 @@ few tokens, per precision, the two paths interleaved on the same loaded weights.
 Prints a table (median ms a pass at a 300-token context, and how far the two paths'
 logits are apart) and writes JSON. With ``--products``, also each of the default model's
 matrix shapes as PyTorch's int4 product against the native block product with int8
-activations (``decoding.quantized.BlockMatrix``), the same codes, interleaved.
+activations (``runtime.quantized.BlockMatrix``), the same codes, interleaved.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from decoding.batched import BatchedLM
-from decoding.factory import load_target
-from decoding.target import BatchItem
+from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem
+from runtime.loading import load_target
 from specbench.compare import json_output
 
 MS = 1000.0
@@ -94,8 +94,8 @@ def _call_us(product: Any, x: torch.Tensor, repeats: int) -> float:
 
 def products(args: argparse.Namespace) -> list[dict[str, Any]]:
     """PyTorch's int4 product against the block product, per shape and token count."""
-    from decoding import kernels
-    from decoding.quantized import BlockMatrix, Int4Matrix, quantize_int4
+    from runtime import kernels
+    from runtime.quantized import BlockMatrix, Int4Matrix, quantize_int4
 
     native = kernels.native()
     if not native.has_block_products():

@@ -5,7 +5,7 @@ returns a ``Generation``: the output ids, the wall time of the whole call, and,
 for our own engine, what each speculation round did. Our methods go through
 ``decode()``; the transformers baselines call ``model.generate()`` on the same
 weights: the loaded model itself, or where the runner holds only the modules it runs
-(``decoding.skeleton``), the same files loaded by transformers.
+(``runtime.skeleton``), the same files loaded by transformers.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from decoding import draft_format
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import MODEL_MARGIN, CombinedDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import DEFAULT_MAX_NGRAM, NgramDrafter
 from decoding.policy import MAX_DRAFT_TOKENS
 from decoding.sequence import decode
-from decoding.skeleton import Skeleton
-from decoding.target import CausalLM, pretrained
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
+from runtime import draft_format
+from runtime.causal_lm import CausalLM, pretrained
+from runtime.skeleton import Skeleton
 
 PLAIN = "plain"
 SPEC_NGRAM = "spec:ngram"

@@ -26,13 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from decoding import model_store
 from decoding.engine import Engine
-from decoding.factory import load_target
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.prompting import encode_chat
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from runtime import model_store
+from runtime.causal_lm import CausalLM
+from runtime.loading import load_target
 from specbench.prefix_replicas import chat, redis_url_or_local, replica_rows, rules
 
 GREEDY = SamplingParams(temperature=0.0)

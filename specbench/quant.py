@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from decoding import model_store
-from decoding.factory import PRECISIONS, load_target
-from decoding.kernels import CHOICES as KERNEL_CHOICES
 from decoding.prompting import encode_chat
-from decoding.quantized import BlockMatrix, Int4Matrix, Int8Matrix
-from decoding.target import CausalLM
-from decoding.weights import Matrix, Stacked
+from runtime import model_store
+from runtime.causal_lm import CausalLM
+from runtime.kernels import CHOICES as KERNEL_CHOICES
+from runtime.loading import PRECISIONS, load_target
+from runtime.quantized import BlockMatrix, Int4Matrix, Int8Matrix
+from runtime.weights import Matrix, Stacked
 from specbench.compare import load_prompts
 from specbench.concurrency import measure_bandwidth
 
@@ -148,9 +148,9 @@ def scale_error(gguf_path: Path) -> dict[str, Any]:
     kernels have block products, how far the block matrices' float16 scales move them."""
     import gguf
 
-    from decoding import kernels
-    from decoding.gguf_weights import INT4_TYPES, int4_rows
-    from decoding.quantized import BlockMatrix, block_kernels
+    from runtime import kernels
+    from runtime.gguf_weights import INT4_TYPES, int4_rows
+    from runtime.quantized import BlockMatrix, block_kernels
 
     try:
         blocks = block_kernels(kernels.native(), int8_activations=True)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
-                        help="the targets' elementwise work and attention (decoding.kernels)")
+                        help="the targets' elementwise work and attention (runtime.kernels)")
     parser.add_argument("--rss", action="store_true", help="also a served process's RSS")
     parser.add_argument("--draft-cost", action="store_true",
                         help="also the shipped draft's step per draft dtype")

@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from decoding.drafters.base import Drafter
-from decoding.factory import load_drafter, load_target
+from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from runtime.causal_lm import CausalLM
+from runtime.loading import load_target
 from specbench.compare import json_output, load_prompts
 
 SAMPLERS = ("rejection", "keyed")

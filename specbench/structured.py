@@ -23,8 +23,8 @@ from decoding.drafters.base import Drafter
 from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from runtime.causal_lm import CausalLM
 from specbench.report import machine_info
 
 SCHEMA: dict[str, Any] = {
@@ -92,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from decoding import model_store
-    from decoding.batched import BatchedLM
+    from runtime import model_store
+    from runtime.batched import BatchedLM
 
     target = BatchedLM.load(model_store.resolve(args.target), dtype="float32")
     compiler = GrammarCompiler(target.tokenizer, target.vocab_size)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from decoding.prompting import encode_chat
-from decoding.target import BatchItem, CausalLM, kv_position_bytes
+from runtime.causal_lm import BatchItem, CausalLM, kv_position_bytes
 from specdistill import prompts as prompt_source
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def generate(target_dir: str, data_dir: Path, settings: DataSettings,
     have = sum(answer_tokens(load_shard(p)) for p in done)
     if have >= settings.tokens and (data_dir / HELD_OUT_NAME).exists():
         return have
-    from decoding.batched import BatchedLM
+    from runtime.batched import BatchedLM
 
     target = BatchedLM.load(target_dir, dtype="float32", device=device)
     pools = load_or_make_pools(data_dir, settings.seed)

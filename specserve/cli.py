@@ -12,17 +12,18 @@ from typing import Any, NoReturn, cast
 import torch
 from pydantic import ValidationError
 
-from decoding import model_store
-from decoding.draft_format import DraftFormatError
 from decoding.drafters.base import Drafter
-from decoding.factory import DRAFT_DTYPES, QUANTIZE, DraftSpecError, load_target
-from decoding.kernels import CHOICES as KERNEL_CHOICES
+from decoding.factory import DraftSpecError
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
-from decoding.target import CausalLM, TokenizerMismatchError
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import add_serve_command
 from gateway.startup import fail
+from runtime import model_store
+from runtime.causal_lm import CausalLM, TokenizerMismatchError
+from runtime.draft_format import DraftFormatError
+from runtime.kernels import CHOICES as KERNEL_CHOICES
+from runtime.loading import DRAFT_DTYPES, QUANTIZE, load_target
 from specbench.compare import DraftLoader
 from specbench.methods import ALL_METHODS
 from specbench.peer import add_peer_flags
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("decoding.model_store").setLevel(logging.INFO)
+    logging.getLogger("runtime.model_store").setLevel(logging.INFO)
     logging.getLogger("trt.backends").setLevel(logging.INFO)  # which engine runs the draft
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)

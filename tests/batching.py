@@ -8,22 +8,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from decoding.batched import BatchedLM
 from decoding.drafters.base import Drafter
 from decoding.engine import Engine
-from decoding.policy import (
-    AdaptiveSpeculation,
-    StepCost,
-)
+from decoding.policy import AdaptiveSpeculation, StepCost
 from decoding.prompting import encode_text
 from decoding.sequence import decode
-from decoding.target import BatchItem, CausalLM
-from decoding.types import (
-    GenerationRequest,
-    RoundEvent,
-    SamplingParams,
-    SpeculationParams,
-)
+from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
+from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem, CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from decoding import model_store
-from decoding.batched import BatchedLM
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
-from decoding.target import CausalLM
+from runtime import model_store
+from runtime.batched import BatchedLM
+from runtime.causal_lm import CausalLM
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -14,8 +14,8 @@ from decoding.factory import load_drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from runtime.causal_lm import CausalLM
 from specbench.acceptance import replay
 from specserve.cli import main
 

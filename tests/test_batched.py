@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from decoding import layout, weights
-from decoding.batched import BatchedLM, BatchedState
 from decoding.drafters import NgramDrafter
-from decoding.layout import attention_blocks
-from decoding.memory import FileRows
-from decoding.target import BatchItem, CausalLM
+from runtime import layout, weights
+from runtime.batched import BatchedLM, BatchedState
+from runtime.causal_lm import BatchItem, CausalLM
+from runtime.layout import attention_blocks
+from runtime.memory import FileRows
 from tests.batching import (
     PROMPTS,
     _alone,
@@ -322,7 +322,7 @@ def test_a_family_the_batched_runner_lacks_is_named_with_what_it_needs(
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from decoding.target import supports
+    from runtime.causal_lm import supports
 
     config = getattr(transformers, config_name)(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""Block matrices (decoding.quantized.BlockMatrix): 4- and 8-bit codes with float16 scales
+"""Block matrices (runtime.quantized.BlockMatrix): 4- and 8-bit codes with float16 scales
 and minimums per block of 32 inputs, multiplied with int8 activations by the native
 kernels' ``block_product`` (AVX512-VNNI, or AVX2). Each product against a reference computed here
 from the same int8 activations, a token's result independent of the batch and the thread
@@ -16,12 +16,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 
-from decoding import kernels, model_store
-from decoding.batched import BatchedLM
-from decoding.factory import load_target
-from decoding.gguf_weights import GGUFModel, int4_rows
-from decoding.quantized import BlockMatrix, Int4Matrix, quantize_int4
-from decoding.target import BatchItem
+from runtime import kernels, model_store
+from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem
+from runtime.gguf_weights import GGUFModel, int4_rows
+from runtime.loading import load_target
+from runtime.quantized import BlockMatrix, Int4Matrix, quantize_int4
 from tests.test_gguf import NAMES, dense, encode, file_weights, tiny_dir, write_gguf
 
 __all__ = ["tiny_dir"]  # a fixture, shared
@@ -206,7 +206,7 @@ def test_a_tied_embedding_is_read_from_the_head_s_blocks(native: Any,
     row: bitwise the bfloat16 table it stood for, which is never built (54 MB), and the
     shipped draft shares it."""
     from decoding.factory import load_drafter
-    from decoding.quantized import BlockEmbedding
+    from runtime.quantized import BlockEmbedding
 
     path = model_store.default_gguf()
     model = GGUFModel(path)
@@ -285,7 +285,7 @@ def test_the_portable_build_computes_the_same_products(native: Any, tmp_path: Pa
     script = (
         "import sys, torch\n"
         "from decoding import kernels\n"
-        "from decoding.quantized import BlockMatrix\n"
+        "from runtime.quantized import BlockMatrix\n"
         "native = kernels.native()\n"
         "assert native.has_block_products()\n"
         f"data = torch.load({str(tmp_path / 'cases.pt')!r})\n"
@@ -313,7 +313,7 @@ def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Pa
                                                        tiny_dir: Path) -> None:
     """4-bit, 8-bit (Q8_0) and dense bfloat16 (Q6_K) layer matrices run in one
     ``LayerStack`` call a pass: bitwise the per-layer Python loop's logits."""
-    from decoding import fused
+    from runtime import fused
 
     kinds = {"attn_q": GT.Q8_0, "attn_k": GT.Q8_0, "attn_v": GT.Q8_0, "ffn_down": GT.Q6_K}
     target = load_target(str(write_gguf(tmp_path, tiny_dir, kinds)), quantize="auto")

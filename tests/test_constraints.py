@@ -20,7 +20,6 @@ from decoding.drafters.combined import CombinedDrafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import (
     FinishReason,
     GenerationRequest,
@@ -28,6 +27,7 @@ from decoding.types import (
     SamplingParams,
     SpeculationParams,
 )
+from runtime.causal_lm import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 PERSON = {

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from decoding import kernels, weights
-from decoding.batched import BatchedLM
-from decoding.target import BatchItem, CausalLM
+from runtime import kernels, weights
+from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem, CausalLM
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decoding import draft_format as distilled
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import auto_draft, load_drafter
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from runtime import draft_format as distilled
+from runtime.causal_lm import CausalLM
 from specdistill import data as distill_data
 from specdistill import prompts as prompt_source
 from specdistill.data import (

@@ -31,8 +31,8 @@ from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_text
 from decoding.sampling import apply_penalties, logits_to_probs, output_counts
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from runtime.causal_lm import CausalLM
 
 K = 8
 NEW_TOKENS = K + 2  # the prompt's token, eight drafts, the bonus

@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from decoding.batched import BatchedLM
 from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
 from decoding.drafters.base import BaseDrafter, DraftProposal
 from decoding.drafters.combined import CombinedDrafter
 from decoding.prompting import encode_text
 from decoding.sequence import SequenceDecoder, decode
-from decoding.target import CausalLM, TokenizerMismatchError
 from decoding.types import GenerationRequest, SamplingParams
+from runtime.batched import BatchedLM
+from runtime.causal_lm import CausalLM, TokenizerMismatchError
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -294,15 +294,15 @@ def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> N
 
 def test_a_draft_runs_in_bfloat16_beside_a_float32_target_where_the_cpu_has_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from decoding import factory
+    from runtime import loading
 
-    monkeypatch.setattr(factory, "cpu_has_bf16", lambda: True)
-    assert factory.torch_draft_dtype("float32", "cpu") == "bfloat16"
-    assert factory.torch_draft_dtype("float32", "cpu", "float32") == "float32"
-    assert factory.torch_draft_dtype("bfloat16", "cpu") == "bfloat16"
-    assert factory.torch_draft_dtype("float32", "cuda") == "float32"  # a GPU: as the target
-    monkeypatch.setattr(factory, "cpu_has_bf16", lambda: False)  # emulated: slower, so not
-    assert factory.torch_draft_dtype("float32", "cpu") == "float32"
-    assert factory.torch_draft_dtype("float32", "cpu", "bfloat16") == "bfloat16"  # as asked
+    monkeypatch.setattr(loading, "cpu_has_bf16", lambda: True)
+    assert loading.torch_draft_dtype("float32", "cpu") == "bfloat16"
+    assert loading.torch_draft_dtype("float32", "cpu", "float32") == "float32"
+    assert loading.torch_draft_dtype("bfloat16", "cpu") == "bfloat16"
+    assert loading.torch_draft_dtype("float32", "cuda") == "float32"  # a GPU: as the target
+    monkeypatch.setattr(loading, "cpu_has_bf16", lambda: False)  # emulated: slower, so not
+    assert loading.torch_draft_dtype("float32", "cpu") == "float32"
+    assert loading.torch_draft_dtype("float32", "cpu", "bfloat16") == "bfloat16"  # as asked
     with pytest.raises(ValueError, match="draft dtype"):
-        factory.torch_draft_dtype("float32", "cpu", "float8")
+        loading.torch_draft_dtype("float32", "cpu", "float8")

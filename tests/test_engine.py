@@ -12,8 +12,8 @@ from decoding.drafters import NgramDrafter
 from decoding.engine import Engine, EngineClosedError, QueueFullError, UnknownDrafterError
 from decoding.prompting import encode_text
 from decoding.sequence import ContextOverflowError, decode
-from decoding.target import CausalLM
 from decoding.types import FinishReason, GenerationRequest, SamplingParams, SpeculationParams
+from runtime.causal_lm import CausalLM
 
 # a request that never ends must fail the test, not hang the suite
 pytestmark = pytest.mark.timeout(240)

@@ -8,12 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from decoding.batched import BatchedLM, BatchedState
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.engine import Engine
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import (
     FinishReason,
     GenerationRequest,
@@ -21,6 +19,8 @@ from decoding.types import (
     SamplingParams,
     SpeculationParams,
 )
+from runtime.batched import BatchedLM, BatchedState
+from runtime.causal_lm import CausalLM
 from tests.batching import (
     GREEDY,
     PROMPTS,

@@ -14,14 +14,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 
-from decoding import kernels
-from decoding.batched import BatchedLM
-from decoding.factory import load_target
-from decoding.kernels import KernelsUnavailable
-from decoding.quantized import BlockMatrix
-from decoding.skeleton import GemmaNorm, Skeleton
-from decoding.target import CausalLM
-from decoding.target import pretrained as transformers_pretrained
+from runtime import kernels
+from runtime.batched import BatchedLM
+from runtime.causal_lm import CausalLM
+from runtime.causal_lm import pretrained as transformers_pretrained
+from runtime.kernels import KernelsUnavailable
+from runtime.loading import load_target
+from runtime.quantized import BlockMatrix
+from runtime.skeleton import GemmaNorm, Skeleton
 from tests.test_gguf import encode
 
 WINDOW = 7

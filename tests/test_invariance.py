@@ -17,12 +17,12 @@ import torch
 
 from decoding.drafters import Drafter, NgramDrafter
 from decoding.engine import Engine
-from decoding.factory import load_target
 from decoding.invariance import InvarianceCheck
-from decoding.layout import Layout
 from decoding.prompting import encode_chat
-from decoding.target import BatchItem, CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from runtime.causal_lm import BatchItem, CausalLM
+from runtime.layout import Layout
+from runtime.loading import load_target
 
 GREEDY = SamplingParams(temperature=0.0)
 

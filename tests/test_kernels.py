@@ -1,4 +1,4 @@
-"""The fused CPU kernels (decoding/csrc/kernels.cpp): each against PyTorch's own ops, each
+"""The fused CPU kernels (runtime/csrc/kernels.cpp): each against PyTorch's own ops, each
 token's result independent of the batch and of the thread count, bad calls refused with
 an error, and the runner's choice between them and PyTorch's path."""
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from decoding import kernels
-from decoding.attention import rotate
-from decoding.batched import BatchedLM
-from decoding.target import BatchItem, CausalLM
+from runtime import kernels
+from runtime.attention import rotate
+from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem, CausalLM
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_a_machine_that_cannot_build_them_runs_pytorch(
     monkeypatch.setattr(kernels, "native", kernels.native.__wrapped__)
     with pytest.raises(kernels.KernelsUnavailable, match="could not be built"):
         kernels.resolve("native", torch.device("cpu"))
-    with caplog.at_level(logging.WARNING, logger="decoding.kernels"):
+    with caplog.at_level(logging.WARNING, logger="runtime.kernels"):
         assert kernels.resolve("auto", torch.device("cpu")) is None
     assert "PyTorch path" in caplog.text
 
@@ -398,7 +398,7 @@ def test_the_prefix_cache_namespace_names_the_kernels(tiny_target: CausalLM) -> 
 def test_the_rotary_table_is_the_model_s_rotary_embedding_bitwise(tiny_target: CausalLM) -> None:
     """A pass looks its positions' cos/sin up in a table the model's own rotary embedding
     filled (grown as positions pass its end): bitwise what running it per pass gives."""
-    from decoding.fused import Rotary
+    from runtime.fused import Rotary
 
     assert isinstance(tiny_target, BatchedLM)
     module = tiny_target.model.model.rotary_emb
@@ -450,7 +450,7 @@ def test_the_norms_the_kernels_hold_are_copies(tiny_target: CausalLM) -> None:
     """The norms a pass (and ``LayerStack``) reads are copies of the model's weights, in
     its dtype, even where no conversion is needed (float32): a view would keep the
     weights file's whole mapping resident once a server lets the model's weights go."""
-    from decoding import fused
+    from runtime import fused
 
     assert isinstance(tiny_target, BatchedLM) and tiny_target.dtype == torch.float32
     modules = fused._norms(tiny_target.model)

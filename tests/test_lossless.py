@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.batched import BatchedLM
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.policy import AdaptiveSpeculation, FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
-from decoding.target import BatchItem, CausalLM
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
+from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem, CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 TINY_PROMPTS = [

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from decoding import draft_format, weights
-from decoding.batched import BatchedLM
-from decoding.memory import FileRows
-from decoding.skeleton import ConvertedEmbedding, Embedding
+from runtime import draft_format, weights
+from runtime.batched import BatchedLM
+from runtime.memory import FileRows
+from runtime.skeleton import ConvertedEmbedding, Embedding
 
 NAME = "model.embed_tokens.weight"
 

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.policy import (
-    MIN_CALIBRATION,
-    SpeculationPrior,
-    StepCost,
-    plan_batch,
-)
+from decoding.policy import MIN_CALIBRATION, SpeculationPrior, StepCost, plan_batch
 from tests.batching import (
     _cost,
     _policy,

@@ -16,9 +16,9 @@ from decoding.engine import Engine
 from decoding.prefix_cache import PrefixCache
 from decoding.prompting import encode_chat, encode_text
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
 from gateway.redis_store import RedisStore
+from runtime.causal_lm import CausalLM
 from tests.conftest import RedisServer
 
 GREEDY = SamplingParams(temperature=0.0)

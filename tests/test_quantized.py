@@ -7,13 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.batched import BatchedLM
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.engine import Engine
-from decoding.factory import load_model_drafter, load_target
+from decoding.factory import load_model_drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_text
-from decoding.quantized import (
+from decoding.sequence import decode
+from decoding.types import GenerationRequest, SamplingParams
+from runtime.batched import BatchedLM
+from runtime.causal_lm import CausalLM
+from runtime.loading import load_target
+from runtime.quantized import (
     BlockMatrix,
     Int4Matrix,
     Int8Matrix,
@@ -21,9 +25,6 @@ from decoding.quantized import (
     quantize_int8,
     quantized,
 )
-from decoding.sequence import decode
-from decoding.target import CausalLM
-from decoding.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",

@@ -17,8 +17,8 @@ from decoding.policy import FixedSpeculation
 from decoding.prefix_cache import InProcessStore, PrefixCache
 from decoding.prompting import encode_text
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
+from runtime.causal_lm import CausalLM
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",

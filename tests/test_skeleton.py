@@ -1,4 +1,4 @@
-"""The batched families built from the project's own modules (``decoding.skeleton``): the
+"""The batched families built from the project's own modules (``runtime.skeleton``): the
 same logits as transformers' model classes, bitwise, and a server that never imports
 transformers' modeling code."""
 
@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoding.batched import BatchedLM
-from decoding.model_config import model_config, read_config, tokenizer
-from decoding.skeleton import Rotary, Skeleton, pretrained
-from decoding.target import CausalLM, attention_dims, unbatchable
-from decoding.target import pretrained as transformers_pretrained
+from runtime.batched import BatchedLM
+from runtime.causal_lm import CausalLM, attention_dims, unbatchable
+from runtime.causal_lm import pretrained as transformers_pretrained
+from runtime.model_config import model_config, read_config, tokenizer
+from runtime.skeleton import Rotary, Skeleton, pretrained
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}

@@ -7,9 +7,9 @@ import pytest
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.prompting import encode_text
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.text import TextStream, _backend
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
+from runtime.causal_lm import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"

@@ -32,10 +32,10 @@ from decoding.factory import (
     load_drafter,
     load_model_drafter,
     resolve_auto,
-    torch_draft_dtype,
 )
 from decoding.prefix_cache import PrefixCache
-from decoding.target import CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.loading import torch_draft_dtype
 from trt import store
 from trt.errors import BackendUnavailableError, DraftBackendError
 from trt.manifest import Manifest
@@ -91,7 +91,7 @@ def load_draft(
     ``cache``, a draft model, or several joined by ``+``), or ``auto`` (see
     ``decoding.factory.resolve_auto``); only the model part runs on the backend. The
     chosen backend is ``none``/``builtin`` when no model runs. On PyTorch the model runs
-    in ``draft_dtype`` (``auto``: ``decoding.factory.torch_draft_dtype``).
+    in ``draft_dtype`` (``auto``: ``runtime.loading.torch_draft_dtype``).
     """
     try:
         choice = DraftBackend(backend)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from decoding.factory import NGRAM, NO_DRAFT
-from decoding.target import DTYPES
+from runtime.causal_lm import DTYPES
 from trt import store
 from trt.errors import DraftBackendError
 from trt.export import DEFAULT_OPSET, export_onnx

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from decoding.drafters.model import ModelDrafter
-from decoding.target import BatchItem, CausalLM
+from runtime.causal_lm import BatchItem, CausalLM
 
 
 @dataclass

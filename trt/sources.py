@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from decoding import draft_format as distilled
-from decoding import model_store
-from decoding.target import DTYPES, CausalLM
+from runtime import draft_format as distilled
+from runtime import model_store
+from runtime.causal_lm import DTYPES, CausalLM
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
-from decoding.target import BatchItem, CausalLM, check_same_vocabulary
+from runtime.causal_lm import BatchItem, CausalLM, check_same_vocabulary
 
 
 class DraftModel(Protocol):

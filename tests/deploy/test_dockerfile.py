@@ -210,7 +210,7 @@ def test_dockerignore_lets_in_the_shipped_draft() -> None:
     assert drafts
     for path in drafts:
         assert not _dockerignore_excludes(str(path.relative_to(REPO)))
-    assert _dockerignore_excludes("decoding/drafts/x/other.safetensors")
+    assert _dockerignore_excludes("runtime/drafts/x/other.safetensors")
 
 
 def test_dockerignore_lets_in_everything_the_build_copies(stages: dict[str, Stage]) -> None:

@@ -20,9 +20,9 @@ from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.engine import Engine
-from decoding.target import CausalLM
 from gateway.server import create_app
 from gateway.settings import Settings
+from runtime.causal_lm import CausalLM
 
 TINY = "tiny"
 CHAT = [{"role": "user", "content": "Say something."}]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from decoding.target import CausalLM
 from gateway.server import build_drafters, build_engine, build_prefix_cache, create_app
 from gateway.settings import Settings
+from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import TINY, in_process, tiny_settings
 
 

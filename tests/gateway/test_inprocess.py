@@ -16,10 +16,10 @@ import pytest
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
 from decoding.engine import Engine
 from decoding.prompting import encode_chat, encode_text
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest
 from gateway.server import build_engine, create_app
 from gateway.settings import Settings, add_settings_flags, settings_from_args
+from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 
 
@@ -296,7 +296,7 @@ async def test_models_report_quantized_weights(tiny_target_dir: Path,
     assert card["metadata"]["dtype"] == "bfloat16"
     assert card["metadata"]["draft_dtype"] == "bfloat16"  # int4 codes, bf16 activations
     # int4 matrices as block matrices, where the native kernels have block products
-    from decoding import kernels
+    from runtime import kernels
 
     blocks = kernels.native().has_block_products()
     assert card["metadata"]["product_activations"] == ("int8" if blocks else "bfloat16")

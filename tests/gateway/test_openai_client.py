@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from decoding.engine import Engine
-from decoding.target import CausalLM
 from gateway.server import create_app
+from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import (
     CHAT,
     TINY,

@@ -17,10 +17,10 @@ from decoding.drafters.ngram import NgramDrafter
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import create_app
 from gateway.settings import Settings
+from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import live_server, openai_client, wait_until
 
 pytestmark = pytest.mark.real_model

@@ -19,9 +19,9 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from decoding.target import CausalLM
 from gateway.server import build_drafters
 from gateway.settings import Settings
+from runtime.causal_lm import CausalLM
 from tests.conftest import RedisServer
 from tests.reliability.conftest import Measure
 from tests.reliability.support import (

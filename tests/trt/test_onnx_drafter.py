@@ -11,8 +11,8 @@ import torch
 from decoding.drafters.base import DraftContext, Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from runtime.causal_lm import CausalLM
 from trt.kv_drafter import KVCache, KVDrafter
 from trt.onnx_drafter import load_onnx_drafter
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from runtime.causal_lm import CausalLM
 from trt import tensorrt_drafter
 from trt.errors import DraftBackendError
 from trt.export import export_onnx

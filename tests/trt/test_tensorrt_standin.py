@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import build_engine, create_app
+from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import in_process, tiny_settings
 from tests.trt import fake_tensorrt
 from trt import backends, tensorrt_build, tensorrt_drafter

@@ -15,8 +15,8 @@ from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
 from decoding.prompting import encode_chat
 from decoding.sequence import decode
-from decoding.target import CausalLM
 from decoding.types import GenerationRequest, SamplingParams
+from runtime.causal_lm import CausalLM
 from trt.backends import load_draft
 from trt.manifest import Manifest
 from trt.sources import DraftSource

@@ -1,5 +1,5 @@
 """The batched runner's decoder layers through the fused CPU kernels
-(``decoding.kernels``): per layer four kernel calls and the four matrix products.
+(``runtime.kernels``): per layer four kernel calls and the four matrix products.
 
 Every kernel treats a token on its own and attention reads exactly the keys each token
 sees, so no attention blocks, padding or masks are built (``Layout.build(native=True)``).
@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from decoding import handoff, kernels
-from decoding.layout import Layout
-from decoding.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix
-from decoding.target import GEMMA_FAMILIES, activation
-from decoding.weights import Matrix, Product, multiply, norm_heads
+from decoding import handoff
+from runtime import kernels
+from runtime.causal_lm import GEMMA_FAMILIES, activation
+from runtime.layout import Layout
+from runtime.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix
+from runtime.weights import Matrix, Product, multiply, norm_heads
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
 # rotary embeddings whose cos/sin depend on the position alone (not on the sequence length,

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from decoding import fused
-from decoding.skeleton import Embedding
-from decoding.weights import Matrix, drop_weight, linear_modules
+from runtime import fused
+from runtime.skeleton import Embedding
+from runtime.weights import Matrix, drop_weight, linear_modules
 
 if TYPE_CHECKING:
-    from decoding.batched import BatchedLM
+    from runtime.batched import BatchedLM
 
 EMBEDDING_KEY = "model.embed_tokens.weight"
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -1,5 +1,5 @@
 """A model directory's config and tokenizer, read without transformers' config classes
-where the config states what the batched families need (``decoding.skeleton`` builds
+where the config states what the batched families need (``runtime.skeleton`` builds
 from them): importing any of those classes costs a process ~50 MB (their validators
 import the activations, which bring torch.distributed and sympy).
 """

@@ -25,7 +25,7 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from decoding import model_store
+from runtime import model_store
 
 if TYPE_CHECKING:  # torch is imported where a build is looked for: settings import this
     import torch
@@ -156,7 +156,7 @@ def _warn_once(message: str) -> None:
 
 
 def main() -> None:
-    """``python -m decoding.kernels``: build the kernels now (``make kernels`` does)."""
+    """``python -m runtime.kernels``: build the kernels now (``make kernels`` does)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         native()

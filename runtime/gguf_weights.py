@@ -1,9 +1,9 @@
 """A GGUF file's own quantized weights, served without a float32 copy of the model.
 
-The model's modules are built on the meta device from its config (``decoding.skeleton``),
+The model's modules are built on the meta device from its config (``runtime.skeleton``),
 then only what the batched runner reads is filled: the input embedding and the norms in
 bfloat16 (Gemma's norms in float32), and every matrix in a weight-only format
-(``decoding.quantized``). Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32
+(``runtime.quantized``). Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32
 weights over 4-bit codes, so their codes go unchanged into the int4 kernel's groups of 32
 (only the scales round to bfloat16). Q8_0, Q5_0, Q5_1, Q6_K and float tensors are
 dequantized to bfloat16 (no weight-only kernel takes their groups of 32 and 16). Where
@@ -26,10 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoding import gguf_file, model_config, model_store, skeleton
-from decoding.batched import BatchedLM
-from decoding.kernels import resolve
-from decoding.quantized import (
+from runtime import gguf_file, model_config, model_store, skeleton
+from runtime.batched import BatchedLM
+from runtime.causal_lm import CausalLM
+from runtime.kernels import resolve
+from runtime.quantized import (
     ACTIVATIONS,
     BlockEmbedding,
     BlockMatrix,
@@ -37,9 +38,8 @@ from decoding.quantized import (
     Int4Rows,
     block_kernels,
 )
-from decoding.skeleton import Skeleton
-from decoding.target import CausalLM
-from decoding.weights import LayerWeights, Matrix, Product, Stacked, layer_norms
+from runtime.skeleton import Skeleton
+from runtime.weights import LayerWeights, Matrix, Product, Stacked, layer_norms
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ def _keep(directory: Path, config: Any, tokenizer: Any) -> None:
 def _dequantized(file: Path, dtype: str, device: str, kernels: str = "auto") -> CausalLM:
     from transformers import AutoModelForCausalLM
 
-    from decoding.target import DTYPES
+    from runtime.causal_lm import DTYPES
 
     _, tokenizer = config_and_tokenizer(file)
     model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name,

@@ -272,7 +272,7 @@ def quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
 def load_quantized(path: str, method: str, device: str = "cpu") -> tuple[Any, Any]:
     """A model directory's model in bfloat16 (its matrices to be quantized by ``method``)
     and its tokenizer."""
-    from decoding import skeleton
+    from runtime import skeleton
 
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of "

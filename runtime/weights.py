@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch.nn import functional as F
 
-from decoding import dense
+from runtime import dense
 
 # the product size oneDNN's layout is chosen for (products of 1 to 8 tokens cost about
 # the same packed for 8)
@@ -38,7 +38,7 @@ ONEDNN_MAX_INPUTS = 768
 
 class Product(Protocol):
     """A weight matrix as the forward pass uses it: ``x`` ``[T, in]`` -> ``[T, out]``
-    (a ``Matrix``, or a quantized one from ``decoding.quantized``).
+    (a ``Matrix``, or a quantized one from ``runtime.quantized``).
 
     Calling it computes every row on its own: a row's result does not depend on the
     other rows of the call (batch invariance). ``bulk`` is the fastest product of many
@@ -352,7 +352,7 @@ def fuse(linears: Sequence[Any]) -> Matrix:
 def fuse_quantized(linears: Sequence[Any], method: str, blocks: Any = None) -> Product:
     """One quantized ``[sum(out), in]`` matrix for ``linears``; the modules' own weights
     are dropped (left on the meta device), since only the quantized copy runs."""
-    from decoding.quantized import quantized
+    from runtime.quantized import quantized
 
     weights = [m.weight.detach() for m in linears]
     biases = [getattr(m, "bias", None) for m in linears]
@@ -381,7 +381,7 @@ def head_product(model: Any, quantize: str = "none", blocks: Any = None) -> Prod
     bias = bias.detach() if bias is not None else None
     if quantize == "none":
         return Matrix(weight, bias)
-    from decoding.quantized import quantized
+    from runtime.quantized import quantized
 
     matrix = quantized(weight, bias, quantize, blocks)
     drop_weight(head)  # a tied input embedding keeps its own reference

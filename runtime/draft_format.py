@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from decoding.batched import BatchedLM
-from decoding.model_config import read_config
-from decoding.skeleton import ConvertedEmbedding, Skeleton
-from decoding.target import DTYPES, CausalLM
+from runtime.batched import BatchedLM
+from runtime.causal_lm import DTYPES, CausalLM
+from runtime.model_config import read_config
+from runtime.skeleton import ConvertedEmbedding, Skeleton
 
 log = logging.getLogger(__name__)
 

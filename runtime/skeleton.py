@@ -28,9 +28,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
-from decoding import target
-from decoding.model_config import model_config, tokenizer
-from decoding.target import (
+from runtime import causal_lm as target
+from runtime.causal_lm import (
     DTYPES,
     FUSED_FAMILIES,
     GEMMA_FAMILIES,
@@ -39,6 +38,7 @@ from decoding.target import (
     layer_window,
     unbatchable,
 )
+from runtime.model_config import model_config, tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""Attention and rotary embedding for the batched runner (``decoding.batched``).
+"""Attention and rotary embedding for the batched runner (``runtime.batched``).
 
 ``GroupedAttention.attend`` runs one padded block ``[rows, width]`` of queries against
 the cache rows it covers; ``rotate`` applies the rotary embedding to queries and keys at
 once. Every op here treats a token (a query, a row of keys) on its own, so a query's
 result does not depend on what else is in the block: the reductions run over the
-block's key span, which ``decoding.layout`` pads to a multiple of ``SPAN_ALIGN``.
+block's key span, which ``runtime.layout`` pads to a multiple of ``SPAN_ALIGN``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
-    from decoding.layout import Layout
+    from runtime.layout import Layout
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

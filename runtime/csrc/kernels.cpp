@@ -1,4 +1,4 @@
-// Fused CPU kernels for the batched runner's decoder layers (decoding/kernels.py loads them).
+// Fused CPU kernels for the batched runner's decoder layers (runtime/kernels.py loads them).
 //
 // Every kernel computes each token (a row of the packed batch) on its own, with a fixed
 // order of floating-point operations that depends on nothing but that token: its result
@@ -968,7 +968,7 @@ bool has_block_products() { return kBlockProducts; }
 // --- products of float32 and bfloat16 matrices --------------------------------------------
 
 // A float32 or bfloat16 [out, in] matrix packed in groups of 64 output rows, each group
-// input by input (decoding/dense.py packs it; rows past `out` are zeros): float32 as
+// input by input (runtime/dense.py packs it; rows past `out` are zeros): float32 as
 // [groups, in, 64]; bfloat16 as [groups, in / 2, 64, 2], each row's inputs in pairs.
 // Output row c of a token is one chain of fused multiply-adds over the inputs in order,
 // starting from zero, then the bias; bfloat16 takes each pair's odd input first, as
@@ -1196,7 +1196,7 @@ constexpr int64_t kTorchInt4 = 0, kDenseBf16 = 16, kDenseF32 = 32;
 
 // The layers of a Llama-family model whose matrices are all PyTorch's packed int4 (in
 // bfloat16), or all native ones (4- and 8-bit block matrices, dense ones in the model's
-// dtype, mixed as a GGUF file mixes its tensor types): the same calls decoding/fused.py makes per layer, in
+// dtype, mixed as a GGUF file mixes its tensor types): the same calls runtime/fused.py makes per layer, in
 // the same order, without a Python round trip per op. Its output is bitwise the Python
 // loop's.
 class LayerStack {
@@ -1402,7 +1402,7 @@ class LayerStack {
   }
 
   // PyTorch's int4 matrices (native ones run in forward_native), as
-  // decoding/quantized.py Int4Matrix.__call__ and decoding/fused.py product do
+  // runtime/quantized.py Int4Matrix.__call__ and runtime/fused.py product do
   at::Tensor product(const at::Tensor& x, size_t i) const {
     at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, packed_[i], group_, scales_zeros_[i]);
     if (y.size(1) != out_[i]) y = y.narrow(1, 0, out_[i]);

@@ -1,6 +1,6 @@
-"""The batched runner's decoder layers as PyTorch ops (``decoding.fused`` is the native
+"""The batched runner's decoder layers as PyTorch ops (``runtime.fused`` is the native
 kernels' path): the matrix products over the packed tokens, attention per padded block
-(``decoding.attention``), each layer's window and norms as its family has them.
+(``runtime.attention``), each layer's window and norms as its family has them.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from decoding import handoff
-from decoding.attention import rotate
-from decoding.layout import Layout
-from decoding.weights import Product, multiply, norm_heads
+from runtime.attention import rotate
+from runtime.layout import Layout
+from runtime.weights import Product, multiply, norm_heads
 
 
 def forward(runner: Any, batch: Layout) -> torch.Tensor:

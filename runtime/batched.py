@@ -2,7 +2,7 @@
 
 ``BatchedLM`` runs Llama-family models (Llama, Mistral without a sliding window,
 Qwen2, Qwen3) with its own forward over the model's modules and its own weight matrices
-(``decoding.weights``; quantized: ``decoding.quantized``), so that several sequences,
+(``runtime.weights``; quantized: ``runtime.quantized``), so that several sequences,
 each adding a different number of tokens at a different position, share one pass
 over the weights. At small batch a step is bound by reading the weights, so
 verifying eight streams' drafts costs little more than verifying one.
@@ -17,7 +17,7 @@ when the last sequence leaves.
 A forward packs every sequence's new tokens into one list for the matrix
 products (a ragged batch costs its real tokens, not the longest row times the
 rows). The norms, rotary embedding, attention and activation run in fused CPU
-kernels (``decoding.fused``), or as PyTorch ops that pad the tokens to
+kernels (``runtime.fused``), or as PyTorch ops that pad the tokens to
 ``[rows, width]`` for attention, where a mask lets each query see its own row's
 cached keys and the new keys up to itself.
 
@@ -34,13 +34,9 @@ from typing import Any
 
 import torch
 
-from decoding import fused, layers, skeleton
-from decoding.attention import GroupedAttention
-from decoding.kernels import resolve
-from decoding.layout import SPAN_ALIGN, Layout
-from decoding.memory import release_plain_weights
-from decoding.quantized import BlockMatrix, block_kernels, load_quantized
-from decoding.target import (
+from runtime import fused, layers, skeleton
+from runtime.attention import GroupedAttention
+from runtime.causal_lm import (
     BatchItem,
     CausalLM,
     TargetCapabilities,
@@ -48,7 +44,11 @@ from decoding.target import (
     needs_skeleton,
     supports,
 )
-from decoding.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
+from runtime.kernels import resolve
+from runtime.layout import SPAN_ALIGN, Layout
+from runtime.memory import release_plain_weights
+from runtime.quantized import BlockMatrix, block_kernels, load_quantized
+from runtime.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class BatchedLM(CausalLM):
         self._weights = list(weights or [LayerWeights.of(x, quantize, blocks)
                                          for x in self._layers])
         self._head = head if head is not None else head_product(model, quantize, blocks)
-        self._kernels: Any = None  # the fused CPU kernels (decoding/fused.py), or None
+        self._kernels: Any = None  # the fused CPU kernels (runtime/fused.py), or None
         self._rotary = fused.Rotary(self._inner.rotary_emb)  # cos/sin for the kernels
         self._norms: list[fused.Norm] = []
         self.use_kernels(kernels)
@@ -129,7 +129,7 @@ class BatchedLM(CausalLM):
         matrices multiply int8-quantized activations where the native kernels can
         (``quantized.BlockMatrix``)."""
         if str(path).endswith(".gguf"):
-            from decoding import gguf_weights
+            from runtime import gguf_weights
 
             return gguf_weights.load(path, dtype, device, quantize, kernels, int8_activations)
         if quantize in ("none", "auto"):
