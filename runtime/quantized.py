@@ -10,6 +10,7 @@ product, faster from a few hundred tokens on. Method and figures: docs/quantizat
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch.nn import functional as F
 
 INT4_GROUP = 32  # weights sharing a scale and a zero along the input dimension
 INT4_TILES = 2  # the kernel's inner K tiles (K must be a multiple of 16 x this)
-PACK_ROWS = 64  # the CPU packing interleaves blocks of 64 output rows
+PACK_ROWS = 64  # the CPU packing interleaves blocks of up to 64 output rows
 ACTIVATIONS = torch.bfloat16
 METHODS = ("none", "int8", "int4")
 
@@ -48,6 +49,22 @@ class Int4Rows:
 
     def take(self, rows: torch.Tensor) -> Int4Rows:  # rows: [n] indices
         return Int4Rows(self.codes[rows], self.scale[rows], self.low[rows], self.group)
+
+
+@functools.cache
+def packed_block_rows() -> int:
+    """How many output rows PyTorch's CPU int4 packing interleaves: it depends on the
+    instruction set its kernel runs (64 with AVX-512, 32 with AVX2), so it is read off
+    a probe: one code set at row 32, input 0, found where each block size puts it."""
+    probe = torch.zeros(PACK_ROWS, 16 * INT4_TILES, dtype=torch.int32)
+    probe[32, 0] = 1
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, INT4_TILES).reshape(-1)
+    for rows in (64, 32, 16):
+        block, d = divmod(32, rows)
+        byte = block * probe.shape[1] * (rows // 2) + d % (rows // 2)
+        if int(packed[byte]) == (1 << 4 if d >= rows // 2 else 1):
+            return rows
+    raise RuntimeError("PyTorch's int4 packing has a layout this runtime does not read")
 
 
 class Int4Matrix:
@@ -86,10 +103,11 @@ class Int4Matrix:
         return F.linear(x.to(ACTIVATIONS), self.dequantize(), self.bias)
 
     def codes(self) -> torch.Tensor:  # [out, in] uint8: the 4-bit codes, unpacked
-        # the layout: [out / 64, in, 32] bytes; the low nibble holds row d of each block
-        # of 64, the high nibble row 32 + d
-        blocks = self.packed.view(self._padded // PACK_ROWS, self.in_features, PACK_ROWS // 2)
-        halves = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [out / 64, in, 64]
+        # the layout: [out / B, in, B / 2] bytes; the low nibble holds row d of each block
+        # of B rows, the high nibble row B / 2 + d (B: ``packed_block_rows``)
+        rows = packed_block_rows()
+        blocks = self.packed.view(self._padded // rows, self.in_features, rows // 2)
+        halves = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [out / B, in, B]
         return halves.transpose(1, 2).reshape(self._padded, self.in_features)[
             : self.out_features]
 
