@@ -32,6 +32,9 @@ class InvarianceStats:
     checks: int = 0
     mismatches: int = 0
 
+    def counts(self) -> dict[str, int]:
+        return {"checks": self.checks, "mismatches": self.mismatches}
+
 
 class InvarianceCheck:
     """Checks a ``rate`` fraction of rounds (0 to 1)."""

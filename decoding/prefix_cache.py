@@ -28,7 +28,7 @@ import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -86,6 +86,11 @@ class CacheStats:
         with self.lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+
+    def counts(self) -> dict[str, int]:
+        """Every counter by name (what the metrics exporter reads)."""
+        with self.lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
 
 
 class InProcessStore:

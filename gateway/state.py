@@ -48,9 +48,9 @@ class GatewayState:
             metrics.track_engine(lambda: engine.num_running, lambda: engine.num_waiting)
             if engine.prefix_cache is not None:
                 kind = "redis" if self.settings.redis_url else "in-process"
-                metrics.track_cache(engine.prefix_cache.stats, kind)
+                metrics.track_cache(engine.prefix_cache.stats.counts, kind)
             if engine.invariance_check is not None:
-                metrics.track_invariance(engine.invariance_check.stats)
+                metrics.track_invariance(engine.invariance_check.stats.counts)
         self.ready = True
 
     @property

@@ -14,18 +14,16 @@ Speculation is counted, never pre-averaged, so that PromQL derives the rates:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from decoding.invariance import InvarianceStats
-from decoding.policy import MAX_DRAFT_TOKENS
-from decoding.prefix_cache import CacheStats
-
 PREFIX = "specserve"
+# the accepted-per-position counter's positions (no draft is longer)
+POSITION_LABELS = 8
 # Request-scale latencies reach minutes on CPUs and long generations.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                    160.0, 320.0, 640.0)
@@ -126,13 +124,13 @@ class Metrics:
         self.running.set_function(lambda: float(running()))
         self.waiting.set_function(lambda: float(waiting()))
 
-    def track_cache(self, stats: CacheStats, store: str) -> None:
-        """Export a prefix cache's counters (read at scrape time)."""
-        self.registry.register(_CacheCollector(stats, store))
+    def track_cache(self, counts: Callable[[], Mapping[str, int]], store: str) -> None:
+        """Export a prefix cache's counters, ``counts()`` read at scrape time."""
+        self.registry.register(_CacheCollector(counts, store))
 
-    def track_invariance(self, stats: InvarianceStats) -> None:
-        """Export the run-time invariance check's counts (``decoding.invariance``)."""
-        self.registry.register(_InvarianceCollector(stats))
+    def track_invariance(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export the run-time invariance check's ``checks`` and ``mismatches``."""
+        self.registry.register(_InvarianceCollector(counts))
 
     def record_round(self, model: str, drafter: str, drafted: int, accepted: int,
                      draft_s: float, verify_s: float) -> None:
@@ -140,15 +138,15 @@ class Metrics:
             self.drafts.labels(model, drafter).inc()
             self.draft_tokens.labels(model, drafter).inc(drafted)
             self.accepted_tokens.labels(model, drafter).inc(accepted)
-            for position in range(min(accepted, MAX_DRAFT_TOKENS)):
+            for position in range(min(accepted, POSITION_LABELS)):
                 self.accepted_per_pos.labels(model, drafter, str(position)).inc()
             self.round_duration.labels(model, drafter, "draft").observe(draft_s)
         self.round_duration.labels(model, drafter, "verify").observe(verify_s)
 
 
 class _CacheCollector(Collector):
-    def __init__(self, stats: CacheStats, store: str) -> None:
-        self.stats = stats
+    def __init__(self, counts: Callable[[], Mapping[str, int]], store: str) -> None:
+        self.counts = counts
         self.store = store
 
     def collect(self) -> Iterable[Metric]:
@@ -170,9 +168,10 @@ class _CacheCollector(Collector):
                                         "Continuation lookups that found tokens."),
             "cache_errors": ("errors", "Cache store failures and rejected values."),
         }
+        counts = self.counts()
         for name, (attr, doc) in fields.items():
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["store"])
-            family.add_metric([self.store], float(getattr(self.stats, attr)))
+            family.add_metric([self.store], float(counts[attr]))
             yield family
 
     def describe(self) -> Iterable[Any]:
@@ -180,17 +179,18 @@ class _CacheCollector(Collector):
 
 
 class _InvarianceCollector(Collector):
-    def __init__(self, stats: InvarianceStats) -> None:
-        self.stats = stats
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self.counts = counts
 
     def collect(self) -> Iterable[Metric]:
+        counts = self.counts()
         for name, attr, doc in (
                 ("invariance_checks", "checks", "Rounds whose pass was checked against "
                  "one-token steps (--check-invariance)."),
                 ("invariance_mismatches", "mismatches", "Checked rounds whose pass gave "
                  "other logits than a one-token step.")):
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc)
-            family.add_metric([], float(getattr(self.stats, attr)))
+            family.add_metric([], float(counts[attr]))
             yield family
 
     def describe(self) -> Iterable[Any]:

@@ -14,9 +14,9 @@ from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from decoding.types import RoundEvent
 from observability.logging import log_request
 from observability.metrics import Metrics
+from observability.rounds import RoundFacts
 from observability.tracing import RequestSpan, build_tracer_provider
 
 # the GenAI operation of each endpoint (a Responses request is a chat)
@@ -62,7 +62,7 @@ class RequestTelemetry:
             self.telemetry.metrics.queue_time.labels(self.telemetry.model).observe(
                 max(0.0, started_at - submitted_at))
 
-    def round(self, event: RoundEvent, drafter: str | None) -> None:
+    def round(self, event: RoundFacts, drafter: str | None) -> None:
         m, model = self.telemetry.metrics, self.telemetry.model
         now = time.monotonic()
         committed = len(event.token_ids)

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from decoding.types import RoundEvent
+from observability.rounds import RoundFacts
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class RequestSpan:
         self.tracer = tracer
         self._context = set_span_in_context(self.span)
 
-    def round(self, event: RoundEvent, drafter: str | None) -> None:
+    def round(self, event: RoundFacts, drafter: str | None) -> None:
         """A child span covering the round that produced ``event`` (ended now); none
         where the request's span is not recorded."""
         if not self.span.is_recording():

@@ -396,3 +396,29 @@ def test_real_prometheus_scrapes_responses_and_tool_calls(
             assert float(requests[0]["value"][1]) == 1  # type: ignore[index]
     finally:
         server.shutdown()
+
+
+def test_the_invariance_check_and_the_cache_are_read_at_scrape_time() -> None:
+    """The exporter reads the core's counters each scrape, from plain counts."""
+    from decoding.invariance import InvarianceStats
+    from decoding.prefix_cache import CacheStats
+
+    metrics, invariance, cache = Metrics(), InvarianceStats(), CacheStats()
+    metrics.track_invariance(invariance.counts)
+    metrics.track_cache(cache.counts, "in-process")
+
+    def scraped() -> dict[str, float]:
+        return {s.name: s.value
+                for family in text_string_to_metric_families(
+                    generate_latest(metrics.registry).decode())
+                for s in family.samples if s.name.endswith("_total")}
+
+    assert scraped()["specserve_invariance_mismatches_total"] == 0
+    invariance.checks, invariance.mismatches = 5, 1
+    cache.add(lookups=3, hits=2, errors=1)
+    now = scraped()
+    assert now["specserve_invariance_checks_total"] == 5
+    assert now["specserve_invariance_mismatches_total"] == 1
+    assert now["specserve_prefix_cache_lookups_total"] == 3
+    assert now["specserve_prefix_cache_hits_total"] == 2
+    assert now["specserve_cache_errors_total"] == 1
