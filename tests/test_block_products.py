@@ -284,7 +284,7 @@ def test_the_portable_build_computes_the_same_products(native: Any, tmp_path: Pa
     torch.save({"cases": cases, "inputs": inputs}, tmp_path / "cases.pt")
     script = (
         "import sys, torch\n"
-        "from decoding import kernels\n"
+        "from runtime import kernels\n"
         "from runtime.quantized import BlockMatrix\n"
         "native = kernels.native()\n"
         "assert native.has_block_products()\n"

@@ -220,7 +220,7 @@ def test_every_build_computes_the_same_products(native: Any, tmp_path: Path, arc
     torch.save(cases, tmp_path / "cases.pt")
     script = (
         "import torch\n"
-        "from decoding import kernels, weights\n"
+        "from runtime import kernels, weights\n"
         "native = kernels.native()\n"
         f"cases = torch.load({str(tmp_path / 'cases.pt')!r})\n"
         "out = {}\n"

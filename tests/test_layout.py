@@ -1,9 +1,10 @@
 """The package layout is the architecture: imports point one way.
 
-gateway -> decoding <- trt; benchmarks (specbench) and training (specdistill) import
-the core and nothing serving imports them; observability is imported by anyone (and
-reads decoding's value types); the
-command line (specserve) is the one place that imports everything.
+gateway -> decoding -> runtime, and trt implements decoding's drafter protocol;
+benchmarks (specbench) and training (specdistill) import the core and nothing serving
+imports them; observability is imported by anyone and imports nothing of ours (callers
+hand it plain values); the command line (specserve) is the one place that imports
+everything.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "decoding", "trt", "observability", "specbench", "specdistill",
-            "specserve")
+PACKAGES = ("gateway", "decoding", "runtime", "trt", "observability", "specbench",
+            "specdistill", "specserve")
 # what each package must never import (directly, at any depth of the module)
 FORBIDDEN = {
-    "decoding": {"gateway", "trt", "specbench", "specdistill", "specserve", "fastapi",
-                 "redis", "tensorrt", "onnxruntime", "uvicorn"},
+    "decoding": {"gateway", "trt", "specbench", "specdistill", "specserve", "observability",
+                 "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
+    "runtime": {"gateway", "trt", "specbench", "specdistill", "specserve", "observability",
+                "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
     "gateway": {"trt", "specbench", "specdistill", "specserve", "tensorrt", "onnxruntime"},
     "trt": {"gateway", "specbench", "specdistill", "specserve"},
-    "observability": {"gateway", "trt", "specbench", "specdistill", "specserve"},
+    "observability": {"gateway", "decoding", "runtime", "trt", "specbench", "specdistill",
+                      "specserve"},
     "specbench": {"specserve", "specdistill"},
     "specdistill": {"specserve", "specbench", "gateway"},
 }
@@ -56,7 +60,7 @@ def test_every_package_is_checked() -> None:
     assert found == set(PACKAGES)
 
 
-@pytest.mark.parametrize("package", ["decoding", "gateway", "observability", "trt"])
+@pytest.mark.parametrize("package", ["decoding", "runtime", "gateway", "observability", "trt"])
 def test_serving_modules_stay_small(package: str) -> None:
     long = {str(path.relative_to(ROOT)): n for path in _modules(package)
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_SERVING_LINES}

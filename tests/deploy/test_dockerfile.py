@@ -21,8 +21,8 @@ from packaging.utils import canonicalize_name
 from tests.deploy.conftest import REPO, require_tool
 
 DOCKERFILE = REPO / "Dockerfile"
-SOURCE_DIRS = ("gateway", "decoding", "trt", "observability", "specserve", "specbench",
-               "specdistill")
+SOURCE_DIRS = ("gateway", "decoding", "runtime", "trt", "observability", "specserve",
+               "specbench", "specdistill")
 
 
 @dataclass
@@ -206,7 +206,7 @@ def test_dockerignore_keeps_out(path: str) -> None:
 
 def test_dockerignore_lets_in_the_shipped_draft() -> None:
     """The default draft is package data (pyproject.toml), so the image must get it."""
-    drafts = sorted((REPO / "decoding" / "drafts").glob("*/draft.safetensors"))
+    drafts = sorted((REPO / "runtime" / "drafts").glob("*/draft.safetensors"))
     assert drafts
     for path in drafts:
         assert not _dockerignore_excludes(str(path.relative_to(REPO)))

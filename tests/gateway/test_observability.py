@@ -422,3 +422,10 @@ def test_the_invariance_check_and_the_cache_are_read_at_scrape_time() -> None:
     assert now["specserve_prefix_cache_lookups_total"] == 3
     assert now["specserve_prefix_cache_hits_total"] == 2
     assert now["specserve_cache_errors_total"] == 1
+
+
+def test_the_position_labels_cover_the_longest_draft() -> None:
+    from decoding.policy import MAX_DRAFT_TOKENS
+    from observability.metrics import POSITION_LABELS
+
+    assert POSITION_LABELS >= MAX_DRAFT_TOKENS
