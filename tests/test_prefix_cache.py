@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -10,8 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from decoding.drafters.base import DraftContext
 from decoding.drafters.continuation import ContinuationDrafter
-from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
+from decoding.prefix_cache import CONTEXT_TOKENS, InProcessStore, PrefixCache, PrefixStore
 from decoding.prompting import encode_text
 from decoding.sequence import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
@@ -120,6 +122,32 @@ def test_continuation_drafts_repeat_earlier_work(tiny_target: CausalLM) -> None:
     assert sum(e.accepted_tokens for e in first) == 0
     assert sum(e.accepted_tokens for e in again) >= 30
     assert len(again) < len(first) / 3
+
+
+def test_corrupt_continuation_is_a_miss_and_proposes_nothing(tiny_target: CausalLM) -> None:
+    store = InProcessStore()
+    cache = _cache(store)
+    drafter = ContinuationDrafter(cache, tiny_target.vocab_size)
+    prompt = _ids(tiny_target, PASSAGE)
+    _run(tiny_target, prompt, cache, drafter, n=8)
+    context = DraftContext(token_ids=prompt, sampling=GREEDY, generator=None)
+    remembered = drafter.propose(None, context, k=8).tokens
+    assert len(remembered) == 8  # what followed the prompt is remembered
+    key = cache.continuation_key(prompt[-CONTEXT_TOKENS:])
+    value = store.get_many([key])[0]
+    assert value is not None
+    (count,) = struct.unpack_from("<I", value)
+    stored = struct.unpack_from(f"<{count}I", value, 4)
+    assert stored[:8] == remembered
+    # other in-vocabulary tokens in place of the stored ones: the count and every length
+    # still agree, only the checksum after the tokens can tell
+    forged = struct.pack(f"<{count}I", *((t + 1) % tiny_target.vocab_size for t in stored))
+    store.put_many([(key, value[:4] + forged + value[4 + len(forged):])])
+    errors, hits = cache.stats.errors, cache.stats.continuation_hits
+    assert cache.continuation(prompt) == ()
+    assert drafter.propose(None, context, k=8).tokens == ()
+    assert cache.stats.errors == errors + 2
+    assert cache.stats.continuation_hits == hits
 
 
 # -- Redis -------------------------------------------------------------------------
