@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from decoding.drafters import NgramDrafter
+from decoding.drafters.base import DraftContext
 from decoding.engine import Engine, EngineClosedError, QueueFullError, UnknownDrafterError
 from decoding.prompting import encode_text
 from decoding.sequence import ContextOverflowError, decode
 from decoding.types import FinishReason, GenerationRequest, SamplingParams, SpeculationParams
+from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 
 # a request that never ends must fail the test, not hang the suite
@@ -65,17 +69,51 @@ def test_concurrent_requests_interleave(tiny_target: CausalLM) -> None:
     assert engine.forward_passes == 12  # one prefill pass for both, then 11 shared rounds
 
 
-def test_cancel_frees_the_slot(engine: Engine, tiny_target: CausalLM) -> None:
-    stream = engine.submit(_request(tiny_target, "a b c", n=400))
-    first = next(iter(stream))
-    assert first.token_ids
-    stream.cancel()
-    deadline = time.monotonic() + 10
-    while engine.num_running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.num_running == 0 and engine.num_waiting == 0
-    other = engine.submit(_request(tiny_target, "still works", n=5))
-    assert sum(len(e.token_ids) for e in other) == 5
+class _HeldDrafter(NgramDrafter):
+    """Prompt lookup that holds the model thread before its second decode round until
+    let go: the request is surely still running (and holding its KV row) meanwhile.
+    (Not the first: the prefill's event is handed over when that round's pass starts.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rounds = 0
+        self.holding = threading.Event()
+        self.go = threading.Event()
+
+    def source(self, state: Any, context: DraftContext) -> str:
+        self.rounds += 1
+        if self.rounds == 2:
+            self.holding.set()
+            assert self.go.wait(30), "never let go"
+        return super().source(state, context)
+
+
+def test_cancel_frees_the_slot_and_the_kv_rows(tiny_target: CausalLM) -> None:
+    assert isinstance(tiny_target, BatchedLM)
+    drafter = _HeldDrafter()
+    engine = Engine(tiny_target, {"ngram": drafter}, default_drafter="ngram", max_active=2)
+    engine.start()
+    try:
+        rows = tiny_target.rows_in_use
+        stream = engine.submit(_request(tiny_target, "a b c", n=400))
+        first = next(iter(stream))
+        assert first.token_ids
+        assert drafter.holding.wait(10)
+        assert engine.num_running == 1
+        assert tiny_target.rows_in_use == rows + 1  # the running sequence holds a KV row
+        stream.cancel()
+        drafter.go.set()
+        deadline = time.monotonic() + 10
+        while ((engine.num_running or tiny_target.rows_in_use != rows)
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        assert engine.num_running == 0 and engine.num_waiting == 0
+        assert tiny_target.rows_in_use == rows  # its KV row is given back too
+        other = engine.submit(_request(tiny_target, "still works", n=5))
+        assert sum(len(e.token_ids) for e in other) == 5
+    finally:
+        drafter.go.set()
+        engine.shutdown()
 
 
 def test_queue_full_is_refused(tiny_target: CausalLM) -> None:
