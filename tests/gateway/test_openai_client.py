@@ -71,6 +71,37 @@ def test_n_choices_stream_interleaved(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks].count("length") == 2
 
 
+def tokens_by_index(chunks: list[Any]) -> dict[int, int]:
+    """Tokens streamed per choice (requested with logprobs: one entry per token)."""
+    out: dict[int, int] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            out[choice.index] = out.get(choice.index, 0) + len(choice.logprobs.content
+                                                                if choice.logprobs else ())
+    return out
+
+
+def finishes_by_index(chunks: list[Any]) -> dict[int, str]:
+    return {choice.index: choice.finish_reason for chunk in chunks for choice in chunk.choices
+            if choice.finish_reason is not None}
+
+
+def test_every_choice_honours_max_tokens(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"temperature": 1.0, "seed": 3, "n": 2, "logprobs": True}
+    limit = 6
+    longer = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=3 * limit,
+                                            **kwargs)
+    assert all(len(c.logprobs.content) > limit for c in longer.choices)  # both would go on
+    whole = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=limit,
+                                           **kwargs)
+    assert [(len(c.logprobs.content), c.finish_reason) for c in whole.choices] == \
+        [(limit, "length")] * 2
+    assert whole.usage.completion_tokens == 2 * limit
+    chunks = stream_chat(client, max_tokens=limit, **kwargs)
+    assert tokens_by_index(chunks) == {0: limit, 1: limit}
+    assert finishes_by_index(chunks) == {0: "length", 1: "length"}
+
+
 def test_seed_reproducibility(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         r = client.completions.create(model=TINY, prompt="Once upon a time", max_tokens=8,
