@@ -184,6 +184,21 @@ def test_usage_in_stream(client: openai.OpenAI) -> None:
     assert all(c.choices for c in without)
 
 
+def test_usage_in_stream_counts_every_choice(client: openai.OpenAI) -> None:
+    one = client.chat.completions.create(model=TINY, messages=CHAT, max_tokens=1)
+    chunks = stream_chat(client, max_tokens=5, n=2, temperature=1.0, seed=4, logprobs=True,
+                         stream_options={"include_usage": True})
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
+    last = chunks[-1]
+    assert last.choices == []
+    tokens = tokens_by_index(chunks)
+    assert set(tokens) == {0, 1} and all(tokens.values())
+    assert last.usage.completion_tokens == tokens[0] + tokens[1]
+    assert last.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
 def test_echo(client: openai.OpenAI) -> None:
     prompt = "Echo this prompt:"
     whole = client.completions.create(model=TINY, prompt=prompt, max_tokens=3, temperature=0,
