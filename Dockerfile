@@ -50,22 +50,21 @@ RUN python pyproject_requirements.py pyproject.toml "${EXTRAS}" > requirements.t
 
 # ---------------------------------------------------------------------------
 # The fused CPU kernels (runtime/csrc), built here with g++ so the slim runtime needs no
-# compiler. KERNELS_ARCH is the instruction set they may use: x86-64-v3 (AVX2, with the
-# int8-activation block products) runs on any recent x86 server; x86-64-v4 adds AVX-512
-# (faster attention), and a -march with AVX512-VNNI (icelake-server, znver4) the faster
-# block products, where every node has it.
+# compiler: once per instruction-set level (default, avx2, avx512, avx512_vnni), so the
+# one image runs on any x86-64 host with that host's best level (every level computes
+# the same; SPECSERVE_CPU_CAPABILITY forces a lower one).
 FROM cpu-deps AS cpu-kernels
-ARG KERNELS_ARCH=x86-64-v3
-ENV SPECSERVE_KERNELS_DIR=/opt/specserve/kernels \
-    SPECSERVE_KERNELS_ARCH=${KERNELS_ARCH}
+ENV SPECSERVE_KERNELS_DIR=/opt/specserve/kernels
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-deps /wheels/specserve-*.whl \
-    && python -m runtime.kernels \
-    && test -n "$(find /opt/specserve/kernels -name 'specserve_kernels.so')"
+    && python -m runtime.kernels --all \
+    && for level in default avx2 avx512 avx512_vnni; do \
+        test -n "$(find /opt/specserve/kernels -name "specserve_kernels_${level}.so")"; \
+    done
 
 # ---------------------------------------------------------------------------
 # GPU base: NVIDIA's CUDA runtime image with the distribution's Python.
@@ -148,7 +147,6 @@ CMD []
 # CPU runtime (the default target, so it comes last).
 FROM ${PYTHON_IMAGE} AS cpu
 ARG BAKE_MODEL=false
-ARG KERNELS_ARCH=x86-64-v3
 LABEL org.opencontainers.image.title="specserve" \
       org.opencontainers.image.description="OpenAI-compatible LLM server with lossless speculative decoding (CPU)" \
       org.opencontainers.image.version="0.1.0" \
@@ -162,8 +160,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     SPECSERVE_HOME=/var/lib/specserve \
     HF_HOME=/var/lib/specserve/huggingface \
     XDG_CACHE_HOME=/tmp/.cache \
-    SPECSERVE_KERNELS_DIR=/opt/specserve/kernels \
-    SPECSERVE_KERNELS_ARCH=${KERNELS_ARCH}
+    SPECSERVE_KERNELS_DIR=/opt/specserve/kernels
 RUN groupadd --system --gid 10001 specserve \
     && useradd --system --uid 10001 --gid specserve --create-home --home-dir /home/specserve \
         --shell /usr/sbin/nologin specserve \

@@ -63,14 +63,26 @@ ENGINE_JOIN_SECONDS = 0.0  # the drain already waited; cancel whatever is left
 
 def kernels_key(target: CausalLM) -> str:
     """What computed the cached KV besides the weights: the two kernel paths round
-    differently, and so do native builds for other instruction sets (a replica reading
-    another's KV would then not continue as plain decoding would)."""
+    differently (a replica reading another's KV would then not continue as plain
+    decoding would), and so may two versions of the native sources. The native
+    kernels' instruction-set levels compute the same, so replicas on different CPUs
+    share their entries."""
     products = getattr(target, "product_activations", "")
     if getattr(target, "kernels", "torch") != "native":
         return "torch" if products != "int8" else "torch-int8"
-    from runtime.kernels import build_dir
+    from runtime.kernels import source_digest
 
-    return f"native-{build_dir().name}" + ("-int8" if products == "int8" else "")
+    return f"native-{source_digest()[:16]}" + ("-int8" if products == "int8" else "")
+
+
+def kernels_name(target: CausalLM) -> str:
+    """What /v1/models says computes the target: ``torch``, or ``native-`` and the
+    instruction-set level of the kernels loaded (``native-avx2``)."""
+    if getattr(target, "kernels", "torch") != "native":
+        return "torch"
+    from runtime.kernels import native
+
+    return f"native-{native().capability()}"
 
 
 def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | None:
@@ -138,7 +150,7 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
         target.release_plain_weights()
     info = {"draft_backend": backend, "weights": target_precision(target),
             "activations": str(target.dtype).removeprefix("torch."),
-            "kernels": getattr(target, "kernels", "torch"),
+            "kernels": kernels_name(target),
             "product_activations": getattr(target, "product_activations",
                                            str(target.dtype).removeprefix("torch."))}
     draft_dtype = draft_model_dtype(drafters.get(default or ""))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-ROWS = 64  # output rows packed together (kernels.cpp kDenseRows)
+ROWS = 64  # output rows packed together (csrc/kernels.h kDenseRows)
 
 
 def pack(rows: torch.Tensor) -> torch.Tensor:

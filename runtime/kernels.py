@@ -1,5 +1,5 @@
-"""Fused CPU kernels for the batched runner (``csrc/kernels.cpp``), compiled once per
-machine at first use and cached under ``$SPECSERVE_HOME/kernels``.
+"""Fused CPU kernels for the batched runner (``csrc/``), compiled once per machine and
+instruction-set level at first use and cached under ``$SPECSERVE_HOME/kernels``.
 
 A decoder layer run op by op in eager PyTorch is some sixty small operations, each
 costing a few microseconds of dispatch, and PyTorch's CPU attention pads every query's
@@ -9,6 +9,12 @@ exactly the keys each query sees, the gated activation), and multiply float32, b
 and 4- and 8-bit block matrices (int8 matrices stay PyTorch's). Each kernel computes
 every token on its own in a fixed order, so a pass's logits do not depend on what else
 shares it (docs/performance.md, "Native kernels").
+
+The sources are written once in one vector type (``csrc/vec.h``) and built once per
+level, as ATen builds its ``native/cpu`` kernels per ``CPU_CAPABILITY``: ``default``
+(no vector extensions), ``avx2``, ``avx512`` and ``avx512_vnni``. The host's best level
+is loaded (from its CPU's flags); ``SPECSERVE_CPU_CAPABILITY`` forces a lower one. Every
+level computes bitwise the same results, only at its own speed.
 
 They need a C++ compiler (g++) and ninja when first built; where either is missing, or
 ``--kernels torch`` is set, the runner keeps its PyTorch path.
@@ -22,6 +28,7 @@ import importlib.util
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -32,14 +39,28 @@ if TYPE_CHECKING:  # torch is imported where a build is looked for: settings imp
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "kernels.cpp"
+SOURCE_DIR = Path(__file__).with_name("csrc")
 KernelChoice = Literal["auto", "native", "torch"]
 CHOICES: tuple[str, ...] = get_args(KernelChoice)
-# -march for the build: the machine's own instruction set; set it (x86-64-v3, say) when
-# the build is carried to other machines, as a container image is
-ARCH_VARIABLE = "SPECSERVE_KERNELS_ARCH"
+CAPABILITY_VARIABLE = "SPECSERVE_CPU_CAPABILITY"  # a lower level than the host's best
 DIR_VARIABLE = "SPECSERVE_KERNELS_DIR"  # where builds live (default $SPECSERVE_HOME/kernels)
 MODULE = "specserve_kernels"
+
+# Each level: the compiler flags it is built with, and the CPU flags (as /proc/cpuinfo
+# names them) a host needs to run it; lowest first. x86-64-v3 and -v4 are the psABI's
+# levels (AVX2 with FMA, F16C, BMI; AVX-512 F, BW, CD, DQ and VL).
+LEVELS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "default": ([], frozenset()),
+    "avx2": (["-march=x86-64-v3"],
+             frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})),
+    "avx512": (["-march=x86-64-v4"],
+               frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm",
+                          "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    "avx512_vnni": (["-march=x86-64-v4", "-mavx512vnni"],
+                    frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm",
+                               "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
+                               "avx512_vnni"})),
+}
 
 
 class KernelsUnavailable(RuntimeError):
@@ -51,14 +72,39 @@ def check_choice(choice: str) -> None:
         raise ValueError(f"unknown kernels {choice!r}; choose one of {list(CHOICES)}")
 
 
-def _cpu_flags() -> str:
+def _cpu_flags() -> frozenset[str]:
+    """The host CPU's feature flags (cpuid's, as the kernel reports them)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor()
+    return frozenset()
+
+
+def host_levels() -> list[str]:
+    """The levels this host runs, lowest first (only ``default`` off x86-64)."""
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return ["default"]
+    flags = _cpu_flags()
+    return [level for level, (_, needs) in LEVELS.items() if needs <= flags]
+
+
+def capability() -> str:
+    """The level to load: ``SPECSERVE_CPU_CAPABILITY`` where set (one this host runs),
+    else the host's best."""
+    runs = host_levels()
+    wanted = os.environ.get(CAPABILITY_VARIABLE, "").strip().lower()
+    if not wanted:
+        return runs[-1]
+    if wanted not in LEVELS:
+        raise KernelsUnavailable(f"{CAPABILITY_VARIABLE}={wanted!r} is not a level; choose one "
+                                 f"of {list(LEVELS)}")
+    if wanted not in runs:
+        raise KernelsUnavailable(f"{CAPABILITY_VARIABLE}={wanted!r}: this CPU runs only "
+                                 f"{runs}")
+    return wanted
 
 
 def _openmp() -> list[str]:
@@ -70,25 +116,48 @@ def _openmp() -> list[str]:
     return ["-fopenmp"] if torch._C.has_openmp else []
 
 
-def build_dir() -> Path:
-    """Where this source, PyTorch version and instruction set is built: a build made for
-    another processor is never loaded."""
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cpp"))
+
+
+def _cflags(level: str) -> list[str]:
+    # no contraction of a * b + c into one instruction behind the sources' back: a fused
+    # multiply-add is written as one, so every level computes the same
+    return ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
+            *LEVELS[level][0],
+            f"-DSPECSERVE_CAPABILITY={level}", *_openmp()]
+
+
+def source_digest() -> str:
+    """What every build's key starts from: the sources and their headers."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):
+        if path.suffix in {".cpp", ".h"}:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def build_dir(level: str | None = None) -> Path:
+    """Where this source, PyTorch version and level is built."""
     import torch
 
-    arch = os.environ.get(ARCH_VARIABLE, "native")
+    level = level or capability()
     key = hashlib.sha256("\0".join([
-        SOURCE.read_text(), torch.__version__, arch, _cpu_flags() if arch == "native" else "",
-        *_openmp(),
+        source_digest(), torch.__version__, level, *_cflags(level), sys.version,
     ]).encode()).hexdigest()[:16]
     root = os.environ.get(DIR_VARIABLE)
-    return (Path(root) if root else model_store.home() / "kernels") / key
+    return (Path(root) if root else model_store.home() / "kernels") / f"{level}-{key}"
 
 
-def _import_built(directory: Path) -> Any | None:
+def _module_name(level: str) -> str:
+    return f"{MODULE}_{level}"
+
+
+def _import_built(directory: Path, name: str) -> Any | None:
     """The module built in ``directory`` before, imported without ninja or a compiler
     (the directory's name is the hash of what built it), or None."""
-    path = directory / f"{MODULE}.so"
-    spec = importlib.util.spec_from_file_location(MODULE, path) if path.is_file() else None
+    path = directory / f"{name}.so"
+    spec = importlib.util.spec_from_file_location(name, path) if path.is_file() else None
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
@@ -96,10 +165,11 @@ def _import_built(directory: Path) -> Any | None:
     return module
 
 
-@functools.cache
-def native() -> Any:
-    """The compiled kernels module; raises ``KernelsUnavailable`` saying why not."""
+def _compile(level: str, directory: Path) -> None:
+    """Compile and link ``level``'s module into ``directory`` (ninja skips what is up to
+    date), one process at a time."""
     from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
 
     try:  # the ninja package's binary, when the venv's bin is not on PATH
         import ninja
@@ -107,27 +177,51 @@ def native() -> Any:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
-    directory = build_dir()
-    arch = os.environ.get(ARCH_VARIABLE, "native")
+    directory.mkdir(parents=True, exist_ok=True)
+    baton = FileBaton(str(directory / "lock"))
+    if not baton.try_acquire():
+        baton.wait()  # another process built it meanwhile
+        return
     try:
-        try:
-            built = _import_built(directory)
-        except (ImportError, OSError):  # a build another process is still writing
-            built = None
-        if built is not None:
-            return built
-        directory.mkdir(parents=True, exist_ok=True)
-        openmp = _openmp()
-        return cpp_extension.load(
-            name=MODULE, sources=[str(SOURCE)], build_directory=str(directory),
-            extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno", *openmp],
-            extra_ldflags=openmp, verbose=False)
+        # load()'s own build step, without the import: a level this host cannot run
+        # builds here too (an image builds them all)
+        cpp_extension._write_ninja_file_and_build_library(
+            name=_module_name(level), sources=[str(p) for p in sources()],
+            extra_cflags=_cflags(level), extra_cuda_cflags=[], extra_sycl_cflags=[],
+            extra_ldflags=_openmp(), extra_include_paths=[str(SOURCE_DIR)],
+            build_directory=str(directory), verbose=False, with_cuda=False,
+            with_sycl=False)
+    finally:
+        baton.release()
+
+
+@functools.cache
+def build(level: str) -> Any | None:
+    """The kernels module of ``level``, built here if it was not before (None for a
+    level this host cannot run: built, never loaded); raises ``KernelsUnavailable``
+    saying why not."""
+    directory = build_dir(level)
+    name = _module_name(level)
+    runs = level in host_levels()
+    try:
+        if not (directory / f"{name}.so").is_file():
+            _compile(level, directory)
+        return _import_built(directory, name) if runs else None
     except Exception as exc:  # a compiler error, no compiler, no ninja, a read-only home
         lines = str(exc).strip().splitlines() or [repr(exc)]
         # the compiler's own message ("...: error: ..."), else the exception's last line
         reason = next((line for line in lines if "error:" in line), lines[-1])
-        raise KernelsUnavailable(f"the native kernels could not be built in {directory}: "
-                                 f"{reason.strip()}") from exc
+        raise KernelsUnavailable(f"the native kernels ({level}) could not be built in "
+                                 f"{directory}: {reason.strip()}") from exc
+
+
+def native() -> Any:
+    """The compiled kernels module of ``capability()``; raises ``KernelsUnavailable``
+    saying why not."""
+    module = build(capability())
+    if module is None:  # capability() names only levels this host runs
+        raise KernelsUnavailable(f"the {capability()} kernels cannot run on this CPU")
+    return module
 
 
 def resolve(choice: str, device: torch.device) -> Any | None:
@@ -155,15 +249,25 @@ def _warn_once(message: str) -> None:
     log.warning("%s; running the PyTorch path (--kernels torch)", message)
 
 
-def main() -> None:
-    """``python -m runtime.kernels``: build the kernels now (``make kernels`` does)."""
+def main(argv: list[str] | None = None) -> None:
+    """``python -m runtime.kernels [--all]``: build the kernels now (``make kernels``
+    does), for the level this host loads, or with ``--all`` for every level (an image
+    built once for hosts of every kind)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m runtime.kernels")
+    parser.add_argument("--all", action="store_true", help="build every level")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        native()
+        levels = list(LEVELS) if args.all else [capability()]
+        for level in levels:
+            build(level)
+            log.info("native kernels (%s) ready in %s", level, build_dir(level))
     except KernelsUnavailable as exc:
         log.warning("%s; the server will run its PyTorch path", exc)
-        return
-    log.info("native kernels ready in %s", build_dir())
+        if args.all:
+            raise SystemExit(1) from exc
 
 
 if __name__ == "__main__":

@@ -218,9 +218,10 @@ class BlockEmbedding(torch.nn.Module):
 
 
 def block_kernels(native: Any, int8_activations: bool) -> Any | None:
-    """``native`` (the kernels module) where its block products run and int8 activations
-    are wanted, else None (the matrices stay PyTorch's int4/int8/bfloat16 ones)."""
-    if native is None or not int8_activations or not native.has_block_products():
+    """``native`` (the kernels module; every level has block products) where int8
+    activations are wanted, else None (the matrices stay PyTorch's int4/int8/bfloat16
+    ones)."""
+    if native is None or not int8_activations:
         return None
     return native
 

@@ -23,17 +23,14 @@ from runtime.gguf_weights import GGUFModel, int4_rows
 from runtime.loading import load_target
 from runtime.quantized import BlockMatrix, Int4Matrix, quantize_int4
 from tests.test_gguf import NAMES, dense, encode, file_weights, tiny_dir, write_gguf
+from tests.test_kernels import at_level, lower_levels
 
 __all__ = ["tiny_dir"]  # a fixture, shared
 
 
 @pytest.fixture(scope="module")
 def native() -> Any:
-    module = kernels.native()
-    if not module.has_block_products():
-        pytest.skip("these kernels are built for neither AVX512-VNNI nor AVX2: block "
-                    "matrices stay PyTorch's int4 ones")
-    return module
+    return kernels.native()
 
 
 @pytest.fixture()
@@ -268,45 +265,37 @@ def test_a_gguf_target_runs_its_blocks_with_int8_activations(
     assert agree >= 0.7 and cosine.mean() >= 0.95, (agree, cosine.mean())
 
 
-def test_the_portable_build_computes_the_same_products(native: Any, tmp_path: Path) -> None:
-    """The AVX2 build (x86-64-v3, as the container image makes it) sums the same integers
-    and takes the same float steps per lane: bitwise the same products, 4- and 8-bit, for
-    passes of 1 to 9 tokens. Its other checks run in test_kernels' portable run."""
-    import os
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("level", lower_levels())
+def test_every_level_computes_the_same_products(native: Any, tmp_path: Path, level: str) -> None:
+    """Another level's build (VNNI's vpdpbusd, AVX2's vpmaddubsw and vpmaddwd, or a
+    loop) sums the same integers and takes the same float steps per output row: bitwise
+    the same products, 4- and 8-bit, for passes of 1 to 9 tokens."""
     scale, low = torch.rand(53, 3) / 20, -torch.rand(53, 3) / 10
     cases = {"four": (torch.randint(0, 16, (53, 96), dtype=torch.uint8), scale, low, 4),
              "eight": (torch.randint(0, 256, (40, 64), dtype=torch.uint8), torch.rand(40, 2) / 50,
                        -torch.rand(40, 2), 8)}
     inputs = {name: torch.randn(9, case[0].shape[1]).bfloat16() for name, case in cases.items()}
     torch.save({"cases": cases, "inputs": inputs}, tmp_path / "cases.pt")
-    script = (
-        "import sys, torch\n"
+    at_level(level, (
+        "import torch\n"
         "from runtime import kernels\n"
         "from runtime.quantized import BlockMatrix\n"
         "native = kernels.native()\n"
-        "assert native.has_block_products()\n"
+        f"assert native.capability() == {level!r}\n"
         f"data = torch.load({str(tmp_path / 'cases.pt')!r})\n"
         "out = {}\n"
         "for name, (codes, scale, low, bits) in data['cases'].items():\n"
         "    m = BlockMatrix(native, codes, scale, low, bits)\n"
         "    x = data['inputs'][name]\n"
-        "    out[name] = [m(x[:n]) for n in (1, 2, 5, 9)]\n"
-        f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n")
-    env = {**os.environ, "SPECSERVE_HOME": str(tmp_path / "home"),
-           kernels.ARCH_VARIABLE: "x86-64-v3"}
-    env.pop(kernels.DIR_VARIABLE, None)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    portable = torch.load(tmp_path / "out.pt")
+        "    out[name] = [m(x[:n]) for n in (1, 2, 5, 9)] + [m(x[:n].float()) for n in (1, 9)]\n"
+        f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"))
+    other = torch.load(tmp_path / "out.pt")
     for name, (codes, scale, low, bits) in cases.items():
         m = BlockMatrix(native, codes, scale, low, bits)
         x = inputs[name]
-        for got, n in zip(portable[name], (1, 2, 5, 9), strict=True):
-            assert torch.equal(got, m(x[:n])), (name, n)
+        mine = [m(x[:n]) for n in (1, 2, 5, 9)] + [m(x[:n].float()) for n in (1, 9)]
+        for index, (got, expected) in enumerate(zip(other[name], mine, strict=True)):
+            assert torch.equal(got, expected), (name, index)
 
 
 def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Path,

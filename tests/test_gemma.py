@@ -14,7 +14,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 
-from runtime import kernels
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.causal_lm import pretrained as transformers_pretrained
@@ -184,11 +183,11 @@ def test_a_gemma3_gguf_file_serves_its_own_weights(tmp_path: Path, gemma_dir: Pa
     """A Gemma 3 GGUF as llama.cpp's converter writes one (norms holding 1 + weight, q/k/v
     in Q5_0 and Q8_0, a Q4_K and a Q6_K matrix): batched, its norms the file's float32
     values, its logits those of the same model made of gguf's dequantization of the file.
-    With int8 activations (where the native kernels have block products) its Q5_0 and
-    Q8_0 matrices keep their codes as block matrices."""
+    With int8 activations its Q5_0 and Q8_0 matrices keep their codes as block
+    matrices."""
     kinds = {"attn_v": GT.Q8_0, "attn_output": GT.Q4_K, "ffn_down": GT.Q6_K}
     path = write_gemma_gguf(tmp_path, gemma_dir, kinds)
-    blocks = int8_activations and kernels.native().has_block_products()
+    blocks = int8_activations
     target = load_target(str(path), quantize="auto", int8_activations=int8_activations)
     assert isinstance(target, BatchedLM) and isinstance(target.model, Skeleton)
     assert target.weights_format == "gguf-q4_k+q5_0+q6_k+q8_0"

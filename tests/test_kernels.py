@@ -1,6 +1,7 @@
-"""The fused CPU kernels (runtime/csrc/kernels.cpp): each against PyTorch's own ops, each
-token's result independent of the batch and of the thread count, bad calls refused with
-an error, and the runner's choice between them and PyTorch's path."""
+"""The fused CPU kernels (runtime/csrc/): each against PyTorch's own ops, each token's
+result independent of the batch and of the thread count, bad calls refused with an
+error, the runner's choice between them and PyTorch's path, and every instruction-set
+level computing bitwise the same."""
 
 from __future__ import annotations
 
@@ -219,13 +220,143 @@ def test_a_machine_that_cannot_build_them_runs_pytorch(
     """A failing build (here: an instruction set g++ does not know) is a clear error for
     ``native`` and a warning and the PyTorch path for ``auto``."""
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
-    monkeypatch.setenv(kernels.ARCH_VARIABLE, "no-such-cpu")
-    monkeypatch.setattr(kernels, "native", kernels.native.__wrapped__)
+    monkeypatch.delenv(kernels.DIR_VARIABLE, raising=False)
+    level = kernels.capability()
+    monkeypatch.setitem(kernels.LEVELS, level, (["-march=no-such-cpu"], kernels.LEVELS[level][1]))
+    monkeypatch.setattr(kernels, "build", kernels.build.__wrapped__)
     with pytest.raises(kernels.KernelsUnavailable, match="could not be built"):
         kernels.resolve("native", torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="runtime.kernels"):
         assert kernels.resolve("auto", torch.device("cpu")) is None
     assert "PyTorch path" in caplog.text
+
+
+def test_the_level_is_the_host_s_best_unless_a_lower_one_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = kernels.host_levels()
+    assert runs[0] == "default" and runs == [lv for lv in kernels.LEVELS if lv in runs]
+    monkeypatch.delenv(kernels.CAPABILITY_VARIABLE, raising=False)
+    assert kernels.capability() == runs[-1]
+    assert kernels.native().capability() == runs[-1]  # the module says what it was built for
+    monkeypatch.setenv(kernels.CAPABILITY_VARIABLE, " DEFAULT ")
+    assert kernels.capability() == "default"
+    monkeypatch.setenv(kernels.CAPABILITY_VARIABLE, "avx9000")
+    with pytest.raises(kernels.KernelsUnavailable, match="not a level"):
+        kernels.capability()
+    beyond = [lv for lv in kernels.LEVELS if lv not in runs]
+    if beyond:  # a level above this CPU's is refused, never loaded
+        monkeypatch.setenv(kernels.CAPABILITY_VARIABLE, beyond[0])
+        with pytest.raises(kernels.KernelsUnavailable, match="this CPU runs only"):
+            kernels.native()
+
+
+def lower_levels() -> list[Any]:
+    """Each level below this host's best, skipped (with the reason) where the CPU
+    cannot run it."""
+    best = kernels.capability()
+    runs = kernels.host_levels()
+    return [pytest.param(level, marks=pytest.mark.skipif(
+                level not in runs, reason=f"this CPU cannot run the {level} kernels"))
+            for level in kernels.LEVELS if level != best]
+
+
+def at_level(level: str, script: str) -> None:
+    """Run ``script`` (Python) in a process whose kernels are ``level``'s."""
+    env = {**os.environ, kernels.CAPABILITY_VARIABLE: level}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def every_kernel(native: Any, cases: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
+    """Each elementwise kernel and attention on ``cases``, per dtype."""
+    out = {}
+    for name, c in cases.items():
+        qkv, cos, sin, rows, slots, heads, kv, cap = c["rope"]
+        keys = torch.zeros(2, kv, cap, cos.shape[1], dtype=qkv.dtype)
+        values = torch.zeros_like(keys)
+        rotated = native.rope_store(qkv, cos, sin, keys, values, rows, slots, heads, kv)
+        out[name] = [*native.add_rms_norm(*c["norm"], 1e-5), rotated, keys, values,
+                     *[native.attend(*a, 0.3) for a in c["attend"]], native.silu_mul(c["silu"])]
+    return out
+
+
+@pytest.mark.parametrize("level", lower_levels())
+def test_every_level_computes_the_same_kernels(native: Any, tmp_path: Path, level: str) -> None:
+    """The norm, the rotary embedding, attention (head dims of whole 16-lane chunks and
+    not) and the activation of another level's build: bitwise this one's."""
+    g = torch.Generator().manual_seed(0)
+    cases: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype)
+        t, heads, kv, cap = 5, 6, 2, 40
+        hidden, delta = (torch.randn(t, 72, generator=g).to(dtype) for _ in range(2))
+        angles = torch.rand(t, 16, generator=g) * 6
+        rows, slots = torch.tensor([0, 1, 1, 0, 1]), torch.tensor([3, 9, 10, 4, 11])
+        limits, extras = torch.tensor([3, 9, 10, 1, 39]), torch.tensor([-1, 30, -1, 2, -1])
+        cases[name] = {
+            "norm": (hidden, delta, torch.rand(72, generator=g).to(dtype)),
+            "rope": (torch.randn(t, (heads + 2 * kv) * 32, generator=g).to(dtype),
+                     torch.cat([angles.cos()] * 2, -1).to(dtype),
+                     torch.cat([angles.sin()] * 2, -1).to(dtype), rows, slots, heads, kv, cap),
+            "attend": [(torch.randn(t, heads, dim, generator=g).to(dtype),
+                        torch.randn(2, kv, cap, dim, generator=g).to(dtype),
+                        torch.randn(2, kv, cap, dim, generator=g).to(dtype),
+                        rows, limits, extras) for dim in (64, 24)],
+            "silu": (torch.randn(t, 2 * 40, generator=g) * 4).to(dtype)}
+    torch.save(cases, tmp_path / "cases.pt")
+    at_level(level, "import torch\nfrom runtime import kernels\n"
+                    "from tests.test_kernels import every_kernel\n"
+                    f"native = kernels.native()\nassert native.capability() == {level!r}\n"
+                    f"cases = torch.load({str(tmp_path / 'cases.pt')!r})\n"
+                    f"torch.save(every_kernel(native, cases), {str(tmp_path / 'out.pt')!r})\n")
+    mine, other = every_kernel(native, cases), torch.load(tmp_path / "out.pt")
+    for name in cases:
+        for index, (a, b) in enumerate(zip(mine[name], other[name], strict=True)):
+            assert torch.equal(a, b), (name, index)
+
+
+@pytest.mark.parametrize("level", lower_levels())
+def test_every_level_gives_the_same_logits_and_text(tiny_target_dir: Any, tmp_path: Path,
+                                                    level: str) -> None:
+    """A whole model on another level's kernels, in float32 and bfloat16, with dense and
+    4-bit block matrices: bitwise this level's logits for a prompt and a verify pass, and
+    the same greedy text."""
+    script = (
+        "import sys, torch\n"
+        "from runtime.batched import BatchedLM\n"
+        "from runtime.causal_lm import BatchItem\n"
+        "out = {}\n"
+        "for dtype, quantize in (('float32', 'none'), ('bfloat16', 'none'),\n"
+        "                        ('float32', 'int4')):\n"
+        f"    target = BatchedLM.load({str(tiny_target_dir)!r}, dtype=dtype, quantize=quantize)\n"
+        "    assert target.kernels == 'native'\n"
+        "    state = target.new_state()\n"
+        "    ids = list(range(100, 140))\n"
+        "    logits = [target.score(state, ids)]\n"
+        "    logits += target.forward_batch([BatchItem(state, [7, 8, 9], 3)])\n"
+        "    text = []\n"
+        "    for _ in range(12):\n"
+        "        token = int(logits[-1][-1].argmax())\n"
+        "        step = target.forward_batch([BatchItem(state, [token], 1)])\n"
+        "        logits.append(step[0])\n"
+        "        text.append(int(step[0][-1].argmax()))\n"
+        "    target.release(state)\n"
+        "    out[dtype + '-' + quantize] = (logits, text)\n"
+        "torch.save(out, sys.argv[1])\n")
+    (tmp_path / "run.py").write_text(script)
+    here, there = tmp_path / "here.pt", tmp_path / "there.pt"
+    result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(here)],
+                            capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    at_level(level, f"import runpy, sys\nsys.argv = ['run', {str(there)!r}]\n"
+                    f"runpy.run_path({str(tmp_path / 'run.py')!r})\n")
+    mine, other = torch.load(here), torch.load(there)
+    assert list(mine) == list(other)
+    for name, (logits, text) in mine.items():
+        assert other[name][1] == text, name
+        for a, b in zip(logits, other[name][0], strict=True):
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.real_model
@@ -243,29 +374,28 @@ def test_the_kernels_benchmark_writes_its_table_and_json(
         assert row["max_abs_logit_diff"] < 2.0  # the two paths round differently, no more
     printed = capsys.readouterr().out
     assert "native ms" in printed
-    if kernels.native().has_block_products():
-        shapes = [(r["matrix"], r["tokens"]) for r in report["products"]]
-        assert shapes == [(f"{o}x{i}", t) for o, i in bench.SHAPES for t in (1, 3)]
-        assert all(r["torch_int4_us"] > 0 and r["block_us"] > 0 for r in report["products"])
-        assert "block us" in printed
+    shapes = [(r["matrix"], r["tokens"]) for r in report["products"]]
+    assert shapes == [(f"{o}x{i}", t) for o, i in bench.SHAPES for t in (1, 3)]
+    assert all(r["torch_int4_us"] > 0 and r["block_us"] > 0 for r in report["products"])
+    assert "block us" in printed
 
 
-def test_the_portable_build_passes_the_same_checks(tmp_path: Any) -> None:
-    """A build for x86-64-v3 (AVX2, as the container image makes it) takes the kernels'
-    generic paths instead of the AVX-512 ones, and the block and dense products their AVX2
-    ones: the same checks, in a process of its own."""
-    env = {**os.environ, "SPECSERVE_HOME": str(tmp_path), kernels.ARCH_VARIABLE: "x86-64-v3"}
-    env.pop(kernels.DIR_VARIABLE, None)
+def test_the_lowest_level_passes_the_same_checks() -> None:
+    """The kernels built for no vector extensions (``default``: the loops vec.h falls
+    back to) take the same checks as this host's level, block and dense products
+    included, in a process of their own."""
+    if kernels.capability() == "default":
+        pytest.skip("this host's level is the lowest: the checks above ran on it")
+    env = {**os.environ, kernels.CAPABILITY_VARIABLE: "default"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          str(Path(__file__).with_name("test_block_products.py")),
          str(Path(__file__).with_name("test_dense_products.py")), "-k",
-         "not portable and not benchmark and not cannot_build and not default_model "
-         "and not gguf_target and not every_build"],
-        env=env, capture_output=True, text=True, timeout=600, check=False)
+         "not lowest_level and not every_level and not benchmark and not cannot_build "
+         "and not default_model and not gguf_target and not host_s_best"],
+        env=env, capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert list(tmp_path.glob("kernels/*/specserve_kernels.so")), "nothing was built"
-    assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]  # blocks ran
+    assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
 
 
 STACKS = {"blocks": ("bfloat16", "int4", True), "torch-int4": ("bfloat16", "int4", False),
@@ -387,7 +517,9 @@ def test_the_prefix_cache_namespace_names_the_kernels(tiny_target: CausalLM) -> 
     from gateway.server import kernels_key
 
     assert isinstance(tiny_target, BatchedLM)
-    assert kernels_key(tiny_target) == f"native-{kernels.build_dir().name}"
+    assert kernels_key(tiny_target) == f"native-{kernels.source_digest()[:16]}"
+    # not the instruction-set level: every level computes the same KV
+    assert kernels.capability() not in kernels_key(tiny_target)
     tiny_target.use_kernels("torch")
     try:
         assert kernels_key(tiny_target) == "torch"

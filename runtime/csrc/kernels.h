@@ -1,0 +1,126 @@
+// The kernels' entry points, by file: each takes checked tensors (the at::Tensor forms,
+// bound to Python in bindings.cpp) or checked pointers (the *_rows forms, which the
+// layer stack calls for a whole pass without a tensor per call).
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace specserve {
+
+// --- norms_rotary.cpp: RMS norm, rotary embedding with the cache writes, the activation
+
+// (hidden + delta, rms_norm(hidden + delta) * weight); without delta, (hidden, norm).
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
+                                     const at::Tensor& weight, double eps);
+template <typename T>
+void rms_norm_rows(const T* hidden, const T* delta, const T* weight, T* hidden_out, T* normed,
+                   int64_t tokens, int64_t n, double eps);
+
+// The rotated queries [tokens, heads, dim]; the rotated keys and the values go to
+// keys/values [rows, kv_heads, capacity, dim] at (rows[t], slots[t]).
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
+                      const at::Tensor& slots, int64_t heads, int64_t kv_heads);
+template <typename T>
+void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* values, T* q_out,
+                     const int64_t* rows, const int64_t* slots, int64_t tokens, int64_t heads,
+                     int64_t kv_heads, int64_t dim, int64_t capacity);
+
+// silu(gate) * up of a fused [tokens, 2n] gate/up product: [tokens, n].
+at::Tensor silu_mul(const at::Tensor& gate_up);
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t n);
+
+// --- attention.cpp
+
+// q [tokens, heads, dim] against keys/values [rows, kv_heads, capacity, dim]: token t sees
+// keys [0, limits[t]) of cache row rows[t], and the key at extras[t] when that is >= its
+// limit (an alternative's own key). Returns [tokens, heads * dim].
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& rows, const at::Tensor& limits, const at::Tensor& extras,
+                  double scale);
+template <typename T>
+void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* row,
+                 const int64_t* limit, const int64_t* extra, int64_t tokens, int64_t heads,
+                 int64_t kv_heads, int64_t dim, int64_t capacity, float scale);
+
+// --- block_products.cpp: 4- and 8-bit block matrices with int8 activations
+
+constexpr int64_t kTile = 16, kBlock = 32;  // output rows a tile, inputs a block
+inline int64_t block_bytes(int64_t bits) { return (bits == 4 ? 256 : 512) + 64; }
+
+at::Tensor block_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& low,
+                      int64_t bits);
+at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t out_features,
+                      int64_t in_features, int64_t bits, at::ScalarType dtype);
+at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         int64_t bits, const c10::optional<at::Tensor>& bias);
+template <typename T>
+void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* wp, int64_t n,
+                        int64_t bits, const float* bp, T* yp);
+
+// --- dense_products.cpp: float32 and bfloat16 matrices
+
+constexpr int64_t kDenseRows = 64;  // output rows a group
+
+at::Tensor dense_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias);
+template <typename T, typename W, typename X>
+void dense_product_rows(const X* xs, int64_t tokens, int64_t k, const W* wp, int64_t n,
+                        const float* bp, T* yp);
+
+// A product's bias [out] in float32 (undefined: none)
+at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n);
+
+// --- layer_stack.cpp: a whole decoder stack in one call
+
+// What a stack's matrix is: PyTorch's packed int4 (every matrix of the stack, then), a
+// 4- or 8-bit block matrix (block_product), or a bfloat16 or float32 one packed for
+// dense_product
+constexpr int64_t kTorchInt4 = 0, kDenseBf16 = 16, kDenseF32 = 32;
+
+// The layers of a Llama-family model whose matrices are all PyTorch's packed int4 (in
+// bfloat16), or all native ones (4- and 8-bit block matrices, dense ones in the model's
+// dtype, mixed as a GGUF file mixes its tensor types): the same calls runtime/fused.py
+// makes per layer, in the same order, without a Python round trip per op. Its output is
+// bitwise the Python loop's.
+class LayerStack {
+ public:
+  LayerStack(std::vector<at::Tensor> packed, std::vector<at::Tensor> scales_zeros,
+             std::vector<int64_t> out_features, std::vector<c10::optional<at::Tensor>> biases,
+             std::vector<at::Tensor> norms, std::vector<double> eps, int64_t group,
+             int64_t heads, int64_t kv_heads, double scale, std::vector<int64_t> kinds);
+
+  // hidden [T, H] (the model's dtype) -> the final norm of the last layer's output, [T, H]
+  at::Tensor forward(const at::Tensor& embedded, const at::Tensor& cos, const at::Tensor& sin,
+                     std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                     const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& limits,
+                     const at::Tensor& extras) const;
+
+ private:
+  template <typename T>
+  at::Tensor forward_native(const at::Tensor& embedded, const at::Tensor& cos,
+                            const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                            const std::vector<at::Tensor>& values, const at::Tensor& rows,
+                            const at::Tensor& slots, const at::Tensor& limits,
+                            const at::Tensor& extras) const;
+  at::Tensor product(const at::Tensor& x, size_t i) const;
+
+  std::vector<at::Tensor> packed_, scales_zeros_;
+  std::vector<int64_t> out_;
+  std::vector<c10::optional<at::Tensor>> biases_;
+  std::vector<at::Tensor> bias32_;  // native matrices' biases in float32 (undefined: none)
+  std::vector<at::Tensor> norms_;
+  std::vector<double> eps_;
+  int64_t group_, heads_, kv_heads_;
+  double scale_;
+  std::vector<int64_t> kinds_;  // each matrix's kind (kTorchInt4, 4, 8, kDenseBf16, kDenseF32)
+  bool native_ = false;          // native matrices (forward_native), else PyTorch's int4
+  at::ScalarType dtype_;         // the activations', norms' and cache's dtype
+};
+
+}  // namespace specserve
