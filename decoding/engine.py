@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from decoding.drafters.base import Drafter
-from decoding.handoff import Outbox, before_pass
+from decoding.handoff import Outbox
 from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
@@ -241,11 +241,13 @@ class Engine:
             for active, k in zip(decoding, lengths, strict=True):
                 self._deliver(by_decoder, speculative_round(self.target, [], [(active.decoder, k)]))
             return
-        with (cpu_threads(None if prompts else self.decode_threads),  # decoding.threads
-              before_pass(self.target, self._outbox.hand_over)):  # decoding.handoff
-            result = speculative_round(self.target, prompts, [
-                (a.decoder, k) for a, k in zip(decoding, lengths, strict=True)],
-                self.invariance_check)
+        try:
+            with cpu_threads(None if prompts else self.decode_threads):  # decoding.threads
+                result = speculative_round(self.target, prompts, [
+                    (a.decoder, k) for a, k in zip(decoding, lengths, strict=True)],
+                    self.invariance_check, starting=self._outbox.hand_over)  # decoding.handoff
+        finally:
+            self._outbox.hand_over()  # whatever the round did not hand over
         if result.passes == 1 and not prompts:  # the step-cost fit describes decoding passes
             self.step_cost.observe(result.pass_tokens, result.pass_s)
         self._deliver(by_decoder, result)

@@ -8,21 +8,17 @@ chat endpoint (plain decoding, one stream, the GGUF default): the embedding look
 opens a pass took 0.87 ms (median) instead of ~0.03.
 
 So the engine holds a round's events back and hands them over when the target's next
-pass enters its long native call (``pass_starts``, where the GIL stays released for
-milliseconds): the loop's turn runs beside the pass instead of in front of it. The
-events then leave up to one round's preparation later (drafting, the pass's layout),
-which never holds up a token's successor. Figures: docs/performance.md, "Handing
-events over".
+pass is prepared and about to enter its long native call: the round calls the engine's
+``Outbox.hand_over`` between ``Target.prepare_pass`` and ``Target.run_pass``, where the
+GIL stays released for milliseconds, and the loop's turn runs beside the pass instead
+of in front of it. The events then leave up to one round's preparation later (drafting,
+the pass's layout), which never holds up a token's successor. Figures:
+docs/performance.md, "Handing events over".
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
-
-_local = threading.local()
 
 
 class Outbox:
@@ -40,24 +36,3 @@ class Outbox:
         items, self._items = self._items, []
         for stream, item in items:
             stream._put(item)
-
-
-@contextmanager
-def before_pass(target: object, hand_over: Callable[[], None]) -> Iterator[None]:
-    """Within the block, in this thread: call ``hand_over`` when ``target``'s next pass
-    starts its long call, and in any case when the block ends."""
-    _local.pending = (target, hand_over)
-    try:
-        yield
-    finally:
-        _local.pending = None
-        hand_over()
-
-
-def pass_starts(runner: object) -> None:
-    """Called by a runner right before its long GIL-free call: hands over what the
-    thread's ``before_pass`` holds for this runner (once)."""
-    pending = getattr(_local, "pending", None)
-    if pending is not None and pending[0] is runner:
-        _local.pending = None
-        pending[1]()

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
 
 from decoding.drafters.base import Drafter, DraftProposal
+from decoding.drafting import Draft
 from decoding.invariance import InvarianceCheck
-from decoding.sequence import SequenceDecoder, decode
+from decoding.policy import AdaptiveSpeculation
+from decoding.prefix_cache import PrefixCache
+from decoding.sequence import SequenceDecoder
 from decoding.target import Target
 from decoding.types import (
-    Draft,
     GenerationRequest,
     PromptChunk,
     RoundEvent,
@@ -54,12 +56,15 @@ class RoundResult:
 
 def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, int]],
                       decoding: Sequence[tuple[SequenceDecoder, int]],
-                      check: InvarianceCheck | None = None) -> RoundResult:
+                      check: InvarianceCheck | None = None,
+                      starting: Callable[[], None] | None = None) -> RoundResult:
     """One iteration: the next chunk (at most the given tokens) of each prompt in
     ``prompts``, and for each sequence in ``decoding`` one speculative round drafting
     the given number of tokens, all in one target pass. A failure ends only the
     sequence at fault (its outcome is an error event). ``check``: the run-time
-    invariance check, on a sample of the sequences' rounds."""
+    invariance check, on a sample of the sequences' rounds. ``starting``: called once
+    the target pass is prepared, right before its long call (the engine hands the
+    previous round's events over there)."""
     outcomes: list[Outcome] = []
     work: list[tuple[SequenceDecoder, PromptChunk | Draft]] = []
     for seq, limit in prompts:
@@ -69,7 +74,7 @@ def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, i
     for (seq, _), draft in zip(decoding, propose_drafts(decoding, outcomes), strict=True):
         if draft is not None:                                             # 1. drafted
             work.append((seq, draft))
-    logits, passes, tokens, seconds = target_pass(target, work)           # 2. one target pass
+    logits, passes, tokens, seconds = target_pass(target, work, starting)  # 2. one target pass
     for (seq, part), out in zip(work, logits, strict=True):
         if out is None:
             outcomes.append(Outcome(seq, seq.failed("the model failed")))
@@ -164,18 +169,23 @@ def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: li
             for i, (seq, k) in enumerate(decoding)]
 
 
-def target_pass(target: Target, work: Sequence[tuple[SequenceDecoder, PromptChunk | Draft]]
+def target_pass(target: Target, work: Sequence[tuple[SequenceDecoder, PromptChunk | Draft]],
+                starting: Callable[[], None] | None = None,
                 ) -> tuple[list[torch.Tensor | None], int, int, float]:
     """The kept logits of every sequence's tokens from one forward pass; the passes run,
-    the tokens in the pass and its seconds. When the pass fails each sequence runs
-    alone, so only the one at fault fails (None, its caches as they were)."""
+    the tokens in the pass and its seconds (``starting``: called between the pass's
+    preparation and its run). When the pass fails each sequence runs alone, so only
+    the one at fault fails (None, its caches as they were)."""
     items = [seq.pass_item(part) for seq, part in work]
     tokens = sum(len(item.token_ids) for item in items)
     if not items:
         return [], 0, 0, 0.0
     start = time.perf_counter()
     try:
-        return list(target.forward_batch(items)), 1, tokens, time.perf_counter() - start
+        prepared = target.prepare_pass(items)
+        if starting is not None:
+            starting()
+        return list(target.run_pass(prepared)), 1, tokens, time.perf_counter() - start
     except Exception:
         log.log(logging.WARNING if len(items) > 1 else logging.ERROR,
                 "a forward pass of %d sequences failed", len(items), exc_info=True)
@@ -203,6 +213,35 @@ def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[..., 
         log.exception("drafting failed in request %s", seq.request.request_id)
         outcomes.append(Outcome(seq, seq.failed("the model failed")))
         return None
+
+
+def step(decoder: SequenceDecoder) -> RoundEvent:
+    """Run one round of ``decoder`` alone and describe what it committed (the whole
+    prompt's prefill is one round here; an engine feeds a long prompt in chunks)."""
+    while True:
+        if decoder.rounds == 0:
+            outcome = speculative_round(decoder.target, [(decoder, 0)], []).outcomes[0]
+        else:
+            outcome = speculative_round(decoder.target, [],
+                                        [(decoder, decoder.draft_length())]).outcomes[0]
+        if outcome.event is not None:
+            return outcome.event
+
+
+def decode(
+    target: Target,
+    drafter: Drafter | None,
+    request: GenerationRequest,
+    policy: AdaptiveSpeculation | None = None,
+    prefix_cache: PrefixCache | None = None,
+) -> Iterator[RoundEvent]:
+    """Run one request to the end in the calling thread, yielding each round."""
+    decoder = SequenceDecoder(target, drafter, request, policy, prefix_cache)
+    try:
+        while not decoder.finished:
+            yield step(decoder)
+    finally:
+        decoder.close()
 
 
 def warm_up(target: Target, drafters: Sequence[Drafter]) -> None:

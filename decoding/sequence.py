@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from decoding.constrained import ConstrainedDecoding
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal
+from decoding.drafting import Draft
 from decoding.logprobs import token_logprobs
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
@@ -25,7 +26,6 @@ from decoding.sampling import apply_penalties, logits_to_probs, make_randomness,
 from decoding.target import Target
 from decoding.text import TextStream
 from decoding.types import (
-    Draft,
     FinishReason,
     GenerationRequest,
     PromptChunk,
@@ -123,20 +123,6 @@ class SequenceDecoder:
             return
         self.source = self.drafter.source(self.draft_state, self.draft_context())
         self._source_round = self.rounds
-
-    def step(self) -> RoundEvent:
-        """Run one round and describe what it committed (the whole prompt's prefill is
-        one round here; an engine feeds a long prompt in chunks)."""
-        from decoding.round import speculative_round
-
-        while True:
-            if self.rounds == 0:
-                outcome = speculative_round(self.target, [(self, 0)], []).outcomes[0]
-            else:
-                outcome = speculative_round(self.target, [],
-                                            [(self, self.draft_length())]).outcomes[0]
-            if outcome.event is not None:
-                return outcome.event
 
     def next_prompt_chunk(self, limit: int = 0) -> PromptChunk:
         """The next at most ``limit`` prompt tokens to prefill (0: all the rest), after
@@ -375,18 +361,3 @@ class SequenceDecoder:
             draft_source=(self.source or (self.drafter.name if self.drafter else "")
                           if drafted else ""),
         )
-
-def decode(
-    target: Target,
-    drafter: Drafter | None,
-    request: GenerationRequest,
-    policy: AdaptiveSpeculation | None = None,
-    prefix_cache: PrefixCache | None = None,
-) -> Iterator[RoundEvent]:
-    """Run one request to the end in the calling thread, yielding each round."""
-    decoder = SequenceDecoder(target, drafter, request, policy, prefix_cache)
-    try:
-        while not decoder.finished:
-            yield decoder.step()
-    finally:
-        decoder.close()

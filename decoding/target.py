@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from runtime.causal_lm import BatchItem, TargetCapabilities
+from runtime.causal_lm import BatchItem, PreparedPass, TargetCapabilities
 
 
 class Target(Protocol):
@@ -35,8 +35,15 @@ class Target(Protocol):
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
         """Each item's tokens appended to its sequence; each item's kept logits,
-        ``[keep, vocab]``."""
+        ``[keep, vocab]`` (``run_pass`` of ``prepare_pass``)."""
         ...
+
+    def prepare_pass(self, items: Sequence[BatchItem]) -> PreparedPass:
+        """The pass checked and built up to its long call, which ``run_pass`` makes
+        (the GIL mostly released): between the two the engine hands its events over."""
+        ...
+
+    def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]: ...
 
     def rollback(self, state: Any, length: int) -> None:
         """Forget every cached position at or after ``length``."""

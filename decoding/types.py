@@ -13,12 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    import torch
-
-    from decoding.constrained import ConstrainedDraft
     from decoding.constraints import Grammar
-    from decoding.drafters.base import DraftProposal
-    from decoding.policy import AdaptiveSpeculation
 
 
 class FinishReason(StrEnum):
@@ -154,18 +149,3 @@ class PromptChunk:
 
     tokens: Sequence[int]
     final: bool  # the prompt's last chunk: its logits give the first token
-
-
-@dataclass(frozen=True)
-class Draft:
-    """One round's draft for one sequence, and what verification needs of it."""
-
-    tokens: tuple[int, ...]  # [k]
-    probs: torch.Tensor | None  # [k, vocab]; None for a deterministic drafter
-    alternative: int | None  # a second candidate for tokens[0]'s place, verified beside it
-    proposal: DraftProposal
-    seconds: float  # spent drafting
-    started: float  # when the round began
-    policy: AdaptiveSpeculation | None  # the draft source's policy, told the outcome
-    expected: float | None  # accepted drafts the policy expects of it (before the outcome)
-    constrained: ConstrainedDraft | None = None  # the draft as a request's grammar left it

@@ -39,6 +39,7 @@ from runtime.attention import GroupedAttention
 from runtime.causal_lm import (
     BatchItem,
     CausalLM,
+    PreparedPass,
     TargetCapabilities,
     head_subset,
     needs_skeleton,
@@ -124,14 +125,13 @@ class BatchedLM(CausalLM):
     def load(cls, path: str, dtype: str = "float32", device: str = "cpu",
              quantize: str = "auto", kernels: str = "auto",
              int8_activations: bool = True) -> CausalLM:
-        """A model directory in ``dtype`` or quantized (int4, int8), or a GGUF file;
+        """A model directory in ``dtype`` or quantized (int4, int8) (``loading.load_model``
+        also loads a GGUF file);
         ``kernels``: ``use_kernels``; ``int8_activations``: 4-bit (and a GGUF's 8-bit)
         matrices multiply int8-quantized activations where the native kernels can
         (``quantized.BlockMatrix``)."""
         if str(path).endswith(".gguf"):
-            from runtime import gguf_weights
-
-            return gguf_weights.load(path, dtype, device, quantize, kernels, int8_activations)
+            raise ValueError(f"{path} is a GGUF file: runtime.loading.load_model loads one")
         if quantize in ("none", "auto"):
             return cls.wrap(*skeleton.pretrained(path, dtype, device), name=str(path),
                             kernels=kernels)
@@ -299,13 +299,20 @@ class BatchedLM(CausalLM):
     def score(self, state: Any, token_ids: Sequence[int]) -> torch.Tensor:
         return self.forward_batch([BatchItem(state, token_ids, len(token_ids))])[0]
 
-    @torch.inference_mode()
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
         """One forward pass over every item's new tokens; the kept logits of each,
         ``[keep, vocab]``, in the order given. Every sequence's cache grows by its
         tokens."""
+        return self.run_pass(self.prepare_pass(items))
+
+    @torch.inference_mode()
+    def prepare_pass(self, items: Sequence[BatchItem]) -> PreparedPass:
+        """A pass checked and made ready up to its long call: the layout and, on the
+        native kernels, the embedded tokens and their rotary tables. Between this and
+        ``run_pass`` the caller may let other Python threads run (the engine hands its
+        events over): the pass itself then releases the GIL for milliseconds."""
         if not items:
-            return []
+            return PreparedPass(items)
         rows = [item.state.row for item in items]
         if len(set(rows)) != len(rows):
             raise ValueError("a sequence appears twice in one batch")
@@ -322,8 +329,19 @@ class BatchedLM(CausalLM):
         self._ensure_capacity(max(item.state.length + len(item.token_ids) for item in items))
         native = self._kernels is not None
         batch = Layout.build(items, self.device, self.batch_invariant, native=native)
+        return PreparedPass(items, (batch, fused.embed(self, batch) if native else None))
+
+    @torch.inference_mode()
+    def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]:
+        """Run a prepared pass: each item's kept logits; every sequence's cache grows by
+        its tokens."""
+        items = prepared.items
+        if not items:
+            return []
+        batch, embedded = prepared.work
+        native = embedded is not None
         # [T, H]: every real token, packed (normed by the final norm when native)
-        hidden = (fused.forward(self._kernels, self._norms, self, batch, self._stack)
+        hidden = (fused.forward(self._kernels, self._norms, self, batch, embedded, self._stack)
                   if native else layers.forward(self, batch))
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)

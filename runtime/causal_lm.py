@@ -57,6 +57,15 @@ class BatchItem:
     alternative: bool = False
 
 
+@dataclass
+class PreparedPass:
+    """A forward pass made ready to run (``prepare_pass``): its items, and whatever the
+    runner built for it before its long call (the layout, the embedded tokens)."""
+
+    items: Sequence[BatchItem]
+    work: Any = None
+
+
 def head_subset(model: Any) -> torch.Tensor | None:  # [K]
     """The vocabulary ids of the output head's rows when it covers only part of the
     vocabulary (a distilled draft's head keeps ``ids`` and the full ``vocab_size``)."""
@@ -238,14 +247,22 @@ class CausalLM:
         the alternative (everything else of the pass is forgotten)."""
         raise NotImplementedError(f"{self.name} does not run token trees")
 
-    @torch.inference_mode()
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
         """Each item's new tokens, one forward pass per sequence; the kept logits of each."""
+        return self.run_pass(self.prepare_pass(items))
+
+    def prepare_pass(self, items: Sequence[BatchItem]) -> PreparedPass:
+        """A pass made ready to run (here: checked; every pass is a long call)."""
         if any(item.alternative for item in items):
             raise ValueError(f"{self.name} does not run token trees")
+        return PreparedPass(items)
+
+    @torch.inference_mode()
+    def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]:
+        """Run a prepared pass: the kept logits of each item."""
         return [self._forward(item.state, item.token_ids, keep=max(1, item.keep))[-item.keep:]
                 if item.keep else self._forward(item.state, item.token_ids, keep=1)[:0]
-                for item in items]
+                for item in prepared.items]
 
     def kv_bytes(self, rows: int, positions: int) -> int:
         """At most how much KV ``rows`` sequences of up to ``positions`` tokens hold."""

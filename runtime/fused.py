@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from decoding import handoff
 from runtime import kernels
 from runtime.causal_lm import GEMMA_FAMILIES, activation
 from runtime.layout import Layout
@@ -131,17 +130,25 @@ def stack_kind(m: Product, dtype: torch.dtype) -> int:
     return 0
 
 
-def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,
+Embedded = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the tokens' rows, cos, sin
+
+
+def embed(runner: Any, batch: Layout) -> Embedded:
+    """What a pass computes before its layers: ``batch``'s tokens embedded ``[T, H]``,
+    and their rotary tables ``[T, D]`` (``runner``: the ``BatchedLM``)."""
+    hidden = runner.model.model.embed_tokens(batch.ids)  # [T, H]
+    return (hidden, *runner._rotary(hidden, batch.positions))
+
+
+def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout, embedded: Embedded,
             stack: Any = None) -> torch.Tensor:
-    """The decoder layers and the final norm over ``batch``'s packed tokens; ``[T, H]``.
-    ``runner`` is the ``BatchedLM`` (its modules, matrices and KV buffers); ``stack``:
-    its ``layer_stack``, which runs the same loop in one call (not for bulk products)."""
-    inner = runner.model.model
-    hidden = inner.embed_tokens(batch.ids)  # [T, H]
-    cos, sin = runner._rotary(hidden, batch.positions)  # [T, D] each
+    """The decoder layers and the final norm over ``batch``'s packed tokens, ``embedded``
+    (``embed``); ``[T, H]``. ``runner`` is the ``BatchedLM`` (its modules, matrices and
+    KV buffers); ``stack``: its ``layer_stack``, which runs the same loop in one call
+    (not for bulk products)."""
+    hidden, cos, sin = embedded
     split, dtype = batch.bulk_from, runner.dtype
-    if stack is not None and split >= hidden.shape[0]:
-        handoff.pass_starts(runner)  # the whole pass is the next call
+    if stack is not None and split >= hidden.shape[0]:  # the whole pass is one call
         return stack.forward(hidden, cos, sin, runner._keys, runner._values, batch.cache_rows,
                              batch.cache_slots, batch.limits, batch.extras)
 
@@ -149,7 +156,6 @@ def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout,
         return multiply(m, x, split).to(dtype).contiguous()
 
     rows, slots = batch.cache_rows, batch.cache_slots
-    handoff.pass_starts(runner)  # the layers' calls release the GIL for most of the pass
     hidden, x = native.add_rms_norm(hidden.contiguous(), None, *norms[0])
     for index, w in enumerate(runner._weights):
         keys, values = runner._keys[index], runner._values[index]

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from decoding import handoff
 from runtime.attention import rotate
 from runtime.layout import Layout
 from runtime.weights import Product, multiply, norm_heads
@@ -18,7 +17,6 @@ from runtime.weights import Product, multiply, norm_heads
 def forward(runner: Any, batch: Layout) -> torch.Tensor:
     """The decoder layers over ``batch``'s packed tokens, before the final norm; ``[T, H]``.
     ``runner`` is the ``BatchedLM`` (its modules, matrices and KV buffers)."""
-    handoff.pass_starts(runner)  # no one long call here: hand over at the start
     inner = runner.model.model
     hidden = inner.embed_tokens(batch.ids)  # [T, H]
     scale = getattr(inner, "embed_scale", None)

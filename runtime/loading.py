@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import model_store
+from runtime import gguf_weights, model_store
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 
@@ -39,6 +39,17 @@ def load_target(spec: str = "default", dtype: str = "float32", device: str = "cp
     else:
         path = model_store.resolve(spec)
     log.info("loading target %s (%s, quantize %s, %s)", path, dtype, quantize, device)
+    return load_model(path, dtype=dtype, device=device, quantize=quantize, kernels=kernels,
+                      int8_activations=int8_activations)
+
+
+def load_model(path: str, dtype: str = "float32", device: str = "cpu",
+               quantize: str = "auto", kernels: str = "auto",
+               int8_activations: bool = True) -> CausalLM:
+    """The runner for a model directory (``BatchedLM.load``) or a GGUF file
+    (``gguf_weights.load``), by the path's kind."""
+    if str(path).endswith(".gguf"):
+        return gguf_weights.load(path, dtype, device, quantize, kernels, int8_activations)
     return BatchedLM.load(path, dtype=dtype, device=device, quantize=quantize, kernels=kernels,
                           int8_activations=int8_activations)
 

@@ -6,7 +6,8 @@ count as the server's memory; the loaders call ``release_freed_memory`` once the
 temporaries are gone. A server also lets go of the plain copies of matrices that run
 packed (``release_plain_weights``), and of an input embedding whose rows a tied head's
 native packing (``read_embedding_from_head``) or the weights file
-(``read_embedding_from_file``) holds."""
+(``read_embedding_from_file``) holds. ``runner``: a ``runtime.batched.BatchedLM``, whose
+loading calls these (so they take it as it is, not by its type: batched imports this)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,9 +26,6 @@ from torch import nn
 from runtime import fused
 from runtime.skeleton import Embedding
 from runtime.weights import Matrix, drop_weight, linear_modules
-
-if TYPE_CHECKING:
-    from runtime.batched import BatchedLM
 
 EMBEDDING_KEY = "model.embed_tokens.weight"
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -42,7 +40,7 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def release_plain_weights(runner: BatchedLM) -> int:
+def release_plain_weights(runner: Any) -> int:
     """Keep only what ``runner``'s products read; returns the bytes of plain rows let go.
 
     A float matrix multiplied through oneDNN's packed copy (``weights.Matrix``) also
@@ -92,7 +90,7 @@ def release_plain_weights(runner: BatchedLM) -> int:
     return released
 
 
-def read_embedding_from_head(runner: BatchedLM, head: Matrix) -> bool:
+def read_embedding_from_head(runner: Any, head: Matrix) -> bool:
     """Let ``runner``'s input embedding look its rows up in the tied ``head``'s native
     packing (``Matrix.take``) rather than hold the table: whether it now does. The
     packing was made from the table itself, in its dtype, so every row is bitwise the
@@ -107,7 +105,7 @@ def read_embedding_from_head(runner: BatchedLM, head: Matrix) -> bool:
     return True
 
 
-def read_embedding_from_file(runner: BatchedLM) -> bool:
+def read_embedding_from_file(runner: Any) -> bool:
     """Let ``runner``'s input embedding read its rows from the safetensors file it was
     filled from (``FileRows``) rather than hold the table: whether it now does.
 

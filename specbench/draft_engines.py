@@ -34,7 +34,7 @@ import torch
 from decoding.drafters.base import DraftContext, Drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.causal_lm import CausalLM
 from runtime.loading import load_target

@@ -27,7 +27,7 @@ from decoding.drafters import Drafter
 from decoding.engine import Engine
 from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.target import Target
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
 from runtime.causal_lm import BatchItem

@@ -25,7 +25,7 @@ from decoding.drafters.combined import MODEL_MARGIN, CombinedDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import DEFAULT_MAX_NGRAM, NgramDrafter
 from decoding.policy import MAX_DRAFT_TOKENS
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
 from runtime import draft_format
 from runtime.causal_lm import CausalLM, pretrained

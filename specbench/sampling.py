@@ -22,7 +22,7 @@ from typing import Any
 from decoding.drafters.base import Drafter
 from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from runtime.causal_lm import CausalLM
 from runtime.loading import load_target

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from decoding.drafters.base import Drafter
 from decoding.factory import DraftSpecError
 from decoding.prompting import encode_chat, encode_text
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import add_serve_command
 from gateway.startup import fail

@@ -12,7 +12,7 @@ from decoding.drafters.base import Drafter
 from decoding.engine import Engine
 from decoding.policy import AdaptiveSpeculation, StepCost
 from decoding.prompting import encode_text
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import BatchItem, CausalLM

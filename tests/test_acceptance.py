@@ -13,7 +13,7 @@ from decoding.drafters.ngram import NgramDrafter
 from decoding.factory import load_drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.causal_lm import CausalLM
 from specbench.acceptance import replay

@@ -19,7 +19,7 @@ from decoding.drafters.base import BaseDrafter, DraftContext, Drafter, DraftProp
 from decoding.drafters.combined import CombinedDrafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import (
     FinishReason,
     GenerationRequest,

@@ -16,7 +16,7 @@ from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import auto_draft, load_drafter
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from runtime import draft_format as distilled
 from runtime.causal_lm import CausalLM

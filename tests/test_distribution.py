@@ -29,8 +29,8 @@ from decoding.drafters import ModelDrafter
 from decoding.drafters.base import DraftContext, Drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_text
+from decoding.round import decode
 from decoding.sampling import apply_penalties, logits_to_probs, output_counts
-from decoding.sequence import decode
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.causal_lm import CausalLM
 

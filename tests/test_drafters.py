@@ -10,7 +10,8 @@ from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
 from decoding.drafters.base import BaseDrafter, DraftProposal
 from decoding.drafters.combined import CombinedDrafter
 from decoding.prompting import encode_text
-from decoding.sequence import SequenceDecoder, decode
+from decoding.round import decode, step
+from decoding.sequence import SequenceDecoder
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM, TokenizerMismatchError
@@ -269,7 +270,7 @@ def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> N
     decoder = SequenceDecoder(tiny_target, combined, request)
     rounds = []
     while not decoder.finished:
-        event = decoder.step()
+        event = step(decoder)
         rounds.append((decoder.source, event))
     assert [t for _, event in rounds for t in event.token_ids] == plain
     assert set(decoder.policies) == {"lookup", "model"}

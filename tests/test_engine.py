@@ -14,7 +14,8 @@ from decoding.drafters import NgramDrafter
 from decoding.drafters.base import DraftContext
 from decoding.engine import Engine, EngineClosedError, QueueFullError, UnknownDrafterError
 from decoding.prompting import encode_text
-from decoding.sequence import ContextOverflowError, decode
+from decoding.round import decode
+from decoding.sequence import ContextOverflowError
 from decoding.types import FinishReason, GenerationRequest, SamplingParams, SpeculationParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
@@ -176,43 +177,49 @@ def test_timeout_while_waiting_in_the_queue(tiny_target: CausalLM) -> None:
         engine.shutdown()
 
 
-def test_before_pass_hands_over_once_for_its_own_runner() -> None:
-    from decoding.handoff import before_pass, pass_starts
+def test_the_round_calls_starting_between_the_pass_s_preparation_and_its_run(
+        tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    from decoding.round import speculative_round
+    from decoding.sequence import SequenceDecoder
 
-    runner, other, calls = object(), object(), []
-    with before_pass(runner, lambda: calls.append("handed")):
-        pass_starts(other)  # another runner's pass (a draft model's): not this one
-        assert calls == []
-        pass_starts(runner)
-        assert calls == ["handed"]
-        pass_starts(runner)  # once per block
-        assert calls == ["handed"]
-    assert calls == ["handed", "handed"]  # and again as the block ends (an empty outbox)
-    pass_starts(runner)  # outside any block: nothing
-    assert len(calls) == 2
+    calls: list[str] = []
+    prepare, run = tiny_target.prepare_pass, tiny_target.run_pass
+    monkeypatch.setattr(tiny_target, "prepare_pass",
+                        lambda items: calls.append("prepare") or prepare(items))
+    monkeypatch.setattr(tiny_target, "run_pass",
+                        lambda prepared: calls.append("run") or run(prepared))
+    decoder = SequenceDecoder(tiny_target, None, _request(tiny_target, "a b c", n=3))
+    try:
+        speculative_round(tiny_target, [(decoder, 64)], [], starting=lambda: calls.append("start"))
+        assert calls == ["prepare", "start", "run"]
+        speculative_round(tiny_target, [], [(decoder, 0)])  # none given: nothing to call
+        assert calls == ["prepare", "start", "run", "prepare", "run"]
+    finally:
+        decoder.close()
 
 
 def test_events_leave_while_the_next_pass_runs(tiny_target: CausalLM,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A round's event reaches its stream from inside the next pass (right before its
-    long native call), not between passes where the event loop would hold up the
+    """A round's event reaches its stream while the next pass is prepared and about to
+    run its long native call, not between passes where the event loop would hold up the
     model thread; the last ones leave when the engine has nothing more to run. Every
     event arrives, in order."""
     import threading
 
-    from decoding import handoff
     from decoding.streams import RequestStream
 
     inside = threading.local()
     puts: list[tuple[bool, object]] = []
-    starts = handoff.pass_starts
+    prepare, run = tiny_target.prepare_pass, tiny_target.run_pass
 
-    def pass_starts(runner: object) -> None:
-        inside.flag = True
-        try:
-            starts(runner)
-        finally:
-            inside.flag = False
+    def prepare_pass(items: Any) -> Any:
+        prepared = prepare(items)
+        inside.flag = True  # prepared, not yet run
+        return prepared
+
+    def run_pass(prepared: Any) -> Any:
+        inside.flag = False
+        return run(prepared)
 
     put = RequestStream._put
 
@@ -221,7 +228,8 @@ def test_events_leave_while_the_next_pass_runs(tiny_target: CausalLM,
             puts.append((getattr(inside, "flag", False), item))
         put(self, item)
 
-    monkeypatch.setattr(handoff, "pass_starts", pass_starts)
+    monkeypatch.setattr(tiny_target, "prepare_pass", prepare_pass)
+    monkeypatch.setattr(tiny_target, "run_pass", run_pass)
     monkeypatch.setattr(RequestStream, "_put", recording_put)
     engine = Engine(tiny_target)
     engine.start()

@@ -11,7 +11,7 @@ import pytest
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.engine import Engine
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import (
     FinishReason,
     GenerationRequest,

@@ -21,8 +21,8 @@ PACKAGES = ("gateway", "decoding", "runtime", "trt", "observability", "specbench
 FORBIDDEN = {
     "decoding": {"gateway", "trt", "specbench", "specdistill", "specserve", "observability",
                  "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
-    "runtime": {"gateway", "trt", "specbench", "specdistill", "specserve", "observability",
-                "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
+    "runtime": {"gateway", "decoding", "trt", "specbench", "specdistill", "specserve",
+                "observability", "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
     "gateway": {"trt", "specbench", "specdistill", "specserve", "tensorrt", "onnxruntime"},
     "trt": {"gateway", "specbench", "specdistill", "specserve"},
     "observability": {"gateway", "decoding", "runtime", "trt", "specbench", "specdistill",
@@ -65,3 +65,64 @@ def test_serving_modules_stay_small(package: str) -> None:
     long = {str(path.relative_to(ROOT)): n for path in _modules(package)
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_SERVING_LINES}
     assert not long, long
+
+
+MAX_KERNEL_LINES = 600  # a kernel source longer than this mixes concerns
+
+
+def test_kernel_sources_stay_small_and_apart_from_the_core() -> None:
+    """The C++ lives in runtime/csrc, one file per concern; the speculative core has
+    none."""
+    sources = sorted((ROOT / "runtime" / "csrc").glob("*.[ch]*"))
+    assert {p.name for p in sources} >= {"vec.h", "norms_rotary.cpp", "attention.cpp",
+                                         "block_products.cpp", "dense_products.cpp",
+                                         "layer_stack.cpp", "bindings.cpp"}
+    long = {p.name: n for p in sources
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_KERNEL_LINES}
+    assert not long, long
+    native = [p for ext in ("*.cpp", "*.cc", "*.h", "*.hpp", "*.cu")
+              for p in (ROOT / "decoding").rglob(ext)]
+    assert not native, native
+
+
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for package in PACKAGES:
+        for path in _modules(package):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _module_imports(path: Path, names: dict[str, Path]) -> set[str]:
+    """Every project module ``path`` imports, wherever the import stands: at the top, in
+    a function, or for type checking only."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            candidates = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        found.update(c for c in candidates if c in names)
+    return found
+
+
+def test_no_import_circles() -> None:
+    """No module reaches itself through imports, not even through one inside a function
+    or under TYPE_CHECKING (each such circle was two modules that were one)."""
+    names = _module_names()
+    graph = {name: _module_imports(path, names) - {name} for name, path in names.items()}
+    circles = []
+    for start in graph:  # a path back to start, by depth-first search
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not circles, sorted(set(circles))[:10]

@@ -10,7 +10,7 @@ from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.policy import AdaptiveSpeculation, FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import BatchItem, CausalLM

@@ -15,7 +15,7 @@ from decoding.drafters.base import DraftContext
 from decoding.drafters.continuation import ContinuationDrafter
 from decoding.prefix_cache import CONTEXT_TOKENS, InProcessStore, PrefixCache, PrefixStore
 from decoding.prompting import encode_text
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
 from gateway.redis_store import RedisStore
 from runtime.causal_lm import CausalLM

@@ -15,7 +15,7 @@ import pytest
 from decoding.engine import Engine
 from decoding.prefix_cache import PrefixCache
 from decoding.prompting import encode_chat, encode_text
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
 from gateway.redis_store import RedisStore
 from runtime.causal_lm import CausalLM

@@ -12,7 +12,7 @@ from decoding.engine import Engine
 from decoding.factory import load_model_drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_text
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM

@@ -16,7 +16,7 @@ from decoding.engine import Engine
 from decoding.policy import FixedSpeculation
 from decoding.prefix_cache import InProcessStore, PrefixCache
 from decoding.prompting import encode_text
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
 from runtime.causal_lm import CausalLM
 

@@ -6,7 +6,7 @@ import pytest
 
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.prompting import encode_text
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.text import TextStream, _backend
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
 from runtime.causal_lm import CausalLM

@@ -295,11 +295,11 @@ async def test_models_report_quantized_weights(tiny_target_dir: Path,
     assert card["metadata"]["weights"] == "int4"
     assert card["metadata"]["dtype"] == "bfloat16"
     assert card["metadata"]["draft_dtype"] == "bfloat16"  # int4 codes, bf16 activations
-    # int4 matrices as block matrices, where the native kernels have block products
+    # int4 matrices as block matrices, on the native kernels of this host's level
     from runtime import kernels
 
-    blocks = kernels.native().has_block_products()
-    assert card["metadata"]["product_activations"] == ("int8" if blocks else "bfloat16")
+    assert card["metadata"]["product_activations"] == "int8"
+    assert card["metadata"]["kernels"] == f"native-{kernels.capability()}"
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
     settings = tiny_settings(target=str(tiny_target_dir), quantize="int4", draft="none",
                              prefix_cache=False, int8_activations=False)

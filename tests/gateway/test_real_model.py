@@ -16,7 +16,7 @@ import pytest
 from decoding.drafters.ngram import NgramDrafter
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import create_app
 from gateway.settings import Settings

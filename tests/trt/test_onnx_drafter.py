@@ -10,7 +10,7 @@ import torch
 
 from decoding.drafters.base import DraftContext, Drafter
 from decoding.drafters.model import ModelDrafter
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.causal_lm import CausalLM
 from trt.kv_drafter import KVCache, KVDrafter

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.causal_lm import CausalLM
 from trt import tensorrt_drafter

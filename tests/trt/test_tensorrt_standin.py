@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import build_engine, create_app
 from runtime.causal_lm import CausalLM

@@ -14,7 +14,7 @@ import pytest
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
 from decoding.prompting import encode_chat
-from decoding.sequence import decode
+from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.causal_lm import CausalLM
 from trt.backends import load_draft
