@@ -137,15 +137,15 @@ def test_a_failing_batch_fails_only_the_request_at_fault(
     tiny_target: CausalLM, drafters: dict[str, Drafter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A model fault cannot be caused from outside: one is injected for one token.
-    real = tiny_target.forward_batch
+    real = tiny_target.prepare_pass
     poisoned = 31337
 
-    def forward_batch(items):  # type: ignore[no-untyped-def]
+    def prepare_pass(items):  # type: ignore[no-untyped-def]
         if any(poisoned in item.token_ids for item in items):
             raise RuntimeError("injected fault")
         return real(items)
 
-    monkeypatch.setattr(tiny_target, "forward_batch", forward_batch)
+    monkeypatch.setattr(tiny_target, "prepare_pass", prepare_pass)
     good = _greedy(tiny_target, PROMPTS[:3], 12)
     bad = GenerationRequest(prompt_ids=(1000, poisoned), max_new_tokens=12, sampling=GREEDY,
                             stop_token_ids=(), request_id="bad")

@@ -21,7 +21,7 @@ from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation, FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import BatchItem, CausalLM, PreparedPass
 from runtime.layout import Layout
 from runtime.loading import load_target
 
@@ -141,15 +141,15 @@ def test_the_run_time_check_counts_a_pass_that_is_not_invariant(
     """A runner whose passes of several tokens shift their logits (a fault the real
     kernels cannot be made to show on demand): the check counts mismatches, and the
     recompute leaves each sequence as plain decoding would continue it."""
-    real = tiny_target.forward_batch
+    real = tiny_target.run_pass
 
-    def shifted(items: Sequence[BatchItem]) -> list[torch.Tensor]:
-        out = real(items)
-        if sum(len(item.token_ids) for item in items) > 1:
+    def shifted(prepared: PreparedPass) -> list[torch.Tensor]:
+        out = real(prepared)
+        if sum(len(item.token_ids) for item in prepared.items) > 1:
             out = [logits + 1e-3 for logits in out]
         return out
 
-    monkeypatch.setattr(tiny_target, "forward_batch", shifted)
+    monkeypatch.setattr(tiny_target, "run_pass", shifted)
     check = InvarianceCheck(1.0, seed=0)
     _engine_tokens(tiny_target, {"ngram": NgramDrafter()}, "ngram", 2, check)
     assert check.stats.checks > 0
