@@ -12,7 +12,8 @@
 
 A sampled model draft cut at a forbidden token needs one correction to stay exact:
 that token would have been rejected for certain, so the target's token there comes
-from the residual ``max(0, target - draft)`` rather than from the target alone.
+from the residual ``max(0, target - draft)`` rather than from the target alone; the
+draft keeps that row (``ConstrainedDraft.cut_row``) and ``verify()`` draws from it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch
 from decoding.constraints import Constraint, Grammar
 from decoding.drafters.base import DraftProposal
 from decoding.types import RoundEvent
-from decoding.verify import Verdict
 
 MAX_FORCED = 32  # grammar-forced draft tokens per round
 
@@ -122,21 +122,6 @@ class ConstrainedDecoding:
         masked = logits.masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
         self.mask_s += time.perf_counter() - start
         return masked
-
-    def verified(self, verdict: Verdict, draft: Sequence[int], scores: torch.Tensor,
-                 cut: ConstrainedDraft | None, generator: object) -> Verdict:
-        """The round's verdict, corrected where a rejection-sampled draft was cut (see
-        above; keyed sampling needs none: its tokens do not depend on the draft)."""
-        if (cut is None or cut.cut_row is None or not isinstance(generator, torch.Generator)
-                or not verdict.bonus):
-            return verdict
-        target = scores[len(draft)]  # [vocab] masked, renormalised target probabilities
-        residual = (target - cut.cut_row.to(target.dtype)).clamp_min(0.0)
-        total = residual.sum()
-        if not torch.isfinite(total) or total.item() <= 0.0:
-            residual, total = target, target.sum()
-        token = int(torch.multinomial(residual / total, 1, generator=generator).item())
-        return Verdict(accepted=verdict.accepted, next_token=token, bonus=False)
 
     # -- committing -------------------------------------------------------------------
 

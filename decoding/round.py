@@ -104,13 +104,10 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
     start = time.perf_counter()
     k = len(draft.tokens)
     scores = seq.process(logits[: k + 1], draft.tokens)  # [k + 1, vocab]
-    if draft.alternative is not None:  # greedy, unpenalised: its row as the target gave it
-        scores = torch.cat([scores, logits[-1:]])  # [k + 2, vocab]
     verdict = verify(draft.tokens, draft.probs, scores, seq.generator, len(seq.tokens),
-                     alternative=draft.alternative)
-    if seq.grammar is not None:  # a sampled draft cut by the grammar: its residual
-        verdict = seq.grammar.verified(verdict, list(draft.tokens), scores, draft.constrained,
-                                       seq.generator)
+                     alternative=draft.alternative,  # greedy, unpenalised: its row as given
+                     after_alternative=logits[-1] if draft.alternative is not None else None,
+                     cut_probs=draft.constrained.cut_row if draft.constrained else None)
     seq.keep(verdict, len(draft.tokens) + 1 + (draft.alternative is not None))
     timing = RoundTiming(draft.seconds, forward_s + time.perf_counter() - start, 0.0)
     seq.learn(draft, verdict, timing)

@@ -54,6 +54,8 @@ def verify(
     generator: Randomness | None,
     position: int = 0,  # the absolute position of target_probs[0]'s token (keyed only)
     alternative: int | None = None,  # greedy only: a second candidate for draft[0]
+    after_alternative: torch.Tensor | None = None,  # [vocab]: the target's scores after it
+    cut_probs: torch.Tensor | None = None,  # [vocab]: the draft's row a grammar cut (below)
 ) -> Verdict:
     """Keep the longest acceptable prefix of the draft, plus one target token.
 
@@ -75,28 +77,38 @@ def verify(
     exactly the target's distribution. ``draft_probs=None`` stands for a
     deterministic drafter (a one-hot distribution on each proposed token).
 
-    ``alternative`` (greedy only, with a draft): the last row of ``target_probs`` is
-    the target's scores after the alternative; it is taken when the target's choice
-    for the first position is the alternative (the Verdict says so).
+    ``alternative`` (greedy only, with a draft) and ``after_alternative``, the target's
+    scores after it: the alternative is taken when the target's choice for the first
+    position is the alternative (the Verdict says so).
+
+    ``cut_probs`` (rejection sampling only): the draft distribution of the token after
+    the draft, which a grammar forbade and cut. That token would have been rejected for
+    certain, so when every kept draft token is accepted the next one is drawn from the
+    residual ``max(0, target_probs[k] - cut_probs)``, not from ``target_probs[k]``.
     """
     k = len(draft_tokens)
-    rows = k + 1 + (alternative is not None)
-    if target_probs.shape[0] != rows:
-        raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens"
-                         + (" and an alternative" if alternative is not None else ""))
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens")
+    if (alternative is None) != (after_alternative is None):
+        raise ValueError("an alternative is verified with the target's scores after it")
     if alternative is not None and (generator is not None or k == 0):
         raise ValueError("an alternative is verified only greedily, beside a draft")
     if generator is None:
-        return _verify_greedy(draft_tokens, target_probs, alternative)
-    if isinstance(generator, SamplingKey):
+        return _verify_greedy(draft_tokens, target_probs, alternative, after_alternative)
+    if isinstance(generator, SamplingKey):  # its draws do not depend on the draft: no cut
         return _verify_keyed(draft_tokens, target_probs, generator, position)
-    return _verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+    return _verify_sampled(draft_tokens, draft_probs, target_probs, generator, cut_probs)
 
 
-def _verify_greedy(draft_tokens: Sequence[int], target_scores: torch.Tensor,
-                   alternative: int | None) -> Verdict:
-    # [k + 1 (+ 1)], one host sync. Widened first: the CPU's bfloat16 argmax is the slow
-    # one (186 against 40 us over a 49k vocabulary), and widening is exact (same ties).
+def _verify_greedy(draft_tokens: Sequence[int],
+                   target_scores: torch.Tensor,  # [k + 1, vocab]
+                   alternative: int | None,
+                   after_alternative: torch.Tensor | None,  # [vocab]
+                   ) -> Verdict:
+    if after_alternative is not None:  # its row last: [k + 2, vocab]
+        target_scores = torch.cat([target_scores, after_alternative[None].to(target_scores)])
+    # one host sync. Widened first: the CPU's bfloat16 argmax is the slow one (186
+    # against 40 us over a 49k vocabulary), and widening is exact (same ties).
     best = target_scores.float().argmax(dim=-1).tolist()
     k = len(draft_tokens)
     if alternative is not None and best[0] == alternative != draft_tokens[0]:
@@ -127,6 +139,7 @@ def _verify_sampled(
     draft_probs: torch.Tensor | None,  # [k, vocab]
     target_probs: torch.Tensor,  # [k + 1, vocab]
     generator: torch.Generator,
+    cut_probs: torch.Tensor | None,  # [vocab]
 ) -> Verdict:
     k = len(draft_tokens)
     if k:
@@ -142,25 +155,30 @@ def _verify_sampled(
         rejected = (uniform >= ratio).tolist()
         for i in range(k):
             if rejected[i]:
-                residual = _residual(target_probs[i], draft_probs, i, draft_tokens[i])
+                residual = _residual(target_probs[i],
+                                     None if draft_probs is None else draft_probs[i],
+                                     draft_tokens[i])
                 token = int(torch.multinomial(residual, 1, generator=generator).item())
                 return Verdict(accepted=i, next_token=token, bonus=False)
+    if cut_probs is not None:  # the cut token's rejection: recovered from the residual
+        residual = _residual(target_probs[k], cut_probs, -1)
+        token = int(torch.multinomial(residual, 1, generator=generator).item())
+        return Verdict(accepted=k, next_token=token, bonus=False)
     token = int(torch.multinomial(target_probs[k], 1, generator=generator).item())
     return Verdict(accepted=k, next_token=token, bonus=True)
 
 
 def _residual(
     target_row: torch.Tensor,  # [vocab]
-    draft_probs: torch.Tensor | None,  # [k, vocab]
-    position: int,
+    draft_row: torch.Tensor | None,  # [vocab]; None: one-hot on draft_token
     draft_token: int,
 ) -> torch.Tensor:  # [vocab]
     """max(0, target - draft), renormalised; the target itself if that is empty."""
-    if draft_probs is None:
+    if draft_row is None:
         residual = target_row.clone()
         residual[draft_token] = 0.0
     else:
-        residual = (target_row - draft_probs[position].to(target_row.dtype)).clamp_min(0.0)
+        residual = (target_row - draft_row.to(target_row.dtype)).clamp_min(0.0)
     total = residual.sum()
     if not torch.isfinite(total) or total.item() <= 0.0:
         return target_row

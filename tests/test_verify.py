@@ -61,6 +61,48 @@ def test_row_count_is_checked() -> None:
         verify([1, 2], None, _one_hot_logits([1, 2]), None)
 
 
+def test_greedy_alternative_is_taken_when_the_target_picks_it() -> None:
+    """The target's first choice is the alternative, not the draft's first token: the
+    alternative and the target's token after it (from the alternative's own row) are
+    kept; otherwise the alternative's row changes nothing."""
+    after = _one_hot_logits([5])[0]  # [vocab]: the target's scores after the alternative
+    verdict = verify([1, 2], None, _one_hot_logits([3, 2, 4]), None, alternative=3,
+                     after_alternative=after)
+    assert (verdict.alternative_taken, verdict.next_token, verdict.after_alternative) == (
+        True, 3, 5)
+    assert verdict.committed([1, 2]) == [3, 5]
+    verdict = verify([1, 2], None, _one_hot_logits([1, 2, 4]), None, alternative=3,
+                     after_alternative=after)
+    assert not verdict.alternative_taken and verdict.committed([1, 2]) == [1, 2, 4]
+    verdict = verify([1, 2], None, _one_hot_logits([0, 2, 4]), None, alternative=3,
+                     after_alternative=after)  # neither: recovered as without it
+    assert not verdict.alternative_taken and verdict.committed([1, 2]) == [0]
+    with pytest.raises(ValueError, match="scores after it"):
+        verify([1, 2], None, _one_hot_logits([3, 2, 4]), None, alternative=3)
+    with pytest.raises(ValueError, match="only greedily"):
+        verify([1, 2], None, torch.full((3, VOCAB), 1 / VOCAB), torch.Generator(),
+               alternative=3, after_alternative=after)
+
+
+def test_a_cut_draft_token_is_rejected_and_recovered_from_the_residual() -> None:
+    """A draft token the grammar cut after the kept draft would have been rejected for
+    certain: once every kept token is accepted, the next token is drawn from
+    max(0, target - cut row), never the target alone, and the draws follow that residual."""
+    generator = torch.Generator().manual_seed(0)
+    target = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+                           [0.1, 0.2, 0.3, 0.4, 0.0, 0.0]])  # [k + 1, vocab], k = 1
+    draft = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]])  # [k, vocab]
+    cut = torch.tensor([0.0, 0.0, 0.3, 0.6, 0.1, 0.0])  # [vocab]
+    counts = [0] * VOCAB
+    for _ in range(600):
+        verdict = verify([1], draft, target, generator, cut_probs=cut)
+        assert verdict.accepted == 1 and not verdict.bonus
+        counts[verdict.next_token] += 1
+    assert counts[2] == counts[3] == 0  # the target alone would give these 70% of the time
+    # the residual: 0.1 and 0.2 left of tokens 0 and 1, so 1/3 and 2/3
+    assert chisquare(counts[:2], [200, 400]).pvalue > 1e-3
+
+
 def test_sampled_accepts_when_draft_equals_target() -> None:
     generator = torch.Generator().manual_seed(0)
     target = torch.softmax(torch.randn(4, VOCAB, generator=generator), dim=-1)
