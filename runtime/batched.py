@@ -76,7 +76,8 @@ class BatchedLM(CausalLM):
         # the span than a one-token step has it) only to rounding, so batch invariance
         # takes none there; the native kernels read its keys in a step's order: exact
         return TargetCapabilities(batched=True, branches=(not self.batch_invariant
-                                                          or self._kernels is not None))
+                                                          or self._kernels is not None),
+                                  features=True)
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
                  quantize: str = "none", weights: Sequence[LayerWeights] | None = None,
@@ -326,10 +327,27 @@ class BatchedLM(CausalLM):
             if item.state.length + len(item.token_ids) > self.max_context:
                 raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
                                  f"exceed the context of {self.max_context}")
+            if item.inputs is not None and item.inputs.shape != (len(item.token_ids),
+                                                                 self.hidden_size):
+                raise ValueError(f"input rows of shape {tuple(item.inputs.shape)} for "
+                                 f"{len(item.token_ids)} tokens of {self.hidden_size}")
         self._ensure_capacity(max(item.state.length + len(item.token_ids) for item in items))
         native = self._kernels is not None
         batch = Layout.build(items, self.device, self.batch_invariant, native=native)
-        return PreparedPass(items, (batch, fused.embed(self, batch) if native else None))
+        inputs = self._inputs(items, batch)
+        return PreparedPass(items, (batch, inputs, fused.embed(self, batch, inputs)
+                                    if native else None))
+
+    def _inputs(self, items: Sequence[BatchItem], batch: Layout) -> torch.Tensor | None:
+        """The packed rows the layers start from, ``[T, H]``, where an item gives its own
+        (``BatchItem.inputs``): the others' embedded tokens beside them; else None."""
+        if all(item.inputs is None for item in items):
+            return None
+        rows = self.model.model.embed_tokens(batch.ids).to(self.dtype)  # [T, H]
+        for start, item in zip(batch.offsets, items, strict=True):
+            if item.inputs is not None:
+                rows[start : start + len(item.token_ids)] = item.inputs
+        return rows
 
     @torch.inference_mode()
     def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]:
@@ -338,11 +356,16 @@ class BatchedLM(CausalLM):
         items = prepared.items
         if not items:
             return []
-        batch, embedded = prepared.work
+        batch, inputs, embedded = prepared.work
         native = embedded is not None
         # [T, H]: every real token, packed (normed by the final norm when native)
         hidden = (fused.forward(self._kernels, self._norms, self, batch, embedded, self._stack)
-                  if native else layers.forward(self, batch))
+                  if native else layers.forward(self, batch, inputs))
+        prepared.features = [
+            None if not item.features else (  # copies: the stack reuses its buffer
+                hidden[start : start + len(item.token_ids)].clone() if native
+                else self._inner.norm(hidden[start : start + len(item.token_ids)]))
+            for start, item in zip(batch.offsets, items, strict=True)]
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
                 for i in range(i + len(item.token_ids) - min(item.keep, len(item.token_ids)),

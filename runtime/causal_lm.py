@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,8 @@ class TargetCapabilities:
 
     batched: bool  # ``forward_batch`` runs its sequences in one forward pass
     branches: bool  # ``forward_batch`` takes ``BatchItem.alternative`` (a two-branch tree)
+    features: bool = False  # a pass gives final hidden states (``BatchItem.features``) and
+    # starts from given rows (``BatchItem.inputs``)
 
 
 @dataclass
@@ -55,6 +57,9 @@ class BatchItem:
     token_ids: Sequence[int]
     keep: int
     alternative: bool = False
+    features: bool = False  # the pass also gives every new token's final hidden state
+    inputs: torch.Tensor | None = None  # [n, H]: the rows the layers start from, in place
+    # of the tokens' embeddings (a draft that reads the target's features makes them)
 
 
 @dataclass
@@ -64,6 +69,9 @@ class PreparedPass:
 
     items: Sequence[BatchItem]
     work: Any = None
+    # after the run, per item: its new tokens' final hidden states (normed by the final
+    # norm: what the output head reads), [n, H], where the item asked for them, else None
+    features: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def head_subset(model: Any) -> torch.Tensor | None:  # [K]
@@ -217,6 +225,7 @@ class CausalLM:
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = frozenset(eos_ids(model, tokenizer))
         self.heads, self.kv_heads, self.head_dim = attention_dims(config)
+        self.hidden_size = int(config.hidden_size)
         self.kv_position_bytes = kv_position_bytes(config, self.dtype)
 
     @classmethod
@@ -255,6 +264,8 @@ class CausalLM:
         """A pass made ready to run (here: checked; every pass is a long call)."""
         if any(item.alternative for item in items):
             raise ValueError(f"{self.name} does not run token trees")
+        if any(item.features or item.inputs is not None for item in items):
+            raise ValueError(f"{self.name} gives no hidden states and takes no input rows")
         return PreparedPass(items)
 
     @torch.inference_mode()

@@ -133,10 +133,11 @@ def stack_kind(m: Product, dtype: torch.dtype) -> int:
 Embedded = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the tokens' rows, cos, sin
 
 
-def embed(runner: Any, batch: Layout) -> Embedded:
-    """What a pass computes before its layers: ``batch``'s tokens embedded ``[T, H]``,
-    and their rotary tables ``[T, D]`` (``runner``: the ``BatchedLM``)."""
-    hidden = runner.model.model.embed_tokens(batch.ids)  # [T, H]
+def embed(runner: Any, batch: Layout, inputs: torch.Tensor | None = None) -> Embedded:
+    """What a pass computes before its layers: ``batch``'s tokens embedded ``[T, H]``
+    (or the given ``inputs`` rows), and their rotary tables ``[T, D]`` (``runner``: the
+    ``BatchedLM``)."""
+    hidden = runner.model.model.embed_tokens(batch.ids) if inputs is None else inputs
     return (hidden, *runner._rotary(hidden, batch.positions))
 
 

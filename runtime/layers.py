@@ -14,14 +14,15 @@ from runtime.layout import Layout
 from runtime.weights import Product, multiply, norm_heads
 
 
-def forward(runner: Any, batch: Layout) -> torch.Tensor:
-    """The decoder layers over ``batch``'s packed tokens, before the final norm; ``[T, H]``.
-    ``runner`` is the ``BatchedLM`` (its modules, matrices and KV buffers)."""
+def forward(runner: Any, batch: Layout, inputs: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder layers over ``batch``'s packed tokens (or the given ``inputs`` rows,
+    ``[T, H]``), before the final norm; ``[T, H]``. ``runner`` is the ``BatchedLM`` (its
+    modules, matrices and KV buffers)."""
     inner = runner.model.model
-    hidden = inner.embed_tokens(batch.ids)  # [T, H]
+    hidden = inner.embed_tokens(batch.ids) if inputs is None else inputs  # [T, H]
     scale = getattr(inner, "embed_scale", None)
-    if scale is not None:  # rounded to the rows' dtype first, as transformers' Gemma does
-        hidden = hidden * torch.tensor(scale).to(hidden.dtype)
+    if scale is not None and inputs is None:  # rounded to the rows' dtype first, as
+        hidden = hidden * torch.tensor(scale).to(hidden.dtype)  # transformers' Gemma does
     rotary = [_cos_sin(inner.rotary_emb, hidden, batch.positions)]
     local = getattr(inner, "rotary_local", None)  # the sliding-window layers' own
     if local is not None:

@@ -153,6 +153,37 @@ def test_prompts_sharing_a_block_get_the_model_s_own_logits(
         tiny_target.release(state)
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_a_pass_gives_final_hidden_states_and_starts_from_given_rows(
+        tiny_target_dir: object, kernels: str) -> None:
+    """``BatchItem.features``: each new token's final hidden state, which the output head
+    turns into exactly the pass's logits; ``BatchItem.inputs``: rows in place of the
+    tokens' embeddings, here the embeddings themselves (the same logits) and other rows
+    (other logits), beside a sequence that embeds its tokens as usual."""
+    target = BatchedLM.load(str(tiny_target_dir), kernels=kernels)
+    assert target.capabilities.features
+    ids, other = [5, 9, 300, 41, 7], [11, 12, 13]
+    a, b = target.new_state(), target.new_state()
+    prepared = target.prepare_pass([BatchItem(a, ids, len(ids), features=True),
+                                    BatchItem(b, other, 1)])
+    logits = target.run_pass(prepared)
+    features, none = prepared.features
+    assert none is None and features is not None
+    assert features.shape == (len(ids), target.hidden_size)
+    assert torch.equal(target._logits(features), logits[0])
+    rows = target.model.model.embed_tokens(torch.tensor(ids)).to(target.dtype)
+    c, d = target.new_state(), target.new_state()
+    same = target.forward_batch([BatchItem(c, ids, len(ids), inputs=rows.clone()),
+                                 BatchItem(b, [14], 1)])
+    assert torch.equal(same[0], logits[0])  # batch invariance: bitwise
+    moved = target.forward_batch([BatchItem(d, ids, len(ids), inputs=rows * 2)])
+    assert not torch.allclose(moved[0], logits[0], atol=1e-2)
+    with pytest.raises(ValueError, match="input rows"):
+        target.forward_batch([BatchItem(target.new_state(), ids, 1, inputs=rows[:2])])
+    for state in (a, b, c, d):
+        target.release(state)
+
+
 def test_release_keeps_the_other_rows_intact(tiny_target: BatchedLM) -> None:
     """Freeing a row moves the last row into the gap; the moved sequence continues
     exactly as before."""
