@@ -46,7 +46,7 @@ from runtime.causal_lm import (
     supports,
 )
 from runtime.kernels import resolve
-from runtime.layout import SPAN_ALIGN, Layout
+from runtime.layout import SPAN_ALIGN, Layout, check_items
 from runtime.memory import release_plain_weights
 from runtime.quantized import BlockMatrix, block_kernels, load_quantized
 from runtime.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
@@ -314,40 +314,13 @@ class BatchedLM(CausalLM):
         events over): the pass itself then releases the GIL for milliseconds."""
         if not items:
             return PreparedPass(items)
-        rows = [item.state.row for item in items]
-        if len(set(rows)) != len(rows):
-            raise ValueError("a sequence appears twice in one batch")
-        if any(item.state.released for item in items):
-            raise ValueError("a released sequence cannot run")
-        if any(not item.token_ids for item in items):
-            raise ValueError("every sequence in a batch needs at least one new token")
-        if any(item.alternative and len(item.token_ids) < 3 for item in items):
-            raise ValueError("an alternative needs the pending token and a draft before it")
-        for item in items:
-            if item.state.length + len(item.token_ids) > self.max_context:
-                raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
-                                 f"exceed the context of {self.max_context}")
-            if item.inputs is not None and item.inputs.shape != (len(item.token_ids),
-                                                                 self.hidden_size):
-                raise ValueError(f"input rows of shape {tuple(item.inputs.shape)} for "
-                                 f"{len(item.token_ids)} tokens of {self.hidden_size}")
+        check_items(items, self.max_context, self.hidden_size)
         self._ensure_capacity(max(item.state.length + len(item.token_ids) for item in items))
         native = self._kernels is not None
         batch = Layout.build(items, self.device, self.batch_invariant, native=native)
-        inputs = self._inputs(items, batch)
+        inputs = batch.inputs(items, self.model.model.embed_tokens, self.dtype)
         return PreparedPass(items, (batch, inputs, fused.embed(self, batch, inputs)
                                     if native else None))
-
-    def _inputs(self, items: Sequence[BatchItem], batch: Layout) -> torch.Tensor | None:
-        """The packed rows the layers start from, ``[T, H]``, where an item gives its own
-        (``BatchItem.inputs``): the others' embedded tokens beside them; else None."""
-        if all(item.inputs is None for item in items):
-            return None
-        rows = self.model.model.embed_tokens(batch.ids).to(self.dtype)  # [T, H]
-        for start, item in zip(batch.offsets, items, strict=True):
-            if item.inputs is not None:
-                rows[start : start + len(item.token_ids)] = item.inputs
-        return rows
 
     @torch.inference_mode()
     def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]:

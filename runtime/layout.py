@@ -170,6 +170,19 @@ class Layout:
                    bulk_from=bulk_from, contiguous=contiguous, limits=table[4],
                    extras=table[5])
 
+    def inputs(self, items: Sequence[BatchItem], embed: torch.nn.Module,
+               dtype: torch.dtype) -> torch.Tensor | None:
+        """The packed rows the layers start from, ``[T, H]``, where an item gives its own
+        (``BatchItem.inputs``): the others' tokens embedded by ``embed`` beside them;
+        else None (the runner embeds every token)."""
+        if all(item.inputs is None for item in items):
+            return None
+        rows = embed(self.ids).to(dtype)  # [T, H]
+        for start, item in zip(self.offsets, items, strict=True):
+            if item.inputs is not None:
+                rows[start : start + len(item.token_ids)] = item.inputs
+        return rows
+
 
 def attention_blocks(items: Sequence[BatchItem], overhead: int = BLOCK_OVERHEAD
                      ) -> list[list[int]]:
@@ -209,3 +222,25 @@ def _block_cost(items: Sequence[BatchItem], members: list[int], overhead: int) -
     width = max(len(items[i].token_ids) for i in members)
     span = max(items[i].state.length + len(items[i].token_ids) for i in members)
     return (max(rows) + 1 - min(rows)) * width * span + overhead
+
+
+def check_items(items: Sequence[BatchItem], max_context: int, hidden_size: int) -> None:
+    """Refuse what no pass can run: a sequence twice or released, an item without tokens,
+    an alternative without a draft before it, a context overflow, input rows of the
+    wrong shape."""
+    rows = [item.state.row for item in items]
+    if len(set(rows)) != len(rows):
+        raise ValueError("a sequence appears twice in one batch")
+    if any(item.state.released for item in items):
+        raise ValueError("a released sequence cannot run")
+    if any(not item.token_ids for item in items):
+        raise ValueError("every sequence in a batch needs at least one new token")
+    if any(item.alternative and len(item.token_ids) < 3 for item in items):
+        raise ValueError("an alternative needs the pending token and a draft before it")
+    for item in items:
+        if item.state.length + len(item.token_ids) > max_context:
+            raise ValueError(f"{len(item.token_ids)} tokens after {item.state.length} "
+                             f"exceed the context of {max_context}")
+        if item.inputs is not None and item.inputs.shape != (len(item.token_ids), hidden_size):
+            raise ValueError(f"input rows of shape {tuple(item.inputs.shape)} for "
+                             f"{len(item.token_ids)} tokens of {hidden_size}")
