@@ -9,11 +9,12 @@ from typing import Protocol
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.continuation import ContinuationDrafter
+from decoding.drafters.feature import FeatureDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.prefix_cache import PrefixCache
 from runtime import draft_format as distilled
-from runtime import model_store
+from runtime import feature_draft, model_store
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.loading import quantized_target, torch_draft_dtype
@@ -126,8 +127,9 @@ def auto_draft(target: CausalLM, prefix_cache: bool) -> str:
 
 def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32",
                        draft_dtype: str = "auto") -> ModelDrafter:
-    """A draft model: a distilled draft directory (or ``default-draft``, the one shipped for
-    the default model), a local model directory, or a hub id; on PyTorch, in
+    """A draft model: a feature draft directory (or ``feature-draft``, the one shipped for
+    the default model), a distilled draft directory (or ``default-draft``), a local model
+    directory, or a hub id; on PyTorch, in
     ``draft_dtype`` (``auto``: ``torch_draft_dtype``)."""
     if draft_dtype == "auto" and quantized_target(target):
         draft_dtype = "int4"  # a draft beside a quantized target is quantized too
@@ -135,6 +137,13 @@ def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32",
     quantize = run_dtype if run_dtype in ("int8", "int4") else "none"
     if quantize != "none":
         run_dtype = "bfloat16"
+    features = feature_draft.resolve_feature_draft_dir(spec)
+    if features is not None:
+        if not target.capabilities.features or not isinstance(target, BatchedLM):
+            raise DraftSpecError(f"the feature draft {spec!r} needs a target that gives its "
+                                 "hidden states (one the batched runner serves)")
+        log.info("loading feature draft %s (%s, quantize %s)", features, run_dtype, quantize)
+        return FeatureDrafter(feature_draft.load(features, target, run_dtype, quantize), target)
     directory = distilled.resolve_draft_dir(spec)
     if directory is not None:
         log.info("loading distilled draft %s (%s, quantize %s)", directory, run_dtype, quantize)

@@ -31,6 +31,7 @@ from decoding.types import (
     SamplingParams,
 )
 from decoding.verify import verify
+from runtime.causal_lm import BatchItem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,16 +75,16 @@ def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, i
     for (seq, _), draft in zip(decoding, propose_drafts(decoding, outcomes), strict=True):
         if draft is not None:                                             # 1. drafted
             work.append((seq, draft))
-    logits, passes, tokens, seconds = target_pass(target, work, starting)  # 2. one target pass
-    for (seq, part), out in zip(work, logits, strict=True):
+    logits, features, passes, tokens, seconds = target_pass(target, work, starting)  # 2.
+    for (seq, part), out, feats in zip(work, logits, features, strict=True):
         if out is None:
             outcomes.append(Outcome(seq, seq.failed("the model failed")))
             continue
         try:
             if isinstance(part, PromptChunk):
-                event = seq.prompt_done(part, out, seconds)
+                event = seq.prompt_done(part, out, seconds, feats)
             else:
-                event = verify_and_commit(seq, part, out, seconds)        # 3, 4, 5
+                event = verify_and_commit(seq, part, out, seconds, feats)  # 3, 4, 5
                 if check is not None and tokens > 1 and check.sample():
                     _check_invariance(check, target, seq, part, event, out)
         except Exception:
@@ -98,7 +99,9 @@ def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, i
 
 def verify_and_commit(seq: SequenceDecoder, draft: Draft,
                       logits: torch.Tensor,  # [n_pass, vocab]: pending, drafts, alternative
-                      forward_s: float) -> RoundEvent:
+                      forward_s: float,
+                      features: torch.Tensor | None = None,  # [n_pass, H]
+                      ) -> RoundEvent:
     """Verify a sequence's draft against the target's logits, roll its caches back to
     what was kept, and commit the kept tokens (3, 4 and 5 of the round)."""
     start = time.perf_counter()
@@ -108,7 +111,7 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
                      alternative=draft.alternative,  # greedy, unpenalised: its row as given
                      after_alternative=logits[-1] if draft.alternative is not None else None,
                      cut_probs=draft.constrained.cut_row if draft.constrained else None)
-    seq.keep(verdict, len(draft.tokens) + 1 + (draft.alternative is not None))
+    seq.keep(verdict, len(draft.tokens) + 1 + (draft.alternative is not None), features)
     timing = RoundTiming(draft.seconds, forward_s + time.perf_counter() - start, 0.0)
     seq.learn(draft, verdict, timing)
     behind = (torch.stack([logits[0], logits[-1]]) if verdict.alternative_taken
@@ -166,39 +169,54 @@ def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: li
             for i, (seq, k) in enumerate(decoding)]
 
 
+Features = list[torch.Tensor | None]  # per sequence: its tokens' final hidden states
+
+
 def target_pass(target: Target, work: Sequence[tuple[SequenceDecoder, PromptChunk | Draft]],
                 starting: Callable[[], None] | None = None,
-                ) -> tuple[list[torch.Tensor | None], int, int, float]:
-    """The kept logits of every sequence's tokens from one forward pass; the passes run,
-    the tokens in the pass and its seconds (``starting``: called between the pass's
-    preparation and its run). When the pass fails each sequence runs alone, so only
-    the one at fault fails (None, its caches as they were)."""
+                ) -> tuple[list[torch.Tensor | None], Features, int, int, float]:
+    """The kept logits of every sequence's tokens from one forward pass, and their final
+    hidden states where a sequence asked for them; the passes run, the tokens in the
+    pass and its seconds (``starting``: called between the pass's preparation and its
+    run). When the pass fails each sequence runs alone, so only the one at fault fails
+    (None, its caches as they were)."""
     items = [seq.pass_item(part) for seq, part in work]
     tokens = sum(len(item.token_ids) for item in items)
     if not items:
-        return [], 0, 0, 0.0
+        return [], [], 0, 0, 0.0
     start = time.perf_counter()
     try:
-        prepared = target.prepare_pass(items)
-        if starting is not None:
-            starting()
-        return list(target.run_pass(prepared)), 1, tokens, time.perf_counter() - start
+        logits, features = _run(target, items, starting)
+        return list(logits), features, 1, tokens, time.perf_counter() - start
     except Exception:
         log.log(logging.WARNING if len(items) > 1 else logging.ERROR,
                 "a forward pass of %d sequences failed", len(items), exc_info=True)
         for seq, part in work:
             seq.undo(part)
         if len(items) == 1:
-            return [None], 0, tokens, 0.0
-    logits: list[torch.Tensor | None] = []
+            return [None], [None], 0, tokens, 0.0
+    outputs: list[torch.Tensor | None] = []
+    features = []
     for (seq, part), item in zip(work, items, strict=True):  # each alone
         try:
-            logits.append(target.forward_batch([item])[0])
+            alone, feats = _run(target, [item])
+            outputs.append(alone[0])
+            features.append(feats[0])
         except Exception:
             log.exception("the forward pass failed in request %s", seq.request.request_id)
             seq.undo(part)
-            logits.append(None)
-    return logits, sum(out is not None for out in logits), tokens, 0.0
+            outputs.append(None)
+            features.append(None)
+    return outputs, features, sum(out is not None for out in outputs), tokens, 0.0
+
+
+def _run(target: Target, items: Sequence[BatchItem], starting: Callable[[], None] | None = None
+         ) -> tuple[list[torch.Tensor], Features]:
+    prepared = target.prepare_pass(items)
+    if starting is not None:
+        starting()
+    logits = target.run_pass(prepared)
+    return logits, list(prepared.features) or [None] * len(items)
 
 
 def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[..., T],

@@ -18,6 +18,7 @@ import torch
 from decoding.constrained import ConstrainedDecoding
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal
 from decoding.drafting import Draft
+from decoding.features import FeatureRows
 from decoding.logprobs import token_logprobs
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
@@ -81,6 +82,9 @@ class SequenceDecoder:
         self.text = TextStream(target.tokenizer, request.stop)
         self.state: Any = target.new_state()
         self.draft_state: Any = self.drafter.begin(request.prompt_ids) if self.drafter else None
+        # the target's hidden states by position, for a drafter that reads them
+        self.features = (FeatureRows() if self.drafter is not None and self.drafter.reads_features
+                         and target.capabilities.features else None)
         self.rounds = 0
         self.finish_reason: FinishReason | None = None
         self._counts: torch.Tensor | None = None
@@ -170,17 +174,22 @@ class SequenceDecoder:
     def pass_item(self, part: PromptChunk | Draft) -> BatchItem:
         """What the target runs for this sequence: a prompt chunk, or the pending token,
         the draft and (last) the alternative."""
+        features = self.features is not None
         if isinstance(part, PromptChunk):
-            return BatchItem(self.state, part.tokens, 1 if part.final else 0)
+            return BatchItem(self.state, part.tokens, 1 if part.final else 0, features=features)
         tokens = [self.tokens[-1], *part.tokens]
         if part.alternative is not None:
             tokens.append(part.alternative)
-        return BatchItem(self.state, tokens, len(tokens), alternative=part.alternative is not None)
+        return BatchItem(self.state, tokens, len(tokens), alternative=part.alternative is not None,
+                         features=features)
 
-    def prompt_done(self, chunk: PromptChunk, logits: torch.Tensor, forward_s: float
+    def prompt_done(self, chunk: PromptChunk, logits: torch.Tensor, forward_s: float,
+                    features: torch.Tensor | None = None,  # [n, H]
                     ) -> RoundEvent | None:
         """After a prompt chunk's pass: nothing yet, or (the last chunk) the first token."""
         assert self._prefilled is not None
+        if self.features is not None and features is not None:
+            self.features.add(self._prefilled, features)
         self._prefilled += len(chunk.tokens)
         self._prefill_s += forward_s
         if not chunk.final:
@@ -190,13 +199,20 @@ class SequenceDecoder:
         return self.commit([token], 0, 0, logits, RoundTiming(0.0, self._prefill_s, 0.0),
                            self._round_start)
 
-    def keep(self, verdict: Verdict, passed: int) -> None:
+    def keep(self, verdict: Verdict, passed: int,
+             features: torch.Tensor | None = None,  # [passed, H]
+             ) -> None:
         """Roll the target's cache back to what verification kept of a pass of ``passed``
-        tokens (pending, drafts, then any alternative)."""
+        tokens (pending, drafts, then any alternative), and keep the kept tokens'
+        ``features``."""
+        pending = len(self.tokens) - 1  # the pending token's position
         if verdict.alternative_taken:
-            self.target.adopt_alternative(self.state, len(self.tokens) - 1, passed)
+            self.target.adopt_alternative(self.state, pending, passed)
         else:
             self.target.rollback(self.state, len(self.tokens) + verdict.accepted)
+        if self.features is not None and features is not None:
+            self.features.add(pending, features[[0, -1]] if verdict.alternative_taken
+                              else features[: verdict.accepted + 1])
 
     def learn(self, draft: Draft, verdict: Verdict, timing: RoundTiming) -> None:
         """Tell the draft source's policy how the round went."""
@@ -247,7 +263,8 @@ class SequenceDecoder:
     def draft_context(self) -> DraftContext:
         tokens = (self.tokens if self.grammar is None  # after the grammar's forced tokens
                   else self.grammar.context(self.tokens, len(self.output)))
-        return DraftContext(tokens, self.params, self.generator, judge=self)
+        return DraftContext(tokens, self.params, self.generator, judge=self,
+                            features=self.features)
 
     # How far a round drafts, as the drafting source's policy judges (``DraftJudge``).
     def worth_proposing(self, confidences: Sequence[float]) -> bool:

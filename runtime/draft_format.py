@@ -233,16 +233,26 @@ def load_model(directory: Path, target_model: Any, dtype: str = "float32",
     info = DraftInfo.load(directory)
     check_target(info, target_model, directory)
     state = load_file(str(directory / WEIGHTS_NAME))
-    config: Any = None if runnable else read_config({**info.model, "model_type": "llama"})
+    ids = state.pop(VOCAB_IDS).long()
+    return build_model(info.model, state, ids, state.pop("lm_head.weight"), target_model,
+                       dtype, runnable, directory)
+
+
+def build_model(model_config: dict[str, Any], state: dict[str, torch.Tensor],
+                ids: torch.Tensor, head_weight: torch.Tensor, target_model: Any,
+                dtype: str, runnable: bool, directory: Path) -> Any:
+    """A draft of ``model_config`` (a Llama config) from ``state`` (its layers and final
+    norm), with an output head of ``head_weight`` over the vocabulary ``ids`` and
+    ``target_model``'s input embedding; see ``load_model``."""
+    config: Any = None if runnable else read_config({**model_config, "model_type": "llama"})
     if config is None:  # transformers' class: to train, or a config read_config leaves to it
         from transformers import LlamaConfig
 
-        config = LlamaConfig.from_dict(info.model)
+        config = LlamaConfig.from_dict(model_config)
     config.tie_word_embeddings = False
     torch_dtype = DTYPES[dtype]
     embed = target_model.get_input_embeddings()
-    ids = state.pop(VOCAB_IDS).long()
-    head_weight = state.pop("lm_head.weight").to(torch_dtype)
+    head_weight = head_weight.to(torch_dtype)
     draft: Any
     if runnable:
         from transformers import LlamaForCausalLM

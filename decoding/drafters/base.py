@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from decoding.features import FeatureRows
 from decoding.sampling import Randomness
 from decoding.types import SamplingParams
 
@@ -38,6 +39,8 @@ class DraftContext:
     sampling: SamplingParams
     generator: Randomness | None  # None when decoding greedily; a SamplingKey: keyed
     judge: DraftJudge | None = None  # None: draft all k
+    features: FeatureRows | None = None  # the target's final hidden states, by position
+    # (for a drafter that ``reads_features``, where the target gives them)
 
 
 class DraftJudge(Protocol):
@@ -66,6 +69,7 @@ class Drafter(Protocol):
     ``BaseDrafter`` gives the optional members their plain meaning."""
 
     name: str
+    reads_features: bool  # proposes from the target's hidden states (DraftContext.features)
 
     def begin(self, prompt_ids: Sequence[int]) -> Any:
         """Start a sequence; returns the drafter's state for it."""
@@ -105,6 +109,7 @@ class BaseDrafter:
     one sequence after another, nothing to warm up."""
 
     name: str = "drafter"
+    reads_features: bool = False
 
     def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal:
         raise NotImplementedError

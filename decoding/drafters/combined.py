@@ -66,6 +66,7 @@ class CombinedDrafter(BaseDrafter):
         self.cheap = list(cheap)
         self.model = model
         self.name = "+".join(d.name for d in [*self.cheap, *([model] if model else [])])
+        self.reads_features = any(d.reads_features for d in self._all())
         self.prior: list[float | None] = [None, None]  # across requests, by source
 
     def begin(self, prompt_ids: Sequence[int]) -> CombinedState:

@@ -70,28 +70,17 @@ class ModelDrafter(BaseDrafter):
                      ks: Sequence[int]) -> list[DraftProposal]:
         """Draft for several sequences: draft step ``i`` of every sequence that wants an
         ``i``-th token is one batch (one forward pass on a batched model)."""
-        feeds: list[list[int]] = []
-        for state, context, k in zip(states, contexts, ks, strict=True):
-            tokens = context.token_ids
-            if k <= 0:
-                feeds.append([])
-                continue
-            common = common_prefix(state.fed, tokens)
-            if common == len(tokens):  # must feed at least one token to get logits
-                common -= 1
-            self.model.rollback(state.cache, common)
-            del state.fed[common:]
-            feeds.append(list(tokens[common:]))
+        feeds = [self._catch_up(state, context) if k > 0 else []
+                 for state, context, k in zip(states, contexts, ks, strict=True)]
         proposed: list[list[int]] = [[] for _ in states]
         rows: list[list[torch.Tensor]] = [[] for _ in states]
         sure: list[list[float]] = [[] for _ in states]
         second: list[tuple[int, float] | None] = [None for _ in states]
         active = [i for i, feed in enumerate(feeds) if feed]
         while active:
-            logits = self._forward([states[i].cache for i in active], [feeds[i] for i in active])
+            logits = self._step([states[i] for i in active], [feeds[i] for i in active])
             still = []
             for i, out in zip(active, logits, strict=True):
-                states[i].fed.extend(feeds[i])
                 first = not sure[i]  # the round's first token: its runner-up too
                 position = len(contexts[i].token_ids) + len(sure[i])  # the draft token's
                 token, probs, confidence, runner_up = self._pick(out, contexts[i], first,
@@ -130,10 +119,25 @@ class ModelDrafter(BaseDrafter):
                              alternative=alternative[0] if alternative else None,
                              alternative_confidence=alternative[1] if alternative else 0.0)
 
-    def _forward(self, caches: list[Any], feeds: list[list[int]]) -> list[torch.Tensor]:
-        """Each cache's logits after its feed, ``[vocab]`` each."""
-        items = [BatchItem(c, f, 1) for c, f in zip(caches, feeds, strict=True)]
-        return [out[0] for out in self.model.forward_batch(items)]
+    def _catch_up(self, state: ModelDraftState, context: DraftContext) -> list[int]:
+        """Roll the draft back to what it fed that is still committed; the committed
+        tokens it has yet to feed (at least one: the logits come after it)."""
+        tokens = context.token_ids
+        common = common_prefix(state.fed, tokens)
+        if common == len(tokens):  # must feed at least one token to get logits
+            common -= 1
+        self.model.rollback(state.cache, common)
+        del state.fed[common:]
+        return list(tokens[common:])
+
+    def _step(self, states: list[ModelDraftState], feeds: list[list[int]]
+              ) -> list[torch.Tensor]:
+        """Each state's logits after its feed, ``[vocab]`` each (one batched pass)."""
+        items = [BatchItem(s.cache, f, 1) for s, f in zip(states, feeds, strict=True)]
+        outputs = self.model.forward_batch(items)
+        for state, feed in zip(states, feeds, strict=True):
+            state.fed.extend(feed)
+        return [out[0] for out in outputs]
 
     def rollback(self, state: ModelDraftState, length: int) -> None:
         if length < len(state.fed):

@@ -1,0 +1,97 @@
+"""A drafter that reads the target's features (``runtime.feature_draft``, EAGLE-style).
+
+Each round it first feeds the committed tokens it has not fed yet, each beside the
+target's final hidden state before it (the verify pass computed those: the sequence
+keeps them, ``DraftContext.features``), and then drafts on its own outputs: a drafted
+token beside the draft's own last state. What it fed on its own states is rolled back
+at the next round and fed again with the target's, so the draft's KV holds the target's
+features for every committed token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from decoding.drafters.base import DraftContext
+from decoding.drafters.model import ModelDrafter
+from runtime.batched import BatchedState
+from runtime.causal_lm import BatchItem, CausalLM
+from runtime.feature_draft import FeatureDraft
+
+
+@dataclass
+class FeatureDraftState:
+    cache: BatchedState  # the draft layer's KV: entry e holds the token at first + e
+    first: int = 1  # the position of the first entry's token
+    fed: list[int] = field(default_factory=list)  # the entries' tokens
+    real: int = 0  # leading entries fed beside the target's own states
+    last: torch.Tensor | None = None  # [H]: the draft's state after its last entry
+    pending: torch.Tensor | None = None  # [n, H]: the target's states for the next feed
+
+
+class FeatureDrafter(ModelDrafter):
+    reads_features = True
+
+    def __init__(self, draft: FeatureDraft, target: CausalLM | None = None,
+                 name: str = "feature-draft") -> None:
+        super().__init__(draft.runner, target, name=name)
+        self.draft = draft
+
+    def begin(self, prompt_ids: Sequence[int]) -> FeatureDraftState:  # type: ignore[override]
+        return FeatureDraftState(cache=self.draft.runner.new_state())
+
+    def _catch_up(self, state: FeatureDraftState,  # type: ignore[override]
+                  context: DraftContext) -> list[int]:
+        """Keep the entries fed beside the target's states; the committed tokens to feed
+        beside theirs (none where the sequence holds no states for them)."""
+        tokens, rows = context.token_ids, context.features
+        last = len(tokens) - 1  # the newest committed token's position
+        if rows is None or rows.end < last:  # its state before it is not there
+            return []
+        keep = state.real
+        if keep and tokens[state.first + keep - 1] != state.fed[keep - 1]:
+            keep = 0  # not the sequence this state was fed (a rewritten history)
+        keep = max(0, min(keep, last - state.first))  # at least one token to feed
+        start = state.first + keep if keep > 0 else max(1, rows.start + 1)
+        if start - 1 < rows.start:  # the states before are gone: start again from theirs
+            keep, start = 0, rows.start + 1
+        if keep == 0:
+            state.first = start
+        self.draft.runner.rollback(state.cache, keep)
+        del state.fed[keep:]
+        state.real = keep
+        state.pending = rows.get(start - 1, last)  # [last - start + 1, H]
+        return list(tokens[start : last + 1])
+
+    def _step(self, states: list[FeatureDraftState],  # type: ignore[override]
+              feeds: list[list[int]]) -> list[torch.Tensor]:
+        items = []
+        for state, feed in zip(states, feeds, strict=True):
+            before = state.pending if state.pending is not None else state.last
+            assert before is not None
+            inputs = self.draft.inputs(feed, before.reshape(len(feed), -1))
+            items.append(BatchItem(state.cache, feed, 1, features=True, inputs=inputs))
+        runner = self.draft.runner
+        prepared = runner.prepare_pass(items)
+        logits = runner.run_pass(prepared)
+        for state, feed, own in zip(states, feeds, prepared.features, strict=True):
+            state.fed.extend(feed)
+            if state.pending is not None:
+                state.real, state.pending = len(state.fed), None
+            assert own is not None
+            state.last = own[-1]
+        return [out[0] for out in logits]
+
+    def rollback(self, state: FeatureDraftState, length: int) -> None:  # type: ignore[override]
+        keep = max(0, length - state.first)
+        if keep < len(state.fed):
+            self.draft.runner.rollback(state.cache, keep)
+            del state.fed[keep:]
+            state.real = min(state.real, keep)
+
+    def release(self, state: FeatureDraftState) -> None:  # type: ignore[override]
+        self.draft.runner.release(state.cache)
+        state.fed.clear()

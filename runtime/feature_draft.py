@@ -1,0 +1,202 @@
+"""A draft that reads the target's features: one decoder layer over the target's final
+hidden states (EAGLE; Li et al. 2024, arXiv 2401.15077).
+
+Draft position j reads the token t_j and the target's final hidden state f_{j-1} (after
+its final norm: what the output head reads, the state that predicted t_j):
+``x_j = fc([embed(t_j), f_{j-1}])``, then one Llama decoder layer and a final norm give
+``y_j``, meant to be f_j, and the target's own output rows over its most frequent tokens
+give the next token. A draft step past the committed tokens reads its own ``y`` in place
+of the target's f. The layer runs as a one-layer ``BatchedLM`` (its KV rows, batching,
+native kernels and quantized matrices) that starts from the ``fc`` rows
+(``BatchItem.inputs``).
+
+A directory holds ``draft.json`` (format, the target it was made for, the one-layer
+Llama config, how it was made) and ``draft.safetensors``: ``fc.weight`` ``[H, 2H]``, the
+layer and final norm under transformers' Llama names, and ``lm_head.ids``. The input
+embedding and the output rows are the target's, taken at load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime import draft_format
+from runtime.batched import BatchedLM
+from runtime.causal_lm import DTYPES, CausalLM
+from runtime.kernels import resolve
+from runtime.quantized import block_kernels, quantized
+from runtime.weights import Matrix, Product
+
+log = logging.getLogger(__name__)
+
+FORMAT = "specserve-feature-draft"
+VERSION = 1
+FC = "fc.weight"
+DEFAULT_FEATURE_DRAFT = "feature-draft"  # the spec naming the one shipped for the default model
+DEFAULT_FEATURE_DRAFT_DIR = (Path(__file__).resolve().parent / "drafts"
+                             / "smollm2-135m-instruct-feature")
+
+
+@dataclass
+class FeatureDraft:
+    """The draft's runner (one layer, final norm, subset head over input rows) and the
+    product that makes those rows."""
+
+    runner: BatchedLM
+    fc: Product  # [n, 2H] -> [n, H]
+    name: str
+
+    @property
+    def hidden_size(self) -> int:
+        return self.runner.hidden_size
+
+    def inputs(self, token_ids: Sequence[int],
+               features: torch.Tensor) -> torch.Tensor:  # features: [n, H] -> [n, H]
+        """The rows draft positions start from: each token's embedding beside the
+        feature before it."""
+        embed = self.runner.model.model.embed_tokens
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.runner.device)
+        rows = embed(ids).to(self.runner.dtype)  # [n, H]
+        joined = torch.cat([rows, features.to(self.runner.dtype)], dim=-1)  # [n, 2H]
+        return self.fc(joined.contiguous()).to(self.runner.dtype)
+
+
+def is_feature_draft_dir(spec: str | Path) -> bool:
+    path = Path(spec).expanduser() / draft_format.CONFIG_NAME
+    if not path.is_file():
+        return False
+    try:
+        return bool(json.loads(path.read_text(encoding="utf-8")).get("format") == FORMAT)
+    except ValueError:
+        return False
+
+
+def resolve_feature_draft_dir(spec: str) -> Path | None:
+    """The feature-draft directory ``spec`` names (``feature-draft`` or a path), else None."""
+    if spec == DEFAULT_FEATURE_DRAFT:
+        if not is_feature_draft_dir(DEFAULT_FEATURE_DRAFT_DIR):
+            raise FileNotFoundError(
+                f"the default feature draft is missing from {DEFAULT_FEATURE_DRAFT_DIR}")
+        return DEFAULT_FEATURE_DRAFT_DIR
+    return Path(spec).expanduser() if is_feature_draft_dir(spec) else None
+
+
+def default_fits(target: CausalLM) -> bool:
+    """Whether the feature draft shipped for the default model was made for ``target``
+    (and ``target`` gives its hidden states)."""
+    if not target.capabilities.features or not is_feature_draft_dir(DEFAULT_FEATURE_DRAFT_DIR):
+        return False
+    try:
+        check_target(read_info(DEFAULT_FEATURE_DRAFT_DIR), target, DEFAULT_FEATURE_DRAFT_DIR)
+    except draft_format.DraftFormatError:
+        return False
+    return True
+
+
+def check_target(raw: dict[str, Any], target: CausalLM, where: Path) -> None:
+    """Refuse ``target`` unless the draft whose ``draft.json`` is ``raw`` was made for it."""
+    info = draft_format.DraftInfo(target=raw["target"], model=raw["model"], source_layers=[],
+                                  vocab_top_k=raw.get("vocab_top_k"))
+    draft_format.check_target(info, target.model, where)
+
+
+def read_info(directory: Path) -> dict[str, Any]:
+    """``draft.json``, checked to be this format."""
+    try:
+        raw: dict[str, Any] = json.loads(
+            (directory / draft_format.CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise draft_format.DraftFormatError(f"{directory}: cannot read draft.json: {exc}") from exc
+    if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+        raise draft_format.DraftFormatError(
+            f"{directory}: not a {FORMAT} v{VERSION} draft "
+            f"(format={raw.get('format')!r}, version={raw.get('version')!r})")
+    if int(raw["model"].get("num_hidden_layers", 1)) != 1:
+        raise draft_format.DraftFormatError(f"{directory}: a feature draft has one layer")
+    return raw
+
+
+def output_rows(target_model: Any, ids: torch.Tensor) -> torch.Tensor:  # [K, H]
+    """The target's output-head rows for ``ids``: its input embedding's where the two are
+    tied (a quantized or released head keeps no plain rows), else the head's."""
+    config = target_model.config
+    head = target_model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if getattr(config, "tie_word_embeddings", False) or weight is None or weight.is_meta:
+        if not getattr(config, "tie_word_embeddings", False):
+            raise draft_format.DraftFormatError(
+                "the target's output head keeps no plain rows to share with a feature draft")
+        embed = target_model.get_input_embeddings()
+        return embed(ids.to(next(embed.parameters()).device)).detach().float()
+    return weight.detach()[ids].float()
+
+
+def load(directory: Path, target: CausalLM, dtype: str = "float32",
+         quantize: str = "none", kernels: str = "auto") -> FeatureDraft:
+    """The feature draft in ``directory`` for ``target`` (checked to be the one it was
+    made for), its matrices quantized by ``quantize`` (none, int8, int4)."""
+    from safetensors.torch import load_file
+
+    raw = read_info(directory)
+    check_target(raw, target, directory)
+    state = load_file(str(directory / draft_format.WEIGHTS_NAME))
+    fc_weight = state.pop(FC).to(DTYPES[dtype], copy=True)  # [H, 2H]
+    ids = state.pop(draft_format.VOCAB_IDS).long()
+    model = draft_format.build_model(raw["model"], state, ids, output_rows(target.model, ids),
+                                     target.model, dtype, False, directory)
+    name = str(directory)
+    runner: BatchedLM
+    if quantize != "none":
+        runner = BatchedLM(model, target.tokenizer, name=name, quantize=quantize,
+                           kernels=kernels)
+    else:
+        runner = BatchedLM(model, target.tokenizer, name=name, kernels=kernels)
+    hidden = runner.hidden_size
+    if tuple(fc_weight.shape) != (hidden, 2 * hidden):
+        raise draft_format.DraftFormatError(
+            f"{directory}: {FC} has shape {tuple(fc_weight.shape)}, not {(hidden, 2 * hidden)}")
+    fc: Product
+    if quantize != "none":
+        native = resolve(kernels, runner.device) if quantize == "int4" else None
+        fc = quantized(fc_weight, None, quantize, block_kernels(native, True))
+    else:
+        matrix = Matrix(fc_weight.contiguous(), None)
+        matrix.use_native(runner._kernels)
+        fc = matrix
+    log.info("feature draft %s: one layer, head over %d tokens, %s", name, len(ids),
+             runner.weights_format)
+    return FeatureDraft(runner, fc, name)
+
+
+def save(directory: Path, target: CausalLM, model_config: dict[str, Any],
+         tensors: dict[str, torch.Tensor], made_with: dict[str, Any] | None = None,
+         dtype: torch.dtype = torch.float16) -> None:
+    """Write a feature draft for ``target``: ``tensors`` holds ``fc.weight``, the layer
+    and final norm (transformers' Llama names) and ``lm_head.ids``; floats are stored in
+    ``dtype``, and the file is replaced in one step (a reader never sees half of it)."""
+    from safetensors.torch import save_file
+
+    missing = {FC, draft_format.VOCAB_IDS, "model.norm.weight"} - set(tensors)
+    if missing:
+        raise ValueError(f"a feature draft needs {sorted(missing)}")
+    directory.mkdir(parents=True, exist_ok=True)
+    stored = {k: (v.long() if k == draft_format.VOCAB_IDS else v.detach().to(dtype))
+              .contiguous().cpu() for k, v in tensors.items()}
+    tmp = directory / (draft_format.WEIGHTS_NAME + ".tmp")
+    save_file(stored, str(tmp), metadata={"format": FORMAT})
+    tmp.chmod(0o644)
+    tmp.replace(directory / draft_format.WEIGHTS_NAME)
+    info = {"format": FORMAT, "version": VERSION,
+            "target": draft_format.target_identity(target.model, target.name),
+            "model": {**model_config, "num_hidden_layers": 1},
+            "vocab_top_k": int(tensors[draft_format.VOCAB_IDS].numel()),
+            "feature": "final_norm", "made_with": made_with or {}}
+    text = json.dumps(info, indent=2)
+    (directory / draft_format.CONFIG_NAME).write_text(text + "\n", encoding="utf-8")

@@ -1,0 +1,141 @@
+"""The draft that reads the target's features: its directory format, its KV kept in
+step with the target's (fed the target's states for every committed token, its own
+states rolled back), and speculation with it lossless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoding.drafters.base import DraftContext
+from decoding.drafters.feature import FeatureDrafter
+from decoding.features import FeatureRows
+from decoding.policy import FixedSpeculation
+from decoding.prompting import encode_chat
+from decoding.round import decode
+from decoding.types import GenerationRequest, SamplingParams
+from runtime import draft_format, feature_draft
+from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem, CausalLM
+
+
+def make_feature_draft(target: BatchedLM, out: Path, seed: int = 0, top: int = 4096) -> Path:
+    """A random-weight feature draft for ``target``: its last layer and final norm, a
+    random ``fc``, a head over the first ``top`` tokens."""
+    config = target.model.config
+    model_config = {"hidden_size": config.hidden_size,
+                    "intermediate_size": config.intermediate_size,
+                    "num_attention_heads": config.num_attention_heads,
+                    "num_key_value_heads": config.num_key_value_heads,
+                    "head_dim": target.head_dim, "rms_norm_eps": config.rms_norm_eps,
+                    "rope_theta": getattr(config, "rope_theta", 10000.0),
+                    "max_position_embeddings": config.max_position_embeddings,
+                    "vocab_size": target.vocab_size, "hidden_act": "silu"}
+    g = torch.Generator().manual_seed(seed)
+    hidden = config.hidden_size
+    layer = {f"model.layers.0.{k}": v.detach().clone()
+             for k, v in target.model.model.layers[-1].state_dict().items()}
+    tensors = {**layer, "model.norm.weight": target.model.model.norm.weight.detach().clone(),
+               feature_draft.FC: torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
+               draft_format.VOCAB_IDS: torch.arange(top)}
+    feature_draft.save(out, target, model_config, tensors, {"by": "test"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def feature_dir(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = BatchedLM.load(str(tiny_target_dir))  # its plain weights: the test reads them
+    assert isinstance(target, BatchedLM)
+    return make_feature_draft(target, tmp_path_factory.mktemp("feature-draft"))
+
+
+def test_feature_rows_keep_positions_contiguous_and_a_window() -> None:
+    rows = FeatureRows(window=4)
+    rows.add(3, torch.arange(6.0).reshape(3, 2))  # positions 3, 4, 5
+    assert (rows.start, rows.end) == (3, 6)
+    rows.add(5, torch.full((2, 2), 9.0))  # replaces 5, adds 6
+    assert rows.end == 7 and rows.get(4, 7)[:, 0].tolist() == [2.0, 9.0, 9.0]
+    rows.add(10, torch.ones(1, 2))  # a gap: start again there
+    assert (rows.start, rows.end) == (10, 11)
+    with pytest.raises(IndexError):
+        rows.get(9, 11)
+    rows.add(11, torch.arange(16.0).reshape(8, 2))  # past twice the window: the last 4 kept
+    assert rows.end == 19 and rows.start == 15
+    assert rows.get(15, 19)[:, 0].tolist() == [8.0, 10.0, 12.0, 14.0]
+
+
+def test_a_feature_draft_is_checked_against_its_target(feature_dir: Path,
+                                                       tiny_target: CausalLM,
+                                                       default_model_dir: Path) -> None:
+    draft = feature_draft.load(feature_dir, tiny_target)
+    assert draft.hidden_size == tiny_target.hidden_size
+    assert feature_draft.is_feature_draft_dir(feature_dir)
+    assert not draft_format.is_draft_dir(feature_dir) or not feature_draft.is_feature_draft_dir(
+        draft_format.DEFAULT_DRAFT_DIR)
+    other = BatchedLM.load(str(default_model_dir), dtype="float32")
+    with pytest.raises(draft_format.DraftFormatError, match="made for"):
+        feature_draft.load(feature_dir, other)
+
+
+def _request(target: CausalLM, text: str, sampling: SamplingParams,
+             n: int = 24) -> GenerationRequest:
+    ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}])
+    return GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, sampling=sampling)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.8, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_speculation_with_a_feature_draft_is_plain_decoding(
+        feature_dir: Path, tiny_target: CausalLM, sampling: SamplingParams) -> None:
+    drafter = FeatureDrafter(feature_draft.load(feature_dir, tiny_target), tiny_target)
+    for text in ("tell me about the sea", "a b c a b c a b"):
+        request = _request(tiny_target, text, sampling)
+        plain = [t for e in decode(tiny_target, None, request) for t in e.token_ids]
+        events = list(decode(tiny_target, drafter, request, FixedSpeculation(3)))
+        assert [t for e in events for t in e.token_ids] == plain
+        assert sum(e.draft_tokens for e in events) > len(plain) // 2  # it drafted
+
+
+def _target_rows(target: CausalLM, tokens: list[int]) -> FeatureRows:
+    """The target's states for every token but the last, from one fresh pass."""
+    assert isinstance(target, BatchedLM)
+    state = target.new_state()
+    prepared = target.prepare_pass([BatchItem(state, tokens[:-1], 1, features=True)])
+    target.run_pass(prepared)
+    target.release(state)
+    rows = FeatureRows()
+    assert prepared.features[0] is not None
+    rows.add(0, prepared.features[0])
+    return rows
+
+
+@pytest.mark.parametrize("accepted", [3, 1, 0])
+def test_the_draft_s_kv_holds_the_target_s_states_for_every_committed_token(
+        feature_dir: Path, tiny_target: CausalLM, accepted: int) -> None:
+    """A round drafts 3 tokens (fed on the draft's own states past the first); the
+    target keeps ``accepted`` of them and adds a token. The next draft's KV and tokens
+    are bitwise a fresh draft state's, fed every committed token beside the target's
+    states from one pass: what was fed on the draft's own states was rolled back, even
+    where the target accepted those very tokens."""
+    draft = feature_draft.load(feature_dir, tiny_target)
+    drafter = FeatureDrafter(draft, tiny_target)
+    sampling = SamplingParams(temperature=0.0)
+    tokens = [*_request(tiny_target, "count: one two three", sampling).prompt_ids, 77]
+    context = DraftContext(tokens, sampling, None, features=_target_rows(tiny_target, tokens))
+    state = drafter.begin(tokens)
+    first = drafter.propose(state, context, 3)
+    assert len(first.tokens) == 3
+    tokens = [*tokens, *first.tokens[:accepted], 42 if accepted < 3 else 43]
+    context = DraftContext(tokens, sampling, None, features=_target_rows(tiny_target, tokens))
+    got = drafter.propose(state, context, 3)
+    fresh = drafter.begin(tokens)
+    again = drafter.propose(fresh, context, 3)
+    assert got.tokens == again.tokens
+    runner = draft.runner
+    for (k1, v1), (k2, v2) in zip(runner.kv(state.cache), runner.kv(fresh.cache), strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    drafter.release(state)
+    drafter.release(fresh)
