@@ -30,10 +30,12 @@ import torch
 
 from decoding.drafters.base import DraftContext, Drafter
 from decoding.factory import draft_parts
+from decoding.features import FeatureRows
 from decoding.prompting import encode_chat
 from decoding.types import SamplingParams
 from runtime import draft_format as distilled
-from runtime.causal_lm import DTYPES
+from runtime import feature_draft
+from runtime.causal_lm import DTYPES, BatchItem, CausalLM
 from runtime.loading import load_target
 from specbench.compare import (
     QUICK_MAX_TOKENS,
@@ -91,17 +93,37 @@ class Replay:
         return [k / o for k, o in zip(self.kept, self.offered, strict=True) if o]
 
 
+def target_features(target: CausalLM, tokens: Sequence[int]) -> FeatureRows | None:
+    """The target's final hidden states over ``tokens`` from one pass (as the verify passes
+    of a run would have given them, one round at a time), or None where it gives none."""
+    if not target.capabilities.features:
+        return None
+    state = target.new_state()
+    try:
+        prepared = target.prepare_pass([BatchItem(state, tokens, 1, features=True)])
+        target.run_pass(prepared)
+    finally:
+        target.release(state)
+    rows = FeatureRows()
+    if prepared.features and prepared.features[0] is not None:
+        rows.add(0, prepared.features[0])
+    return rows
+
+
 def replay(drafter: Drafter, prompt_ids: Sequence[int], output: Sequence[int], k: int,
-           max_new_tokens: int) -> Replay:
+           max_new_tokens: int, features: FeatureRows | None = None) -> Replay:
     """The rounds of a greedy run of ``drafter`` drafting ``k`` tokens a round, whose
     target output is ``output`` (its plain greedy output for ``prompt_ids`` within
-    ``max_new_tokens``). The drafter's state is begun and released here."""
+    ``max_new_tokens``); ``features``: the target's states over the whole of it, for a
+    drafter that reads them (it reads only those of committed tokens). The drafter's
+    state is begun and released here."""
     result = Replay(offered=[0] * k, kept=[0] * k)
     state = drafter.begin(prompt_ids)
     try:
         done = 1 if output else 0  # the prefill round commits the first token
         while done < len(output):
-            context = DraftContext([*prompt_ids, *output[:done]], GREEDY, None)
+            context = DraftContext([*prompt_ids, *output[:done]], GREEDY, None,
+                                   features=features)
             want = max(0, min(k, max_new_tokens - done - 1))  # as the engine caps it
             draft = drafter.propose(state, context, want).tokens[:want] if want else ()
             accepted = 0
@@ -210,7 +232,10 @@ def _run_dtype(config: AcceptanceConfig, dtype: str, prompt_sets: dict[str, list
                 drafter = loaded.pop(spec, None) or draft_loader(spec, target, dtype)
                 total = Replay(offered=[0] * k, kept=[0] * k)
                 for ids, output in cases:
-                    total.add(replay(drafter, ids, output, k, config.max_new_tokens))
+                    features = (target_features(target, [*ids, *output])
+                                if drafter.reads_features else None)
+                    total.add(replay(drafter, ids, output, k, config.max_new_tokens,
+                                     features))
                 rows.append(_row(name, dtype, spec, k, len(cases), total, coverage))
                 log.info("%s %s %s k=%d: acceptance %s, %.2f tokens/round", dtype, name, spec,
                          k, _percent(total.acceptance_rate), total.tokens_per_round or 0.0)
@@ -225,7 +250,8 @@ def head_coverage(spec: str, tokens: Sequence[int]) -> float | None:
     a larger head, or a token set chosen from text more like these prompts' answers."""
     ids = None
     for part in draft_parts(spec):
-        directory = distilled.resolve_draft_dir(part)
+        directory = (feature_draft.resolve_feature_draft_dir(part)
+                     or distilled.resolve_draft_dir(part))
         if directory is not None:
             ids = distilled.head_ids(directory)
             break

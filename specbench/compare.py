@@ -27,11 +27,13 @@ from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import NGRAM, NO_DRAFT, load_drafter
 from decoding.prompting import encode_chat
+from runtime import feature_draft
 from runtime.causal_lm import CausalLM
 from runtime.loading import PRECISIONS, load_target, torch_draft_dtype
 from specbench.methods import (
     ALL_METHODS,
     DRAFT_METHODS,
+    FEATURE_METHODS,
     HF_METHODS,
     PLAIN,
     Generation,
@@ -94,7 +96,9 @@ class BenchConfig:
             prompt_sets=split_list(args.prompt_sets),
             prompts_per_set=prompts,
             max_new_tokens=max_tokens,
-            methods=select_methods(args.methods, has_draft=draft is not None, hf=not args.no_hf),
+            methods=select_methods(args.methods, has_draft=draft is not None, hf=not args.no_hf,
+                                   has_feature=feature_draft.is_feature_draft_dir(
+                                       feature_draft.DEFAULT_FEATURE_DRAFT_DIR)),
             quick=args.quick,
             draft_dtype=getattr(args, "draft_dtype", "auto"),
             kernels=getattr(args, "kernels", "auto"),
@@ -117,7 +121,8 @@ def json_output(path: str | None) -> Path | None:
     return out
 
 
-def select_methods(wanted: str | None, has_draft: bool, hf: bool) -> tuple[str, ...]:
+def select_methods(wanted: str | None, has_draft: bool, hf: bool,
+                   has_feature: bool = False) -> tuple[str, ...]:
     """The methods to run, in canonical order; ``plain`` always, as the reference."""
     chosen = set(split_list(wanted)) if wanted else set(ALL_METHODS)
     unknown = chosen - set(ALL_METHODS)
@@ -125,6 +130,8 @@ def select_methods(wanted: str | None, has_draft: bool, hf: bool) -> tuple[str, 
         raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {list(ALL_METHODS)}")
     if not has_draft:
         chosen -= DRAFT_METHODS
+    if not has_feature:
+        chosen -= FEATURE_METHODS
     if not hf:
         chosen -= HF_METHODS
     chosen.add(PLAIN)
@@ -278,7 +285,15 @@ def _run_dtype(
         spec_draft = draft_loader(config.draft, target, dtype)
     # transformers' generate runs the model's own modules, which a quantized target lacks
     methods = [m for m in config.methods if quantize == "none" or m not in HF_METHODS]
-    runners = build_runners(methods, target, draft, spec_draft)
+    feature = None
+    if FEATURE_METHODS & set(methods):
+        if feature_draft.default_fits(target):
+            feature = load_drafter(feature_draft.DEFAULT_FEATURE_DRAFT, target, dtype,
+                                   draft_dtype=config.draft_dtype)
+        else:
+            log.info("no feature draft was made for %s: its methods are skipped", config.target)
+            methods = [m for m in methods if m not in FEATURE_METHODS]
+    runners = build_runners(methods, target, draft, spec_draft, feature)
     first = next(p for prompts in prompt_sets.values() for p in prompts)
     _warm_up(runners, _encode(target, first))
     runs: list[dict[str, Any]] = []

@@ -35,12 +35,15 @@ PLAIN = "plain"
 SPEC_NGRAM = "spec:ngram"
 SPEC_DRAFT = "spec:draft"
 SPEC_NGRAM_DRAFT = "spec:ngram+draft"  # lookup, and the draft model where lookup does worse
+SPEC_FEATURE = "spec:feature"  # the draft that reads the target's features
+SPEC_NGRAM_FEATURE = "spec:ngram+feature"  # lookup, and that draft where lookup does worse
 HF_PLAIN = "hf:plain"
 HF_ASSISTED_NGRAM = "hf:assisted-ngram"
 HF_ASSISTED_DRAFT = "hf:assisted-draft"
-ALL_METHODS = (PLAIN, SPEC_NGRAM, SPEC_DRAFT, SPEC_NGRAM_DRAFT, HF_PLAIN, HF_ASSISTED_NGRAM,
-               HF_ASSISTED_DRAFT)
+ALL_METHODS = (PLAIN, SPEC_NGRAM, SPEC_DRAFT, SPEC_NGRAM_DRAFT, SPEC_FEATURE,
+               SPEC_NGRAM_FEATURE, HF_PLAIN, HF_ASSISTED_NGRAM, HF_ASSISTED_DRAFT)
 DRAFT_METHODS = frozenset({SPEC_DRAFT, SPEC_NGRAM_DRAFT, HF_ASSISTED_DRAFT})
+FEATURE_METHODS = frozenset({SPEC_FEATURE, SPEC_NGRAM_FEATURE})  # the shipped feature draft
 HF_METHODS = frozenset({HF_PLAIN, HF_ASSISTED_NGRAM, HF_ASSISTED_DRAFT})
 
 # transformers' prompt lookup, set to match our n-gram drafter as closely as it allows:
@@ -159,20 +162,27 @@ def transformers_model(runner: CausalLM, target: CausalLM | None = None) -> Any:
 
 def build_runners(
     methods: Sequence[str], target: CausalLM, draft: ModelDrafter | None,
-    spec_draft: Drafter | None = None,
+    spec_draft: Drafter | None = None, feature: Drafter | None = None,
 ) -> dict[str, Runner]:
     """A runner for each method name; draft methods need ``draft`` (the PyTorch draft,
-    which the transformers baseline runs); spec:draft uses ``spec_draft`` when given."""
+    which the transformers baseline runs); spec:draft uses ``spec_draft`` when given;
+    the feature methods need ``feature`` (the drafter that reads the target's features)."""
     runners: dict[str, Runner] = {}
     for method in methods:
         if method in DRAFT_METHODS and draft is None:
             raise ValueError(f"method {method!r} needs a draft model (--draft PATH)")
-        runners[method] = _runner(method, target, draft, spec_draft or draft)
+        if method in FEATURE_METHODS and feature is None:
+            raise ValueError(f"method {method!r} needs the feature draft made for the target")
+        runners[method] = _runner(method, target, draft, spec_draft or draft, feature)
     return runners
 
 
 def _runner(method: str, target: CausalLM, draft: ModelDrafter | None,
-            spec_draft: Drafter | None) -> Runner:
+            spec_draft: Drafter | None, feature: Drafter | None = None) -> Runner:
+    if method == SPEC_FEATURE and feature is not None:
+        return engine_runner(target, feature)
+    if method == SPEC_NGRAM_FEATURE and feature is not None:
+        return engine_runner(target, CombinedDrafter([NgramDrafter()], feature))
     if method == PLAIN:
         return engine_runner(target, None)
     if method == SPEC_NGRAM:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from specbench.compare import PROMPT_SETS, load_prompts, select_methods
-from specbench.methods import ALL_METHODS, HF_METHODS, Generation
+from specbench.methods import ALL_METHODS, FEATURE_METHODS, HF_METHODS, Generation
 from specbench.report import format_table, summarise
 from specserve.cli import main
 
@@ -78,7 +78,8 @@ def test_grounded_prompts_carry_a_passage_of_60_to_200_words() -> None:
 
 
 def test_select_methods_always_keeps_plain_as_the_reference() -> None:
-    assert select_methods(None, has_draft=True, hf=True) == ALL_METHODS
+    assert select_methods(None, has_draft=True, hf=True, has_feature=True) == ALL_METHODS
+    assert "spec:feature" not in select_methods(None, has_draft=True, hf=True)
     assert select_methods("hf:plain", has_draft=False, hf=True) == ("plain", "hf:plain")
     assert "spec:draft" not in select_methods(None, has_draft=False, hf=True)
     assert not HF_METHODS & set(select_methods(None, has_draft=True, hf=False))
@@ -122,8 +123,9 @@ def test_bench_on_tiny_models_reports_every_method(
     assert report["config"]["draft_dtype"] == "auto"
     assert report["config"]["draft_dtype_on_torch"]["float32"] in ("float32", "bfloat16")
     runs = report["runs"]
+    methods = [m for m in ALL_METHODS if m not in FEATURE_METHODS]  # made for another model
     assert {(r["prompt_set"], r["method"]) for r in runs} == {
-        (s, m) for s in PROMPT_SETS for m in ALL_METHODS}
+        (s, m) for s in PROMPT_SETS for m in methods}
     for run in runs:
         for key, kind in RUN_KEYS.items():
             assert isinstance(run[key], kind), (run["method"], key, run[key])
@@ -134,7 +136,7 @@ def test_bench_on_tiny_models_reports_every_method(
         else:
             assert run["identical_to_plain"] is not None and run["rounds"] is None
     table = capsys.readouterr().out
-    assert all(method in table for method in ALL_METHODS)
+    assert all(method in table for method in methods)
 
 
 def test_bench_methods_filter(tiny_target_dir: Path, tmp_path: Path) -> None:
