@@ -25,7 +25,8 @@ constexpr int kValueHeads = 2, kValueChunks = 2;  // 8 of the 16 registers
 constexpr int kValueHeads = 6, kValueChunks = 4;
 #endif
 
-// s [seen] scores -> e^(s - max) in place; returns 1 / their sum (16 lanes, fixed tree)
+// s [seen] scores -> e^(s - max) in place; returns 1 / their sum (16 lanes, summed by
+// halves)
 float softmax(float* s, int64_t seen) {
   float top = -INFINITY;
   for (int64_t j = 0; j < seen; ++j) top = lane_max(s[j], top);
@@ -36,7 +37,7 @@ float softmax(float* s, int64_t seen) {
     store_first(s + j, n, e);
     total = add(total, e);
   }
-  return 1.0f / sum_lanes(total);
+  return 1.0f / sum_halves(total);
 }
 
 // out[g] = inv[g] * sum_j p[g * stride + j] * values[j] for SUB query heads, CH chunks of

@@ -104,9 +104,10 @@ void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* value
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = load(in, i), x2 = load(in, i + half);
           const float ci = load(c, i), si = load(s, i);
-          // each product rounded, then the sum (the build never fuses them)
-          store(out, i, x1 * ci - x2 * si);
-          store(out, i + half, x2 * ci + x1 * si);
+          // the second product rounded, the first fused into the sum (as the kernels have
+          // always rotated: a fused multiply-add is written as one, never left to the build)
+          store(out, i, std::fma(x1, ci, -(x2 * si)));
+          store(out, i + half, std::fma(x2, ci, x1 * si));
         }
       }
       for (int64_t head = 0; head < kv_heads; ++head) {

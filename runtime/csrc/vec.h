@@ -239,6 +239,17 @@ inline float sum_lanes(F16 a) {
   return (q[0] + q[1]) + (q[2] + q[3]);
 }
 
+// The lanes summed by halves: lane i + lane i+8, then i + i+4, then i + i+2, then the
+// two left (the order of GCC's _mm512_reduce_add_ps, which the softmax's total has kept)
+inline float sum_halves(F16 a) {
+  float x[16];
+  store(x, a);
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = x[i + 8] + x[i];
+  for (int i = 0; i < 4; ++i) q[i] = h[i + 4] + h[i];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
 inline float max_lanes(F16 a) {  // exact in any order
   float x[16];
   store(x, a);
