@@ -102,19 +102,22 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t o
 namespace {
 
 // A row's activations per block of 32: int8 codes round(x / d) with d = max|x| / 127, d,
-// and d * sum(codes) (what a block's minimums multiply)
+// and d * sum(codes) (what a block's minimums multiply); in vec.h's lanes, so each code
+// is one multiply and one rounding to even at every level
 template <typename T>
 void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const T* v = x + b * kBlock;
-    float top = 0.0f;
-    for (int64_t i = 0; i < kBlock; ++i) top = std::max(top, std::fabs(load(v, i)));
+    const F16 lo = load(x + b * kBlock), hi = load(x + b * kBlock + 16);
+    const float top = max_lanes(max(max(lo, sub(zero(), lo)), max(hi, sub(zero(), hi))));
     const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+    // saturated to int8 (as the vector conversions do), then converted: exact integers
+    const F16 least = splat(-128.0f), most = splat(127.0f);
+    float q[kBlock];
+    store(q, min(max(round_even(mul(lo, splat(inv))), least), most));
+    store(q + 16, min(max(round_even(mul(hi, splat(inv))), least), most));
     int total = 0;
     for (int64_t i = 0; i < kBlock; ++i) {
-      // round half to even, saturated to int8 (as the vector conversions do)
-      const float q = std::nearbyint(load(v, i) * inv);
-      const int c = q >= 127.0f ? 127 : q <= -128.0f ? -128 : static_cast<int>(q);
+      const int c = static_cast<int>(q[i]);
       codes[b * kBlock + i] = static_cast<int8_t>(c);
       total += c;
     }
