@@ -44,6 +44,10 @@ def add_distill_command(sub: Any) -> None:
     """Register ``distill`` on the ``specserve`` sub-command parser."""
     p = sub.add_parser("distill", help="train a small draft model for a target by distillation")
     p.add_argument("--target", default="default", help="the target model (path or 'default')")
+    p.add_argument("--kind", choices=("causal-lm", "feature"), default="causal-lm",
+                   help="causal-lm: a small language model of the target's own layers; "
+                        "feature: one decoder layer that reads the target's final hidden "
+                        "states (EAGLE-style, see specdistill/feature.py)")
     p.add_argument("--out", required=True, type=Path, help="the draft directory to write")
     p.add_argument("--layers", type=int, default=TrainSettings.layers,
                    help="decoder layers of the draft (started from the target's)")
@@ -59,8 +63,11 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=DataSettings.tokens,
                    help="target answer tokens to generate as training data")
     p.add_argument("--steps", type=int, default=TrainSettings.steps, help="training steps")
-    p.add_argument("--batch-tokens", type=int, default=TrainSettings.batch_tokens)
-    p.add_argument("--lr", type=float, default=TrainSettings.lr)
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help=f"padded tokens per step (default: {TrainSettings.batch_tokens}; "
+                        "feature kind: 2048)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default: {TrainSettings.lr}; feature kind: 1e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=DataSettings.max_new_tokens,
                    help="longest target answer per prompt")
@@ -82,6 +89,11 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for PyTorch (default: its own choice; 1 is fastest on a "
                         "busy machine)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="feature kind: stop training after this many minutes (the schedule "
+                        "then spans them instead of --steps)")
+    p.add_argument("--data-only", action="store_true",
+                   help="feature kind: stop after the data phase")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run in the work directory")
     p.set_defaults(func=run_distill)
@@ -89,6 +101,11 @@ def add_distill_command(sub: Any) -> None:
 
 def run_distill(args: argparse.Namespace) -> int:
     import torch
+
+    if args.kind == "feature":
+        from specdistill.feature_cli import run_feature_distill
+
+        return run_feature_distill(args)
     from tqdm import tqdm
 
     if args.threads:
@@ -114,7 +131,8 @@ def run_distill(args: argparse.Namespace) -> int:
         from_layers=tuple(int(i) for i in args.from_layers.split(",")) if args.from_layers
         else None,
         vocab_top_k=args.vocab_top or None, steps=args.steps,
-        batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, init_from=args.init_from)
+        batch_tokens=args.batch_tokens or TrainSettings.batch_tokens,
+        lr=args.lr or TrainSettings.lr, seed=args.seed, init_from=args.init_from)
     start = None
     if args.init_from:  # checked before any work (the data can take hours)
         try:

@@ -1,0 +1,106 @@
+"""``specserve distill --kind feature``: data, then training, of a feature draft.
+
+Both phases resume in one work directory (``--resume``); the draft directory is
+rewritten at every evaluation, so an interrupted run leaves a usable draft behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from runtime import model_store
+
+SETTINGS_NAME = "feature-settings.json"
+DEFAULT_TOKENS = 150_000
+DEFAULT_MAX_NEW_TOKENS = 160
+
+
+def run_feature_distill(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from runtime.loading import load_target
+    from specdistill.cli import _command_line
+    from specdistill.feature_data import FeatureDataSettings, generate
+    from specdistill.feature_train import FeatureTrainSettings, Progress
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device not in ("auto", "cpu"):
+        raise SystemExit("--kind feature runs on a CPU (the served target's own weights)")
+    out_dir: Path = args.out.expanduser().resolve()
+    work = (args.work or _default_work(out_dir)).expanduser().resolve()
+    data_settings = FeatureDataSettings(
+        seed=args.seed, tokens=args.tokens, max_new_tokens=args.max_new_tokens,
+        streams=args.batch_size or FeatureDataSettings.streams)
+    train_settings = FeatureTrainSettings(
+        steps=args.steps, minutes=args.minutes, lr=args.lr or FeatureTrainSettings.lr,
+        batch_tokens=args.batch_tokens or FeatureTrainSettings.batch_tokens,
+        vocab_top_k=args.vocab_top or FeatureTrainSettings.vocab_top_k, seed=args.seed)
+    _check_work(work, data_settings, train_settings, args.resume)
+    started = time.perf_counter()
+    target = load_target(args.target, "float32", "cpu", "auto", "auto", True)
+    print(f"distill: feature draft data in {work / 'data'}", file=sys.stderr)
+    with tqdm(total=data_settings.tokens, desc="target answers", unit="tok") as bar:
+        def progress(have: int) -> None:
+            bar.update(min(have, data_settings.tokens) - bar.n)
+
+        data_stats = generate(target, work / "data", data_settings, progress)
+    print(f"distill: {data_stats['answer_tokens']} answer tokens in "
+          f"{data_stats['seconds']:.0f} s of generation", file=sys.stderr)
+    if args.data_only:
+        return 0
+    from specdistill.feature_train import train
+
+    made_with = {"command": _command_line(args), "target": args.target,
+                 "data": {**asdict(data_settings), **data_stats}}
+    with tqdm(total=train_settings.steps, desc="distilling", unit="step") as bar:
+        postfix: dict[str, str] = {}
+
+        def train_progress(p: Progress) -> None:
+            bar.total = p.steps
+            bar.n = p.step
+            postfix["loss"] = f"{p.loss:.3f}"
+            if p.acceptance is not None:
+                postfix["held_out_acc"] = f"{p.acceptance:.3f}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.refresh()
+
+        report = train(target, work, out_dir, train_settings, made_with, train_progress)
+    final = report["evaluation"]
+    print(f"draft written to {out_dir} ({time.perf_counter() - started:.0f} s this run): "
+          f"{report['training']['steps']} steps, held-out teacher-forced acceptance "
+          f"{final['held_out']['teacher_forced']:.3f}, tau(k=4) "
+          f"{final['held_out']['tau'][3]:.2f}", file=sys.stderr)
+    return 0
+
+
+def _default_work(out_dir: Path) -> Path:
+    key = hashlib.sha256(str(out_dir).encode()).hexdigest()[:12]
+    return model_store.home() / "distill" / f"{out_dir.name}-{key}"
+
+
+def _check_work(work: Path, data: Any, training: Any, resume: bool) -> None:
+    """A work directory belongs to one set of settings (token and step counts may grow)."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / SETTINGS_NAME
+    fixed = {"data": {k: v for k, v in asdict(data).items() if k not in ("tokens", "streams")},
+             "train": {k: v for k, v in asdict(training).items()
+                       if k not in ("steps", "minutes", "eval_every")}}
+    fixed = json.loads(json.dumps(fixed))
+    if path.exists():
+        if not resume:
+            raise SystemExit(f"{work} holds an earlier run; pass --resume to continue it, or "
+                             "--work DIR for a fresh one")
+        before = json.loads(path.read_text())
+        if before != fixed:
+            raise SystemExit(f"--resume with different settings than the run in {work}: "
+                             f"{before} vs {fixed}")
+    path.write_text(json.dumps(fixed, indent=2) + "\n")

@@ -1,0 +1,291 @@
+"""Training of a feature draft (see ``feature.py``) on the target's answers and features.
+
+Loss, per unrolled drafting step s (weights 0.8^(s-1)), over answer rows: smooth L1 of the
+draft's output toward the target's feature there, plus ``ce_weight`` times the
+cross-entropy of the draft's head logits against the target's distribution over the
+head's tokens (softmax of the target's own logits restricted to them, computed from its
+feature: soft labels). AdamW with a linear warmup and a cosine decay over ``steps``, or
+over ``minutes`` when given; a checkpoint with the optimizer's state at every
+evaluation (``eval_every`` steps, or ``CHECKPOINT_SECONDS``), after which the draft
+directory and its report are rewritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from specdistill import feature_target
+from specdistill.feature import FeatureDraft, layer_config, save_draft
+from specdistill.feature_data import load_rows, load_split, save_atomic
+from specdistill.feature_eval import evaluate, full_evaluation
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "feature-checkpoint.pt"
+REPORT_NAME = "report.json"
+CHECKPOINT_SECONDS = 300.0
+PERIODIC_EVAL_ROWS = 24  # held-out sequences measured at each checkpoint (all at the end)
+WARMUP_STEPS = 20
+MIN_LR_SHARE = 0.1
+GRAD_CLIP = 1.0
+STEP_DECAY = 0.8  # weight of each further unrolled step's loss
+
+
+@dataclass(frozen=True)
+class FeatureTrainSettings:
+    steps: int = 600
+    minutes: float | None = None  # a time budget: the schedule spans it instead of ``steps``
+    lr: float = 1e-3
+    batch_tokens: int = 2048  # padded tokens per step
+    vocab_top_k: int = 8192
+    seed: int = 0
+    ttt_steps: int = 3  # drafting steps unrolled in training (training-time test)
+    max_len: int = 512
+    ce_weight: float = 0.1  # cross-entropy beside the feature regression
+    eval_every: int = 50
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    steps: int
+    loss: float
+    acceptance: float | None  # held-out teacher-forced, when just measured
+
+
+@dataclass(frozen=True)
+class Batch:
+    tokens: torch.Tensor  # [B, N] row j's token t_j (row p here: t_{p+1})
+    feats: torch.Tensor  # [B, N, H] the real feature before it
+    targets: torch.Tensor  # [B, N, H] the feature the row's output should match
+    answer: torch.Tensor  # [B, N] bool: the row predicts an answer token (or follows one)
+    ok: torch.Tensor  # [B, N] bool: the next row's token is the target's greedy one
+
+
+def make_batch(rows: Sequence[dict[str, Any]], max_len: int,
+               greedy_ids: Sequence[torch.Tensor] | None = None) -> Batch:
+    """Rows p = 0..L-2 of each sequence (token t_{p+1}, feature f_p, target f_{p+1}),
+    right-padded; ``greedy_ids``: the target's argmax after each position, for ``ok``."""
+    seqs = [torch.cat([r["prompt_ids"], r["answer_ids"]])[:max_len] for r in rows]
+    n = max(len(s) for s in seqs) - 1
+    h = int(rows[0]["features"].shape[1])
+    b = len(rows)
+    tokens = torch.zeros(b, n, dtype=torch.long)
+    feats = torch.zeros(b, n, h)
+    targets = torch.zeros(b, n, h)
+    answer = torch.zeros(b, n, dtype=torch.bool)
+    ok = torch.zeros(b, n, dtype=torch.bool)
+    for i, (r, s) in enumerate(zip(rows, seqs, strict=True)):
+        m = len(s) - 1
+        f = r["features"][:len(s)].float()
+        tokens[i, :m] = s[1:]
+        feats[i, :m] = f[:-1]
+        targets[i, :m] = f[1:]
+        answer[i, max(0, len(r["prompt_ids"]) - 2):m] = True
+        if greedy_ids is not None:
+            g = greedy_ids[i][:m]  # argmax of f_{p+1}
+            ok[i, :m - 1] = s[2:] == g[:m - 1]
+    return Batch(tokens, feats, targets, answer, ok)
+
+
+def loss_of(draft: FeatureDraft, batch: Batch, steps: int, ce_weight: float
+            ) -> tuple[torch.Tensor, list[float]]:
+    """The training loss, and each step's head accuracy (argmax within the head's tokens)."""
+    outs = draft.unroll(batch.tokens, batch.feats, steps)
+    rows = torch.arange(batch.tokens.shape[1])[None, :]
+    with torch.no_grad():
+        teacher_all = torch.softmax(draft.logits(batch.targets[batch.answer]), dim=-1)
+    total = batch.targets.new_zeros(())
+    weights = 0.0
+    accuracy = []
+    for s, y in enumerate(outs, start=1):
+        valid = batch.answer & (rows >= s - 1)
+        keep = valid[batch.answer]
+        teacher = teacher_all[keep]
+        yv = y[valid]
+        reg = F.smooth_l1_loss(yv, batch.targets[valid])
+        log_q = torch.log_softmax(draft.logits(yv), dim=-1)
+        ce = -(teacher * log_q).sum(-1).mean()
+        w = STEP_DECAY ** (s - 1)
+        total = total + w * (reg + ce_weight * ce)
+        weights += w
+        accuracy.append(float((log_q.argmax(-1) == teacher.argmax(-1)).float().mean()))
+    return total / weights, accuracy
+
+
+def batches(rows: Sequence[dict[str, Any]], batch_tokens: int, max_len: int, seed: int,
+            epoch: int) -> list[list[int]]:
+    """One epoch's batches: shuffled, sorted by length within windows, under
+    ``batch_tokens`` padded tokens each."""
+    rng = random.Random(seed * 7919 + epoch)
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+
+    def length(i: int) -> int:
+        return min(max_len, int(rows[i]["prompt_ids"].numel() + rows[i]["answer_ids"].numel()))
+
+    plan: list[list[int]] = []
+    for start in range(0, len(order), 128):
+        batch: list[int] = []
+        for i in sorted(order[start:start + 128], key=length):
+            if batch and max(length(j) for j in [*batch, i]) * (len(batch) + 1) > batch_tokens:
+                plan.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            plan.append(batch)
+    rng.shuffle(plan)
+    return plan
+
+
+def choose_vocab(rows: Sequence[dict[str, Any]], k: int, vocab_size: int,
+                 always: Sequence[int]) -> torch.Tensor:
+    """The ``k`` tokens most frequent in the answers (ties: lower id), ``always`` first."""
+    counts: Counter[int] = Counter()
+    for r in rows:
+        counts.update(r["answer_ids"].tolist())
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    chosen = list(dict.fromkeys([*always, *ranked]))[:k]
+    taken = set(chosen)
+    chosen += [i for i in range(vocab_size) if i not in taken][:k - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def lr_share(progress: float, step: int) -> float:
+    if step < WARMUP_STEPS:
+        return (step + 1) / WARMUP_STEPS
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return MIN_LR_SHARE + (1 - MIN_LR_SHARE) * cosine
+
+
+def build_draft(target: Any, train_rows: Sequence[dict[str, Any]], k: int,
+                head_ids: torch.Tensor | None = None) -> FeatureDraft:
+    """A fresh draft: the target's last layer and final norm, ``fc`` at random."""
+    embedding = feature_target.embedding_table(target)
+    head = feature_target.head_table(target, embedding)
+    vocab = int(embedding.shape[0])
+    if head_ids is None:
+        always = sorted(int(t) for t in target.eos_token_ids)
+        head_ids = choose_vocab(train_rows, min(k, vocab), vocab, always)
+    config = layer_config(feature_target.config_dict(target), vocab)
+    draft = FeatureDraft(config, embedding, head_ids, head)
+    draft.load_state_dict(feature_target.last_layer_weights(target), strict=False)
+    return draft
+
+
+def train(target: Any, work: Path, out_dir: Path, settings: FeatureTrainSettings,
+          made_with: dict[str, Any], on_progress: Callable[[Progress], None] | None = None
+          ) -> dict[str, Any]:
+    """Train (or resume) and write the draft directory; returns the report."""
+    torch.manual_seed(settings.seed)
+    train_rows, held = load_split(work / "data")
+    if not train_rows or not held:
+        raise RuntimeError(f"no training or held-out data in {work / 'data'}")
+    ckpt_path = work / CHECKPOINT_NAME
+    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    draft = build_draft(target, train_rows, settings.vocab_top_k,
+                        ckpt["head_ids"] if ckpt else None)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, epoch, cursor, seconds, history = 0, 0, 0, 0.0, []
+    if ckpt is not None:
+        draft.load_state_dict(ckpt["draft"], strict=False)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, epoch, cursor = ckpt["step"], ckpt["epoch"], ckpt["cursor"]
+        seconds, history = ckpt["seconds"], ckpt["history"]
+        torch.set_rng_state(ckpt["torch_rng"])
+        log.info("resuming at step %d", step)
+    plan = batches(train_rows, settings.batch_tokens, settings.max_len, settings.seed, epoch)
+    budget = settings.minutes * 60 if settings.minutes else None
+
+    def progress() -> float:
+        done = step / max(1, settings.steps)
+        return max(done, seconds / budget) if budget else done
+
+    def report(evaluation: dict[str, Any]) -> dict[str, Any]:
+        return {"training": {**asdict(settings), "steps": step, "epochs": epoch + cursor /
+                             max(1, len(plan)), "seconds": round(seconds, 1),
+                             "train_sequences": len(train_rows),
+                             "train_answer_tokens": sum(int(r["answer_ids"].numel())
+                                                        for r in train_rows),
+                             "held_out_sequences": len(held)},
+                "history": history, "evaluation": evaluation}
+
+    draft.train()
+    loss_avg = history[-1]["loss"] if history else None
+    last_save = seconds
+    while progress() < 1.0:
+        started = time.perf_counter()
+        if cursor >= len(plan):
+            epoch, cursor = epoch + 1, 0
+            plan = batches(train_rows, settings.batch_tokens, settings.max_len, settings.seed,
+                           epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * lr_share(progress(), step)
+        batch = make_batch([train_rows[i] for i in plan[cursor]], settings.max_len)
+        cursor += 1
+        loss, accuracy = loss_of(draft, batch, settings.ttt_steps, settings.ce_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        optimizer.step()
+        step += 1
+        value = float(loss.detach())
+        loss_avg = value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
+        seconds += time.perf_counter() - started
+        started = time.perf_counter()
+        measured = None
+        if (step % settings.eval_every == 0 or seconds - last_save >= CHECKPOINT_SECONDS
+                or progress() >= 1.0):
+            draft.eval()
+            result = evaluate(draft, held[:PERIODIC_EVAL_ROWS], settings.max_len)
+            draft.train()
+            seconds += time.perf_counter() - started  # the budget counts evaluations too
+            started = time.perf_counter()
+            measured = result["teacher_forced"]
+            history.append({"step": step, "seconds": round(seconds, 1),
+                            "loss": round(loss_avg, 4),
+                            "train_step_accuracy": [round(a, 4) for a in accuracy],
+                            "held_out_teacher_forced": round(measured, 4),
+                            "held_out_tau": result["tau"]})
+            save_atomic({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                         "step": step, "epoch": epoch, "cursor": cursor, "seconds": seconds,
+                         "history": history, "head_ids": draft.head_ids,
+                         "torch_rng": torch.get_rng_state()}, ckpt_path)
+            write(draft, target, out_dir, settings, made_with, report({"held_out": result}))
+            last_save = seconds
+        seconds += time.perf_counter() - started
+        if on_progress is not None:
+            total = step if progress() >= 1.0 else max(step, round(step / max(progress(), 1e-9)))
+            on_progress(Progress(step, total, loss_avg, measured))
+    draft.eval()
+    evaluation = full_evaluation(draft, held, [load_rows(work / "data" / f"eval-{n}.pt")
+                                               for n in ("chat", "grounded")],
+                                 settings.max_len)
+    final = report(evaluation)
+    write(draft, target, out_dir, settings, made_with, final)
+    return final
+
+
+def write(draft: FeatureDraft, target: Any, out_dir: Path, settings: FeatureTrainSettings,
+          made_with: dict[str, Any], report: dict[str, Any]) -> None:
+    import json
+
+    info = {"target": feature_target.identity(target), "model": draft.config,
+            "vocab_top_k": int(draft.head_ids.numel()), "feature": "final_norm",
+            "made_with": {**made_with, "results": report}}
+    save_draft(draft, info, out_dir)
+    tmp = out_dir / (REPORT_NAME + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(out_dir / REPORT_NAME)
