@@ -1,0 +1,148 @@
+"""`specserve distill --kind feature` end to end on a tiny random target, the feature
+draft's training-time-test mask, and that its training learns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.batched import BatchedLM
+from specdistill import feature_data, feature_train
+from specdistill.feature import (
+    FORMAT,
+    LAYER,
+    FeatureDraft,
+    load_feature_draft_weights,
+    ttt_mask,
+)
+from specdistill.feature_eval import evaluate
+from specserve.cli import main
+
+
+def _distill(target_dir: Path, out: Path, work: Path, steps: int, *extra: str) -> None:
+    threads = torch.get_num_threads()
+    code = main(["distill", "--kind", "feature", "--threads", "1", "--target", str(target_dir),
+                 "--out", str(out), "--work", str(work), "--tokens", "300",
+                 "--max-new-tokens", "12", "--batch-size", "16", "--batch-tokens", "1024",
+                 "--vocab-top", "512", "--steps", str(steps), *extra])
+    torch.set_num_threads(threads)
+    assert code == 0
+
+
+@pytest.fixture(scope="module")
+def feature_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path
+                ) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("feature-distill")
+    _distill(tiny_target_dir, root / "draft", root / "work", steps=4)
+    return root / "draft", root / "work"
+
+
+def test_a_run_writes_a_valid_feature_draft(feature_run: tuple[Path, Path]) -> None:
+    out, work = feature_run
+    info, tensors = load_feature_draft_weights(out)
+    assert info["format"] == FORMAT and info["feature"] == "final_norm"
+    assert info["vocab_top_k"] == 512 and info["model"]["num_hidden_layers"] == 1
+    assert {"name", "vocab_size", "hidden_size", "num_layers", "embedding_probe"} <= set(
+        info["target"])
+    assert info["made_with"]["command"].startswith("specserve distill")
+    assert tensors["fc.weight"].dtype == torch.float16
+    assert tensors["fc.weight"].shape == (64, 128)
+    assert LAYER + "self_attn.q_proj.weight" in tensors
+    assert "model.embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors
+    report = json.loads((out / "report.json").read_text())
+    assert report["training"]["steps"] == 4
+    for name in ("held_out", "chat", "grounded"):
+        result = report["evaluation"][name]
+        assert 0 <= result["teacher_forced"] <= 1 and len(result["tau"]) == 5
+        assert result["tau"] == sorted(result["tau"])  # drafting more never accepts fewer
+    train, held = feature_data.load_split(work / "data")
+    assert train and held
+    texts = {r["text"] for r in train}
+    for name in feature_data.BENCH_SETS:  # never trained on the evaluation sets
+        assert not texts & set(feature_data.bench_prompts(name))
+
+
+def test_resume_continues_the_run(tmp_path: Path, tiny_target_dir: Path) -> None:
+    _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", steps=3)
+    shards = {p: p.stat().st_mtime_ns for p in feature_data.existing_shards(tmp_path / "work"
+                                                                            / "data")}
+    first = json.loads((tmp_path / "draft" / "report.json").read_text())
+    with pytest.raises(SystemExit):  # an earlier run is there: not silently restarted
+        _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", steps=6)
+    _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", 6, "--resume")
+    report = json.loads((tmp_path / "draft" / "report.json").read_text())
+    assert report["training"]["steps"] == 6
+    assert report["history"][0] == first["history"][0]  # continued, not restarted
+    assert [h["step"] for h in report["history"]] == [3, 6]
+    assert {p: p.stat().st_mtime_ns for p in shards} == shards  # the data is reused
+
+
+def _random_draft(seed: int = 0) -> FeatureDraft:
+    torch.manual_seed(seed)
+    config = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "max_position_embeddings": 128, "vocab_size": 50,
+              "num_hidden_layers": 1, "hidden_act": "silu"}
+    draft = FeatureDraft(config, torch.randn(50, 32), torch.arange(0, 50, 2))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0.0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return draft.eval()
+
+
+def test_the_mask_sees_what_drafting_sees() -> None:
+    mask = ttt_mask(4, 2)  # step 2: real keys up to j - 1, then its own step-2 key
+    assert mask.tolist() == [[False, False, False, False, True, False, False, False],
+                             [True, False, False, False, False, True, False, False],
+                             [True, True, False, False, False, False, True, False],
+                             [True, True, True, False, False, False, False, True]]
+
+
+def test_unrolled_steps_equal_sequential_drafting() -> None:
+    """Step s's output at row j, unrolled with the mask, is what drafting s tokens after
+    the real context ending at row j - s + 1 gives, one step at a time with a cache."""
+    draft = _random_draft()
+    n, steps = 9, 4
+    tokens = torch.randint(0, 50, (1, n))
+    feats = torch.randn(1, n, 32)
+    with torch.no_grad():
+        outs = draft.unroll(tokens, feats, steps)
+    checked = 0
+    for s in range(1, steps + 1):
+        for j in range(s - 1, n):
+            c = j - s + 1  # the last row with a real feature
+            _, seq = draft.draft_sequential(tokens[0, :c + 1].tolist(), feats[0, :c + 1], s,
+                                            feed=tokens[0, c + 1:j + 1].tolist())
+            torch.testing.assert_close(outs[s - 1][0, j], seq[s - 1], atol=1e-5, rtol=1e-5)
+            checked += 1
+    assert checked == sum(n - s + 1 for s in range(1, steps + 1))
+    # and a wrong mask would not pass: step 2 with plain causal attention differs
+    assert not torch.allclose(outs[1][0, 5], draft.unroll(tokens, feats, 1)[0][0, 5])
+
+
+def test_training_learns_a_tiny_set(feature_run: tuple[Path, Path],
+                                    tiny_target_dir: Path) -> None:
+    """On a few sequences, some steps lower the loss and raise teacher-forced acceptance."""
+    _, work = feature_run
+    target = BatchedLM.load(str(tiny_target_dir), dtype="float32")
+    rows, _ = feature_data.load_split(work / "data")
+    rows = [r for r in rows if r["answer_ids"].numel() > 4][:6]
+    torch.manual_seed(0)
+    draft = feature_train.build_draft(target, rows, 512)
+    batch = feature_train.make_batch(rows, 512)
+    before_acc = evaluate(draft.eval(), rows, 512)["teacher_forced"]
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    draft.train()
+    losses = []
+    for _ in range(60):
+        loss, _ = feature_train.loss_of(draft, batch, 2, 0.1)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    after_acc = evaluate(draft.eval(), rows, 512)["teacher_forced"]
+    assert losses[-1] < 0.5 * losses[0]
+    assert after_acc > before_acc + 0.2
