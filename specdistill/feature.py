@@ -30,11 +30,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-FORMAT = "specserve-feature-draft"
-VERSION = 1
-CONFIG_NAME = "draft.json"
-WEIGHTS_NAME = "draft.safetensors"
-VOCAB_IDS = "lm_head.ids"
+from runtime.draft_format import CONFIG_NAME, VOCAB_IDS, WEIGHTS_NAME
+from runtime.feature_draft import FORMAT, VERSION
+
 LAYER = "model.layers.0."
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
