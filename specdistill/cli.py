@@ -105,7 +105,7 @@ def run_distill(args: argparse.Namespace) -> int:
     if args.kind == "feature":
         from specdistill.feature_cli import run_feature_distill
 
-        return run_feature_distill(args)
+        return run_feature_distill(args, _command_line(args))
     from tqdm import tqdm
 
     if args.threads:

@@ -22,12 +22,11 @@ DEFAULT_TOKENS = 150_000
 DEFAULT_MAX_NEW_TOKENS = 160
 
 
-def run_feature_distill(args: argparse.Namespace) -> int:
+def run_feature_distill(args: argparse.Namespace, command_line: str) -> int:
     import torch
     from tqdm import tqdm
 
     from runtime.loading import load_target
-    from specdistill.cli import _command_line
     from specdistill.feature_data import FeatureDataSettings, generate
     from specdistill.feature_train import FeatureTrainSettings, Progress
 
@@ -60,7 +59,7 @@ def run_feature_distill(args: argparse.Namespace) -> int:
     from specdistill.feature_train import train
 
     rate = data_stats["answer_tokens"] / max(1e-9, data_stats["seconds"])
-    made_with = {"command": _command_line(args), "target": args.target,
+    made_with = {"command": command_line, "target": args.target,
                  "data": {**asdict(data_settings), **data_stats,
                           "answer_tokens_per_second": round(rate, 1),
                           "answers": "greedy, or (a fifth) sampled at temperature 0.7 among "

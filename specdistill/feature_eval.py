@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from specdistill.feature import FeatureDraft
+from specdistill.feature_data import make_batch
 
 CHAIN = 5
 EVAL_TOKENS = 4096  # padded tokens per evaluation batch
@@ -34,7 +35,6 @@ def greedy_ids(draft: FeatureDraft, row: dict[str, Any], max_len: int) -> torch.
 @torch.no_grad()
 def evaluate(draft: FeatureDraft, rows: Sequence[dict[str, Any]], max_len: int,
              chain: int = CHAIN) -> dict[str, Any]:
-    from specdistill.feature_train import make_batch
 
     hits = total = 0
     accepted: list[torch.Tensor] = []  # per chain start: tokens accepted of ``chain``

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from specdistill import feature_target
 from specdistill.feature import FeatureDraft, layer_config, save_draft
-from specdistill.feature_data import load_rows, load_split, save_atomic
+from specdistill.feature_data import Batch, load_rows, load_split, make_batch, save_atomic
 from specdistill.feature_eval import evaluate, full_evaluation
 
 log = logging.getLogger(__name__)
@@ -62,41 +62,6 @@ class Progress:
     steps: int
     loss: float
     acceptance: float | None  # held-out teacher-forced, when just measured
-
-
-@dataclass(frozen=True)
-class Batch:
-    tokens: torch.Tensor  # [B, N] row j's token t_j (row p here: t_{p+1})
-    feats: torch.Tensor  # [B, N, H] the real feature before it
-    targets: torch.Tensor  # [B, N, H] the feature the row's output should match
-    answer: torch.Tensor  # [B, N] bool: the row predicts an answer token (or follows one)
-    ok: torch.Tensor  # [B, N] bool: the next row's token is the target's greedy one
-
-
-def make_batch(rows: Sequence[dict[str, Any]], max_len: int,
-               greedy_ids: Sequence[torch.Tensor] | None = None) -> Batch:
-    """Rows p = 0..L-2 of each sequence (token t_{p+1}, feature f_p, target f_{p+1}),
-    right-padded; ``greedy_ids``: the target's argmax after each position, for ``ok``."""
-    seqs = [torch.cat([r["prompt_ids"], r["answer_ids"]])[:max_len] for r in rows]
-    n = max(len(s) for s in seqs) - 1
-    h = int(rows[0]["features"].shape[1])
-    b = len(rows)
-    tokens = torch.zeros(b, n, dtype=torch.long)
-    feats = torch.zeros(b, n, h)
-    targets = torch.zeros(b, n, h)
-    answer = torch.zeros(b, n, dtype=torch.bool)
-    ok = torch.zeros(b, n, dtype=torch.bool)
-    for i, (r, s) in enumerate(zip(rows, seqs, strict=True)):
-        m = len(s) - 1
-        f = r["features"][:len(s)].float()
-        tokens[i, :m] = s[1:]
-        feats[i, :m] = f[:-1]
-        targets[i, :m] = f[1:]
-        answer[i, max(0, len(r["prompt_ids"]) - 2):m] = True
-        if greedy_ids is not None:
-            g = greedy_ids[i][:m]  # argmax of f_{p+1}
-            ok[i, :m - 1] = s[2:] == g[:m - 1]
-    return Batch(tokens, feats, targets, answer, ok)
 
 
 def loss_of(draft: FeatureDraft, batch: Batch, steps: int, ce_weight: float

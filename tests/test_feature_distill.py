@@ -132,7 +132,7 @@ def test_training_learns_a_tiny_set(feature_run: tuple[Path, Path],
     rows = [r for r in rows if r["answer_ids"].numel() > 4][:6]
     torch.manual_seed(0)
     draft = feature_train.build_draft(target, rows, 512)
-    batch = feature_train.make_batch(rows, 512)
+    batch = feature_data.make_batch(rows, 512)
     before_acc = evaluate(draft.eval(), rows, 512)["teacher_forced"]
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     draft.train()
