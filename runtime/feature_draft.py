@@ -179,13 +179,23 @@ def save(directory: Path, target: CausalLM, model_config: dict[str, Any],
          tensors: dict[str, torch.Tensor], made_with: dict[str, Any] | None = None,
          dtype: torch.dtype = torch.float16) -> None:
     """Write a feature draft for ``target``: ``tensors`` holds ``fc.weight``, the layer
-    and final norm (transformers' Llama names) and ``lm_head.ids``; floats are stored in
-    ``dtype``, and the file is replaced in one step (a reader never sees half of it)."""
-    from safetensors.torch import save_file
-
+    and final norm (transformers' Llama names) and ``lm_head.ids``."""
     missing = {FC, draft_format.VOCAB_IDS, "model.norm.weight"} - set(tensors)
     if missing:
         raise ValueError(f"a feature draft needs {sorted(missing)}")
+    write(directory, {"target": draft_format.target_identity(target.model, target.name),
+                      "model": {**model_config, "num_hidden_layers": 1},
+                      "vocab_top_k": int(tensors[draft_format.VOCAB_IDS].numel()),
+                      "feature": "final_norm", "made_with": made_with or {}}, tensors, dtype)
+
+
+def write(directory: Path, info: dict[str, Any], tensors: dict[str, torch.Tensor],
+          dtype: torch.dtype = torch.float16) -> None:
+    """``draft.safetensors`` (floats in ``dtype``, ``lm_head.ids`` as int64) and
+    ``draft.json`` (``info`` under this format and version), each replaced in one step: a
+    reader never sees half of either."""
+    from safetensors.torch import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     stored = {k: (v.long() if k == draft_format.VOCAB_IDS else v.detach().to(dtype))
               .contiguous().cpu() for k, v in tensors.items()}
@@ -193,10 +203,7 @@ def save(directory: Path, target: CausalLM, model_config: dict[str, Any],
     save_file(stored, str(tmp), metadata={"format": FORMAT})
     tmp.chmod(0o644)
     tmp.replace(directory / draft_format.WEIGHTS_NAME)
-    info = {"format": FORMAT, "version": VERSION,
-            "target": draft_format.target_identity(target.model, target.name),
-            "model": {**model_config, "num_hidden_layers": 1},
-            "vocab_top_k": int(tensors[draft_format.VOCAB_IDS].numel()),
-            "feature": "final_norm", "made_with": made_with or {}}
-    text = json.dumps(info, indent=2)
-    (directory / draft_format.CONFIG_NAME).write_text(text + "\n", encoding="utf-8")
+    text = json.dumps({"format": FORMAT, "version": VERSION, **info}, indent=2) + "\n"
+    tmp = directory / (draft_format.CONFIG_NAME + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(directory / draft_format.CONFIG_NAME)

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from runtime.draft_format import CONFIG_NAME, VOCAB_IDS, WEIGHTS_NAME
-from runtime.feature_draft import FORMAT, VERSION
+from runtime.feature_draft import FORMAT, VERSION, write
 
 LAYER = "model.layers.0."
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -256,20 +256,8 @@ def layer_config(target_config: Any, vocab_size: int) -> dict[str, Any]:
 
 
 def save_draft(draft: FeatureDraft, info: dict[str, Any], directory: Path) -> None:
-    """Write ``draft.safetensors`` (float16; ids int64) and ``draft.json``, each atomically."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.long() if k == VOCAB_IDS else v.detach().to(torch.float16)).contiguous().cpu()
-             for k, v in draft.stored_state().items()}
-    tmp = directory / (WEIGHTS_NAME + ".tmp")
-    save_file(state, str(tmp), metadata={"format": FORMAT})
-    tmp.chmod(0o644)
-    tmp.replace(directory / WEIGHTS_NAME)
-    text = json.dumps({"format": FORMAT, "version": VERSION, **info}, indent=2) + "\n"
-    tmp = directory / (CONFIG_NAME + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(directory / CONFIG_NAME)
+    """Write the draft's directory (``runtime.feature_draft.write``: float16, ids int64)."""
+    write(directory, info, draft.stored_state())
 
 
 def load_feature_draft_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
