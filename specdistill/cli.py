@@ -105,7 +105,9 @@ def run_distill(args: argparse.Namespace) -> int:
     if args.kind == "feature":
         from specdistill.feature_cli import run_feature_distill
 
-        return run_feature_distill(args, _command_line(args))
+        out = args.out.expanduser().resolve()
+        work = (args.work or default_work_dir(out)).expanduser().resolve()
+        return run_feature_distill(args, _command_line(args), work)
     from tqdm import tqdm
 
     if args.threads:

@@ -7,7 +7,6 @@ rewritten at every evaluation, so an interrupted run leaves a usable draft behin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -15,14 +14,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from runtime import model_store
-
 SETTINGS_NAME = "feature-settings.json"
 DEFAULT_TOKENS = 150_000
 DEFAULT_MAX_NEW_TOKENS = 160
 
 
-def run_feature_distill(args: argparse.Namespace, command_line: str) -> int:
+def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path) -> int:
     import torch
     from tqdm import tqdm
 
@@ -35,7 +32,6 @@ def run_feature_distill(args: argparse.Namespace, command_line: str) -> int:
     if args.device not in ("auto", "cpu"):
         raise SystemExit("--kind feature runs on a CPU (the served target's own weights)")
     out_dir: Path = args.out.expanduser().resolve()
-    work = (args.work or _default_work(out_dir)).expanduser().resolve()
     data_settings = FeatureDataSettings(
         seed=args.seed, tokens=args.tokens, max_new_tokens=args.max_new_tokens,
         streams=args.batch_size or FeatureDataSettings.streams)
@@ -88,11 +84,6 @@ def run_feature_distill(args: argparse.Namespace, command_line: str) -> int:
           f"{final['held_out']['teacher_forced']:.3f}, tau(k=4) "
           f"{final['held_out']['tau'][3]:.2f}", file=sys.stderr)
     return 0
-
-
-def _default_work(out_dir: Path) -> Path:
-    key = hashlib.sha256(str(out_dir).encode()).hexdigest()[:12]
-    return model_store.home() / "distill" / f"{out_dir.name}-{key}"
 
 
 def _check_work(work: Path, data: Any, training: Any, resume: bool) -> None:

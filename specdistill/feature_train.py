@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from specdistill import feature_target
 from specdistill.feature import FeatureDraft, layer_config, save_draft
 from specdistill.feature_data import Batch, load_rows, load_split, make_batch, save_atomic
 from specdistill.feature_eval import evaluate, full_evaluation
+from specdistill.train import plan_batches
 
 log = logging.getLogger(__name__)
 
@@ -93,25 +93,10 @@ def batches(rows: Sequence[dict[str, Any]], batch_tokens: int, max_len: int, see
             epoch: int) -> list[list[int]]:
     """One epoch's batches: shuffled, sorted by length within windows, under
     ``batch_tokens`` padded tokens each."""
-    rng = random.Random(seed * 7919 + epoch)
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-
     def length(i: int) -> int:
         return min(max_len, int(rows[i]["prompt_ids"].numel() + rows[i]["answer_ids"].numel()))
 
-    plan: list[list[int]] = []
-    for start in range(0, len(order), 128):
-        batch: list[int] = []
-        for i in sorted(order[start:start + 128], key=length):
-            if batch and max(length(j) for j in [*batch, i]) * (len(batch) + 1) > batch_tokens:
-                plan.append(batch)
-                batch = []
-            batch.append(i)
-        if batch:
-            plan.append(batch)
-    rng.shuffle(plan)
-    return plan
+    return plan_batches(len(rows), length, batch_tokens, seed * 7919 + epoch, window=128)
 
 
 def choose_vocab(rows: Sequence[dict[str, Any]], k: int, vocab_size: int,

@@ -109,6 +109,28 @@ def choose_vocab(examples: Sequence[Example], k: int, vocab_size: int,
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def plan_batches(count: int, length: Callable[[int], int], batch_tokens: int, seed: int,
+                 window: int) -> list[list[int]]:
+    """One epoch's batches of the indexes below ``count``: shuffled by ``seed``, sorted by
+    ``length`` within windows of ``window`` (little padding, still shuffled), each under
+    ``batch_tokens`` padded tokens, the batches shuffled too."""
+    rng = random.Random(seed)
+    order = list(range(count))
+    rng.shuffle(order)
+    plan: list[list[int]] = []
+    for start in range(0, len(order), window):
+        batch: list[int] = []
+        for i in sorted(order[start:start + window], key=length):
+            if batch and max(length(j) for j in [*batch, i]) * (len(batch) + 1) > batch_tokens:
+                plan.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            plan.append(batch)
+    rng.shuffle(plan)
+    return plan
+
+
 class Batches:
     """Deterministic epochs of length-bucketed batches, resumable by (epoch, cursor)."""
 
@@ -123,24 +145,8 @@ class Batches:
         self._plan = self._make_plan(0)
 
     def _make_plan(self, epoch: int) -> list[list[int]]:
-        rng = random.Random(self.seed * 7919 + epoch)
-        order = list(range(len(self.examples)))
-        rng.shuffle(order)
-        plan: list[list[int]] = []
-        window = 256  # sort by length within windows: little padding, still shuffled
-        for start in range(0, len(order), window):
-            chunk = sorted(order[start:start + window], key=lambda i: self._length(i))
-            batch: list[int] = []
-            for i in chunk:
-                width = max([self._length(j) for j in batch] + [self._length(i)])
-                if batch and width * (len(batch) + 1) > self.batch_tokens:
-                    plan.append(batch)
-                    batch = []
-                batch.append(i)
-            if batch:
-                plan.append(batch)
-        rng.shuffle(plan)
-        return plan
+        return plan_batches(len(self.examples), self._length, self.batch_tokens,
+                            self.seed * 7919 + epoch, window=256)
 
     def _length(self, i: int) -> int:
         e = self.examples[i]
