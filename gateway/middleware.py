@@ -1,5 +1,6 @@
-"""Per-request bookkeeping around every HTTP request: arrival time (for latency
-and time to first token) and the request/error counters, by response status."""
+"""Around every HTTP request: its bookkeeping (arrival time, for latency and time to
+first token, and the request/error counters by response status), and HEAD answered as
+GET without the body."""
 
 from __future__ import annotations
 
@@ -47,3 +48,25 @@ class RequestMetricsMiddleware:
             self.metrics.requests.labels(endpoint, str(status)).inc()
             if status >= 400:
                 self.metrics.request_errors.labels(endpoint, error_type_of(status)).inc()
+
+
+class HeadAsGetMiddleware:
+    """HEAD on every route that answers GET (the pages, health, readiness, models): the
+    GET response's status and headers without its body (RFC 9110, 9.3.2). A route
+    without GET answers HEAD as it answers GET: 405 with its ``Allow`` header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_without_body(message: Message) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+            elif not message.get("more_body", False):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.app({**scope, "method": "GET"}, receive, send_without_body)

@@ -9,6 +9,8 @@ index, both part of the sampling key: choices differ and each is reproducible.
 
 from __future__ import annotations
 
+import json
+import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,10 +21,49 @@ from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from gateway.errors import InvalidRequestError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.settings import sampling_problems
 from gateway.tools import ToolPlan, render_messages, tool_plan
+from runtime import model_store
+
+log = logging.getLogger(__name__)
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
 SEED_MODULUS = 1 << 64
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves ``temperature``, ``top_p`` or ``top_k`` unset (or null)
+    samples with; OpenAI's values unless the model or the settings say otherwise."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    source: str = "openai"  # where they come from: openai, generation_config.json, ...
+
+    def metadata(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "source": self.source}
+
+
+def sampling_defaults(setting: str, model_path: str) -> SamplingDefaults:
+    """The defaults ``Settings.sampling_defaults`` names for the model at ``model_path``.
+    A value the model recommends outside a request's range is left out, with a warning."""
+    if setting == "openai":
+        return SamplingDefaults()
+    if setting == "model":
+        values, source = model_store.recommended_sampling(model_path)
+        for problem in sampling_problems(values):
+            log.warning("ignoring the model's sampling default: %s", problem)
+        values = {k: v for k, v in values.items() if not sampling_problems({k: v})}
+        if not values:
+            return SamplingDefaults(source="openai (the model recommends none)")
+    else:
+        values, source = json.loads(setting), "settings"
+    base = SamplingDefaults()
+    return SamplingDefaults(temperature=float(values.get("temperature", base.temperature)),
+                            top_p=float(values.get("top_p", base.top_p)),
+                            top_k=int(values.get("top_k", base.top_k)), source=source)
 
 
 @dataclass(frozen=True)
@@ -35,6 +76,7 @@ class Limits:
     timeout_s: float | None
     vocab_size: int
     max_choices: int | None = None  # generations one request may ask for (prompts x n)
+    sampling: SamplingDefaults = SamplingDefaults()  # for fields a request leaves unset
 
 
 @dataclass(frozen=True)
@@ -64,18 +106,19 @@ def request_seed(request: AnyRequest) -> int:
     return secrets.randbits(63) if request.seed is None else request.seed
 
 
-def sampling_params(request: AnyRequest, choice: int = 0, seed: int | None = None
-                    ) -> SamplingParams:
-    """``seed``: the request's (``request_seed``); None: the request's own, if any."""
-    temperature = 1.0 if request.temperature is None else request.temperature
-    top_p = 1.0 if request.top_p is None else request.top_p
+def sampling_params(request: AnyRequest, choice: int = 0, seed: int | None = None,
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """``seed``: the request's (``request_seed``); None: the request's own, if any.
+    ``defaults`` fill the sampling fields the request leaves unset."""
+    temperature = defaults.temperature if request.temperature is None else request.temperature
+    top_p = defaults.top_p if request.top_p is None else request.top_p
     if top_p == 0.0:  # the limit of top-p sampling: only the most likely token
         temperature, top_p = 0.0, 1.0
     seed = request.seed if seed is None else seed
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
-        top_k=request.top_k or 0,
+        top_k=defaults.top_k if request.top_k is None else request.top_k,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         seed=None if seed is None else seed % SEED_MODULUS,
@@ -203,7 +246,7 @@ def generation_requests(
             out.append(GenerationRequest(
                 prompt_ids=prompt.ids,
                 max_new_tokens=new_tokens,
-                sampling=sampling_params(request, j, seed),
+                sampling=sampling_params(request, j, seed, limits.sampling),
                 stop=stops,
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,

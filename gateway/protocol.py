@@ -42,6 +42,19 @@ def refuse(*neutral: Any) -> Refused:
     return Refused(neutral)
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's ``integer`` includes 16.0, and so does OpenAI's API: an integral
+    float is that integer (``true`` stays a boolean, 16.5 stays refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An optional integer field: an integer, a float with no fractional part, or null (its
+# bounds, given by ``Field``, stay in the published schema as minimum and maximum).
+OptionalInt = Annotated[int | None, BeforeValidator(_integral)]
+
+
 class Refused:
     """See :func:`refuse`. A neutral value must be a JSON-equal one: ``true`` is not ``1``."""
 
@@ -88,7 +101,7 @@ class SpeculationOptions(_Strict):
 
     enabled: bool = True
     drafter: str | None = None  # a loaded drafter by name ("ngram", "draft"), "none" = off
-    max_draft_tokens: int | None = Field(default=None, ge=0, le=64)
+    max_draft_tokens: OptionalInt = Field(default=None, ge=0, le=64)
 
 
 class TextPart(_Strict):
@@ -197,6 +210,14 @@ STREAM_OPTIONS_RULE: dict[str, Any] = {"allOf": [
 ]}
 
 
+# ``ChatCompletionRequest._check``'s rule, for /openapi.json: a positive ``top_logprobs``
+# needs ``logprobs: true`` (OpenAI refuses it otherwise, with a 400 naming top_logprobs).
+TOP_LOGPROBS_RULE: dict[str, Any] = {
+    "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+           "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
+
+
 def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
     if request.stream_options is not None and not request.stream:
         raise PydanticCustomError(
@@ -207,8 +228,8 @@ def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
 class ChatCompletionRequest(_Strict):
     """``POST /v1/chat/completions``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
-                              json_schema_extra=STREAM_OPTIONS_RULE)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, json_schema_extra={
+        "allOf": [*STREAM_OPTIONS_RULE["allOf"], TOP_LOGPROBS_RULE]})
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     audio: Annotated[Any, refuse()] = None
@@ -217,11 +238,11 @@ class ChatCompletionRequest(_Strict):
     functions: Annotated[Any, refuse([])] = None
     logit_bias: Annotated[Any, refuse({})] = None
     logprobs: bool | None = False
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: OptionalInt = Field(default=None, ge=1)
+    max_tokens: OptionalInt = Field(default=None, ge=1)
     metadata: Annotated[Any, refuse({})] = None
     modalities: Annotated[Any, refuse(["text"])] = None
-    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
+    n: OptionalInt = Field(default=1, ge=1, le=MAX_CHOICES)
     parallel_tool_calls: bool | None = None
     prediction: Annotated[Any, refuse()] = None
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
@@ -229,22 +250,22 @@ class ChatCompletionRequest(_Strict):
     reasoning_effort: Annotated[Any, refuse()] = None
     response_format: ResponseFormat | None = None
     safety_identifier: Annotated[Any, refuse()] = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    seed: OptionalInt = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     service_tier: Annotated[Any, refuse("auto", "default")] = None
     stop: StopField = None
     store: Annotated[Any, refuse(False)] = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     tool_choice: ToolChoice | None = None
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    top_p: float | None = Field(default=1.0, ge=0.0, le=1.0)
+    top_logprobs: OptionalInt = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     user: str | None = None
     verbosity: Annotated[Any, refuse()] = None
     web_search_options: Annotated[Any, refuse()] = None
     # -- extras (not in OpenAI's API) ----------------------------------------------------
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: OptionalInt = Field(default=None, ge=0)
     speculation: SpeculationOptions | None = None
 
     @model_validator(mode="after")
@@ -264,7 +285,8 @@ class ChatCompletionRequest(_Strict):
                                       {"param": "tool_choice"})
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError(
-                "invalid_value", "top_logprobs requires logprobs to be true",
+                "invalid_value",
+                "The 'top_logprobs' parameter is only allowed when 'logprobs' is enabled.",
                 {"param": "top_logprobs"})
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
@@ -284,6 +306,9 @@ def _prompt(value: Any) -> Any:
     """A string, a list of strings, a token-id list, or a list of token-id lists."""
     if isinstance(value, str):
         return value
+    if isinstance(value, list):  # token ids sent as integral floats are those ids
+        value = [[_integral(t) for t in v] if isinstance(v, list) else _integral(v)
+                 for v in value]
     if not isinstance(value, list) or not value:
         raise PydanticCustomError(
             "invalid_prompt", "prompt must be a string, a non-empty array of strings, an "
@@ -324,20 +349,20 @@ class CompletionRequest(_Strict):
     echo: bool | None = False
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: Annotated[Any, refuse({})] = None
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_tokens: int | None = Field(default=None, ge=1)
-    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
+    logprobs: OptionalInt = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: OptionalInt = Field(default=None, ge=1)
+    n: OptionalInt = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    seed: OptionalInt = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopField = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     suffix: Annotated[Any, refuse("")] = None
-    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=1.0, ge=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     user: str | None = None
     # -- extras (not in OpenAI's API) ----------------------------------------------------
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: OptionalInt = Field(default=None, ge=0)
     speculation: SpeculationOptions | None = None
     response_format: ResponseFormat | None = None  # as on chat completions
 

@@ -24,7 +24,7 @@ from typing import Any, cast
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from decoding.types import FinishReason
+from decoding.types import FinishReason, SamplingParams
 from gateway.errors import APIError, error_type_of, from_validation_errors
 from gateway.formats import Job
 from gateway.generation import ChoiceTotals, Ended, interleave, usage_of
@@ -53,9 +53,11 @@ class ResponseBody(BaseModel):
 class ResponsesFormat:
     """Builds the Response object and, streamed, its events (one choice)."""
 
-    def __init__(self, job: Job, api: ResponsesRequest, plan: ToolPlan | None) -> None:
+    def __init__(self, job: Job, api: ResponsesRequest, plan: ToolPlan | None,
+                 sampling: SamplingParams) -> None:
         self.job = job
         self.api = api
+        self.sampling = sampling  # what the response reports it sampled with
         self.parser = CallParser(auto=plan.mode == "auto") if plan is not None else None
         self.items: list[dict[str, Any]] = []  # output items, as they stand
         self.text_item: dict[str, Any] | None = None
@@ -81,7 +83,7 @@ class ResponsesFormat:
             "instructions": api.instructions, "max_output_tokens": api.max_output_tokens,
             "output": self.items, "parallel_tool_calls": api.parallel_tool_calls is not False,
             "previous_response_id": None, "store": False,
-            "temperature": api.temperature, "top_p": api.top_p,
+            "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)
                      if fmt else {"type": "text"}},
             "tool_choice": api.tool_choice if isinstance(api.tool_choice, str) or
@@ -269,7 +271,7 @@ async def create_response(request: Request) -> Response:
         requests = generation_requests(chat, [prompt], state.limits(), job_id, grammar)
     job = Job(id=job_id, created=int(time.time()), model=state.settings.model_name,
               prompts=[prompt], per_prompt=1, logprobs=False)
-    fmt = ResponsesFormat(job, api, plan)
+    fmt = ResponsesFormat(job, api, plan, requests[0].sampling)
     trace = request_trace(state, request, job_id, requests, chat)
     streams = submit_traced(engine, requests, trace)
     run = ResponsesRun(state, job, fmt, streams, endpoint=request.url.path, user=api.user,

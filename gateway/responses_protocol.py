@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocol import ChatCompletionRequest, SpeculationOptions, refuse
+from gateway.protocol import ChatCompletionRequest, OptionalInt, SpeculationOptions, refuse
 from gateway.tool_protocol import NAME_PATTERN, _Strict
 
 
@@ -115,16 +115,16 @@ class ResponsesRequest(_Strict):
                      | Annotated[list[InputItem], Field(min_length=1)],
                      BeforeValidator(_input_value)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: OptionalInt = Field(default=None, ge=1)
     parallel_tool_calls: bool | None = None
     previous_response_id: Annotated[Any, refuse()] = None
     store: Annotated[Any, refuse(False)] = None
     stream: bool | None = False
-    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     text: TextOptions | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     tools: list[FunctionTool] | None = Field(default=None, max_length=128)
-    top_p: float | None = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     user: str | None = None
     metadata: Annotated[Any, refuse({})] = None
     include: Annotated[Any, refuse([])] = None

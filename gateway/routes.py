@@ -268,6 +268,7 @@ def _card(state: GatewayState) -> ModelCard:
             "kernels": engine.info.get("kernels", "torch"),
             "product_activations": engine.info.get("product_activations", settings.dtype),
             "aliases": sorted(state.aliases),
+            "sampling_defaults": state.sampling.metadata(),
         },
     )
 

@@ -37,7 +37,7 @@ from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.threads import default_decode_threads
 from gateway import pages
 from gateway.errors import install_error_handlers
-from gateway.middleware import RequestMetricsMiddleware
+from gateway.middleware import HeadAsGetMiddleware, RequestMetricsMiddleware
 from gateway.openapi import install_openapi
 from gateway.redis_store import RedisStore
 from gateway.responses_api import router as responses_router
@@ -212,6 +212,7 @@ def create_app(
     if settings.playground:
         app.include_router(pages.router)
     install_openapi(app, bearer=bool(settings.api_keys))
+    app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(RequestMetricsMiddleware, metrics=telemetry.metrics)
     if settings.cors_origins:
         app.add_middleware(

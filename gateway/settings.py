@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=4 * MIB, ge=1024)
     sse_ping_interval: float = Field(default=15.0, gt=0)
     playground: bool = True  # the page at /playground (and / redirecting to it)
+    # what a request that leaves temperature, top_p or top_k unset samples with: "model"
+    # (the model's recommended values), "openai" (OpenAI's: 1.0, 1.0, off), or a JSON object
+    sampling_defaults: str = "model"
     # -- prefix cache ------------------------------------------------------------------
     prefix_cache: bool = True
     redis_url: str | None = None
@@ -95,6 +98,23 @@ class Settings(BaseSettings):
                              "disabled; leave 'cache' out of the draft or enable the cache")
         return self
 
+    @field_validator("sampling_defaults")
+    @classmethod
+    def _sampling_defaults(cls, value: str) -> str:
+        if value in SAMPLING_SOURCES:
+            return value
+        try:
+            values = json.loads(value)
+        except ValueError:
+            values = None
+        if not isinstance(values, dict):
+            raise ValueError("sampling_defaults is 'model', 'openai' or a JSON object such as "
+                             '{"temperature": 0.7, "top_p": 0.95}')
+        problems = sampling_problems(values)
+        if problems:
+            raise ValueError("sampling_defaults: " + "; ".join(problems))
+        return json.dumps(values, sort_keys=True)
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
@@ -111,6 +131,26 @@ class Settings(BaseSettings):
         if self.target in model_store.DEFAULT_ALIASES:
             names |= model_store.DEFAULT_ALIASES
         return frozenset(names)
+
+
+SAMPLING_SOURCES = ("model", "openai")
+SAMPLING_RANGES: dict[str, tuple[type, float, float]] = {
+    "temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0), "top_k": (int, 0, 1 << 31)}
+
+
+def sampling_problems(values: dict[str, Any]) -> list[str]:
+    """What is wrong with a set of default sampling values (the ranges a request has)."""
+    problems = []
+    for key, value in values.items():
+        if key not in SAMPLING_RANGES:
+            problems.append(f"unknown key {key!r} (known: {', '.join(SAMPLING_RANGES)})")
+            continue
+        kind, low, high = SAMPLING_RANGES[key]
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (kind is int and float(value) != int(value)) or not low <= value <= high:
+            problems.append(f"{key} must be {'an integer' if kind is int else 'a number'} "
+                            f"from {low:g} to {high:g}, not {value!r}")
+    return problems
 
 
 def derive_model_name(target: str) -> str:
@@ -217,6 +257,13 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                                "(SPECSERVE_MAX_BODY_BYTES, default 4 MiB)"}),
     ("--sse-ping-interval", {"type": float, "help": "seconds between SSE keep-alive comments "
                                                     "(SPECSERVE_SSE_PING_INTERVAL, default 15)"}),
+    ("--sampling-defaults", {
+        "metavar": "model|openai|JSON",
+        "help": "what a request that leaves temperature, top_p or top_k unset samples with: "
+                "model (the model's generation_config.json; for the default model its model "
+                "card's temperature 0.2, top_p 0.9), openai (OpenAI's 1.0 and 1.0), or a JSON "
+                "object such as '{\"temperature\": 0.7}'; a request's own values always win "
+                "(SPECSERVE_SAMPLING_DEFAULTS, default model)"}),
     ("--playground", {"action": argparse.BooleanOptionalAction,
                       "help": "serve the playground page at /playground, / redirecting to it "
                               "(SPECSERVE_PLAYGROUND, default on)"}),

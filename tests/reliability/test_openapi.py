@@ -119,6 +119,18 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"model": "m", "messages": []}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": "3"}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 0}),
+    # JSON Schema's integer includes 16.0 (and OpenAI takes it); 16.5 is no integer
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 16.0}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 16.5}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "top_k": 11966.0}),
+    ("/v1/completions", {"model": "m", "prompt": [1.0, 2.0]}),
+    # a positive top_logprobs needs logprobs: true (a cross-field rule: if/then)
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "top_logprobs": 2,
+                              "logprobs": False}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "top_logprobs": 2,
+                              "logprobs": True}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "top_logprobs": 0}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": "true"}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": 1}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "temperature": 1}),
