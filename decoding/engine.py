@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -73,6 +73,7 @@ class Engine:
         max_kv_bytes: int | None = None,
         decode_threads: int | None = None,
         invariance_check: InvarianceCheck | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
@@ -86,6 +87,7 @@ class Engine:
         self.max_kv_bytes = max_kv_bytes
         self.decode_threads = decode_threads  # CPU threads of a pass without prompts
         self.invariance_check = invariance_check  # decoding.invariance (debugging; None: off)
+        self.clock = clock  # what request deadlines and queue times are measured by
         self.step_cost = StepCost()
         # per drafter and draft source, from finished requests
         self._priors: dict[tuple[str, str], SpeculationPrior] = {}
@@ -158,7 +160,7 @@ class Engine:
                 f"the model's context is {self.target.max_context}"
             )
         drafter = self._drafter_name(request)
-        stream = RequestStream(request=request, drafter=drafter)
+        stream = RequestStream(request=request, drafter=drafter, submitted_at=self.clock())
         with self._lock:
             if not self._accepting:
                 raise EngineClosedError("the server is shutting down")
@@ -273,11 +275,11 @@ class Engine:
         if stream.cancelled:
             self._finish(active, None)
             return False
-        if active.deadline is not None and time.monotonic() > active.deadline:
+        if active.deadline is not None and self.clock() > active.deadline:
             self._finish(active, active.decoder.final_event(FinishReason.TIMEOUT))
             return False
         if stream.started_at is None:
-            stream.started_at = time.monotonic()
+            stream.started_at = self.clock()
         return True
 
     def _choose_source(self, active: _Active) -> bool:
@@ -307,7 +309,7 @@ class Engine:
 
     def _expire_waiting(self) -> None:
         """A request whose deadline passes while it waits ends with ``timeout``."""
-        now = time.monotonic()
+        now = self.clock()
         for stream in [s for s in self._waiting if s.request.timeout_s is not None
                        and now > s.submitted_at + s.request.timeout_s]:
             self._waiting.remove(stream)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine, RequestStream
+from decoding.prefix_cache import InProcessStore
 from gateway.errors import ServiceUnavailableError
 from gateway.params import Limits, SamplingDefaults, sampling_defaults
 from gateway.settings import Settings
@@ -52,6 +53,9 @@ class GatewayState:
             if engine.prefix_cache is not None:
                 kind = "redis" if self.settings.redis_url else "in-process"
                 metrics.track_cache(engine.prefix_cache.stats.counts, kind)
+                store = engine.prefix_cache.store
+                if isinstance(store, InProcessStore):
+                    metrics.track_cache_bytes(lambda: store.size_bytes)
             if engine.invariance_check is not None:
                 metrics.track_invariance(engine.invariance_check.stats.counts)
         self.ready = True

@@ -118,6 +118,9 @@ class Metrics:
         self.running = Gauge(f"{PREFIX}_num_requests_running", "Requests being decoded.",
                              registry=r)
         self.waiting = Gauge(f"{PREFIX}_num_requests_waiting", "Requests queued.", registry=r)
+        self.cache_bytes = Gauge(f"{PREFIX}_prefix_cache_bytes",
+                                 "Bytes the in-process prefix cache holds (its bound: "
+                                 "--prefix-cache-bytes).", registry=r)
 
     def track_engine(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         """Read the engine's occupancy at scrape time."""
@@ -127,6 +130,10 @@ class Metrics:
     def track_cache(self, counts: Callable[[], Mapping[str, int]], store: str) -> None:
         """Export a prefix cache's counters, ``counts()`` read at scrape time."""
         self.registry.register(_CacheCollector(counts, store))
+
+    def track_cache_bytes(self, size: Callable[[], int]) -> None:
+        """Read the in-process prefix cache's size at scrape time."""
+        self.cache_bytes.set_function(lambda: float(size()))
 
     def track_invariance(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Export the run-time invariance check's ``checks`` and ``mismatches``."""

@@ -98,6 +98,17 @@ def tiny_reference(tiny_target_dir: Path) -> CausalLM:
 
 
 @pytest.fixture(scope="session")
+def tiny_long_context_dir(tmp_path_factory: pytest.TempPathFactory,
+                          default_model_dir: Path) -> Path:
+    """The tiny target with a 16,384-token context: a request can ask for far more tokens
+    than a test's time limit allows on any machine (the 512 of ``tiny_target_dir`` took
+    a fast machine 0.3 s), so a test that needs work still running when its clock runs
+    out does not race the machine's speed."""
+    return _tiny_model(tmp_path_factory.mktemp("tiny-long-context"), default_model_dir,
+                       seed=0, context=16384)
+
+
+@pytest.fixture(scope="session")
 def tiny_long_target(tmp_path_factory: pytest.TempPathFactory,
                      default_model_dir: Path) -> BatchedLM:
     """The tiny target with a 2,048-token context: room for more positions than the KV

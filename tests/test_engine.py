@@ -135,12 +135,36 @@ def test_unknown_drafter_and_overflow_are_refused(engine: Engine, tiny_target: C
         engine.submit(too_long)
 
 
-def test_timeout_stops_the_work(engine: Engine, tiny_target: CausalLM) -> None:
-    stream = engine.submit(_request(tiny_target, "a b", n=100000, timeout_s=0.3))
-    events = list(stream)
-    assert events[-1].finish_reason is FinishReason.TIMEOUT
-    assert events[-1].completion_tokens < 100000
-    assert engine.num_running == 0
+class TickingClock:
+    """A clock that moves ``tick`` seconds each time it is read: request deadlines pass
+    after a fixed number of engine iterations, however fast the machine decodes."""
+
+    def __init__(self, tick: float) -> None:
+        self.tick = tick
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self.lock:
+            self.now += self.tick
+            return self.now
+
+
+def test_timeout_stops_the_work(tiny_target: CausalLM) -> None:
+    """Regression: with the real clock, a fast machine filled the tiny model's context
+    before 0.3 s and the request ended by ``length``."""
+    engine = Engine(tiny_target, {"ngram": NgramDrafter()}, default_drafter="ngram",
+                    clock=TickingClock(0.01))
+    engine.start()
+    try:
+        stream = engine.submit(_request(tiny_target, "a b", n=100000, timeout_s=0.3))
+        events = list(stream)
+        assert events[-1].finish_reason is FinishReason.TIMEOUT
+        # about two clock reads an iteration: the deadline passes within ~15 rounds
+        assert 0 < events[-1].completion_tokens < tiny_target.max_context // 4
+        assert engine.num_running == 0
+    finally:
+        engine.shutdown()
 
 
 def test_shutdown_refuses_new_work(tiny_target: CausalLM) -> None:
@@ -162,11 +186,11 @@ async def test_async_consumption(engine: Engine, tiny_target: CausalLM) -> None:
 
 
 def test_timeout_while_waiting_in_the_queue(tiny_target: CausalLM) -> None:
-    engine = Engine(tiny_target, max_active=1)
+    engine = Engine(tiny_target, max_active=1, clock=TickingClock(0.01))
     engine.start()
     try:
-        # the busy request must outlast the other's timeout by far: with the native kernels
-        # the tiny model decodes 300 tokens in about 0.2 s
+        # the busy request holds the only slot for hundreds of iterations; the waiting
+        # one's deadline passes after a few (the clock moves per read, not per second)
         busy = engine.submit(_request(tiny_target, "busy", n=450))
         waiting = engine.submit(_request(tiny_target, "waits", n=5, timeout_s=0.05))
         events = list(waiting)

@@ -31,7 +31,7 @@ def _read(log: IO[str]) -> str:
 
 
 @contextmanager
-def run_server(model_dir: Path, shutdown_timeout: float
+def run_server(model_dir: Path, shutdown_timeout: float, max_tokens: int = STREAM_TOKENS
                ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")
@@ -41,7 +41,7 @@ def run_server(model_dir: Path, shutdown_timeout: float
         proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli", "serve", "--target", str(model_dir),
              "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-             "--threads", "1", "--log-level", "info"],
+             "--threads", "1", "--log-level", "info", "--max-tokens", str(max_tokens)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
         )
         try:
@@ -54,9 +54,9 @@ def run_server(model_dir: Path, shutdown_timeout: float
                 proc.wait(timeout=10)
 
 
-def start_stream(url: str) -> tuple[threading.Thread, list[str]]:
+def start_stream(url: str, tokens: int = STREAM_TOKENS) -> tuple[threading.Thread, list[str]]:
     """A long stream read in a thread; returns once its first chunk arrived."""
-    payload = {"model": "tiny", "messages": CHAT, "max_tokens": STREAM_TOKENS,
+    payload = {"model": "tiny", "messages": CHAT, "max_tokens": tokens,
                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     first_chunk = threading.Event()
     events: list[str] = []
@@ -89,9 +89,13 @@ def test_sigterm_drains_then_exits_zero(tiny_target_dir: Path) -> None:
     assert finishes[-1] == "length"
 
 
-def test_streams_past_the_shutdown_timeout_end_with_an_error(tiny_target_dir: Path) -> None:
-    with run_server(tiny_target_dir, shutdown_timeout=0.3) as (proc, url):
-        reader, events = start_stream(url)
+def test_streams_past_the_shutdown_timeout_end_with_an_error(
+        tiny_long_context_dir: Path) -> None:
+    # far more tokens than the 0.3 s grace allows on any machine (a 512-token context
+    # does not: a fast machine finished it first)
+    with run_server(tiny_long_context_dir, shutdown_timeout=0.3, max_tokens=12000) \
+            as (proc, url):
+        reader, events = start_stream(url, tokens=12000)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         reader.join(timeout=60)

@@ -37,7 +37,7 @@ from tests.reliability.support import (
 pytestmark = pytest.mark.timeout(300)
 
 TIMEOUT_S = 0.3
-LONG = 450  # far more tokens than the time limit allows
+LONG = 12000  # far more tokens than the time limit allows (30 s of work or more, 0.3 s allowed)
 STOPPED_WITHIN_S = 1.0  # from the timeout to an idle engine (one round, shared CPU)
 QUESTION = [{"role": "user", "content": "Describe the ocean in great detail."}]
 
@@ -65,10 +65,10 @@ def assert_work_stopped(server: ServeProcess) -> float:
 
 
 @pytest.fixture(scope="module")
-def timeout_server(tiny_target_dir: Path) -> Iterator[ServeProcess]:
+def timeout_server(tiny_long_context_dir: Path) -> Iterator[ServeProcess]:
     flags = ("--request-timeout", str(TIMEOUT_S), "--max-active", "1", "--max-tokens",
              str(LONG), "--log-level", "warning")
-    with serve(tiny_target_dir, *flags) as server:
+    with serve(tiny_long_context_dir, *flags) as server:
         yield server
 
 

@@ -137,11 +137,12 @@ def test_sigterm_with_streams_in_flight(tiny_target_dir: Path, measure: Measure)
 
 
 @pytest.mark.slow
-def test_sigterm_past_the_shutdown_timeout(tiny_target_dir: Path, measure: Measure) -> None:
-    count, grace = 16, 1.0
-    flags = ("--shutdown-timeout", str(grace), "--max-tokens", "400")
-    with serve(tiny_target_dir, *flags) as server:
-        streams = start_streams(server.url, count, 400)  # far more than the grace allows
+def test_sigterm_past_the_shutdown_timeout(tiny_long_context_dir: Path,
+                                          measure: Measure) -> None:
+    count, grace, tokens = 16, 1.0, 8000  # far more tokens than the grace allows
+    flags = ("--shutdown-timeout", str(grace), "--max-tokens", str(tokens))
+    with serve(tiny_long_context_dir, *flags) as server:
+        streams = start_streams(server.url, count, tokens)
         ended = terminate(server, streams, timeout=60)
     for stream in streams:
         error = json.loads(stream.events[-1])["error"]
