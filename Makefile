@@ -8,7 +8,7 @@ TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 
 .PHONY: install kernels model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
-	deploy-tools system-deps node-deps screenshot \
+	deploy-tools system-deps node-deps screenshot soak \
 	image image-gpu
 
 $(PY):
@@ -79,6 +79,10 @@ reliability: model deploy-tools system-deps
 # the playground in headless Chromium against a real server, into docs/img/playground.png
 screenshot: model system-deps
 	$(PY) -m tests.gateway.browser docs/img/playground.png
+
+# 30 minutes of mixed traffic on the default model, resident memory sampled throughout
+soak: model kernels system-deps
+	$(PY) -m tests.reliability.soak --minutes 30 --json bench-results/soak.json
 
 bench-http: model kernels
 	$(BIN)/python -m specbench.http --threads 1 --json bench-results/http.json

@@ -218,6 +218,18 @@ TOP_LOGPROBS_RULE: dict[str, Any] = {
     "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
 
 
+# ``ChatCompletionRequest._check``'s rule on tool_choice, for /openapi.json: "required" or
+# a named function needs tools. The named function must also be one of the tools, which
+# JSON Schema cannot say (it compares no two values of a document); the server refuses
+# it with a 400 naming tool_choice.
+TOOL_CHOICE_RULE: dict[str, Any] = {
+    "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"},
+                                                   {"type": "object"}]}},
+           "required": ["tool_choice"]},
+    "then": {"properties": {"tools": {"type": "array", "minItems": 1}},
+             "required": ["tools"]}}
+
+
 def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
     if request.stream_options is not None and not request.stream:
         raise PydanticCustomError(
@@ -229,7 +241,7 @@ class ChatCompletionRequest(_Strict):
     """``POST /v1/chat/completions``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, json_schema_extra={
-        "allOf": [*STREAM_OPTIONS_RULE["allOf"], TOP_LOGPROBS_RULE]})
+        "allOf": [*STREAM_OPTIONS_RULE["allOf"], TOP_LOGPROBS_RULE, TOOL_CHOICE_RULE]})
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     audio: Annotated[Any, refuse()] = None
@@ -257,8 +269,11 @@ class ChatCompletionRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    tool_choice: ToolChoice | None = None
-    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="A named function must be one of tools (refused otherwise).")
+    tools: list[ChatTool] | None = Field(
+        default=None, max_length=MAX_TOOLS,
+        description="Function names must be unique (a request that repeats one is refused).")
     top_logprobs: OptionalInt = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     user: str | None = None

@@ -13,7 +13,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocol import ChatCompletionRequest, OptionalInt, SpeculationOptions, refuse
+from gateway.protocol import (
+    TOOL_CHOICE_RULE,
+    ChatCompletionRequest,
+    OptionalInt,
+    SpeculationOptions,
+    refuse,
+)
 from gateway.tool_protocol import NAME_PATTERN, _Strict
 
 
@@ -110,6 +116,8 @@ def _input_value(value: Any) -> Any:
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True,
+                              json_schema_extra={"allOf": [TOOL_CHOICE_RULE]})
     model: str
     input: Annotated[Annotated[str, Field(min_length=1)]
                      | Annotated[list[InputItem], Field(min_length=1)],

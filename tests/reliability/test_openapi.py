@@ -131,6 +131,13 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "top_logprobs": 2,
                               "logprobs": True}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "top_logprobs": 0}),
+    # tool_choice "required" or a named function needs tools (if/then)
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tool_choice": "required"}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT,
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tool_choice": "auto"}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": "true"}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": 1}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "temperature": 1}),
