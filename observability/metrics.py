@@ -118,9 +118,6 @@ class Metrics:
         self.running = Gauge(f"{PREFIX}_num_requests_running", "Requests being decoded.",
                              registry=r)
         self.waiting = Gauge(f"{PREFIX}_num_requests_waiting", "Requests queued.", registry=r)
-        self.cache_bytes = Gauge(f"{PREFIX}_prefix_cache_bytes",
-                                 "Bytes the in-process prefix cache holds (its bound: "
-                                 "--prefix-cache-bytes).", registry=r)
 
     def track_engine(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         """Read the engine's occupancy at scrape time."""
@@ -133,7 +130,9 @@ class Metrics:
 
     def track_cache_bytes(self, size: Callable[[], int]) -> None:
         """Read the in-process prefix cache's size at scrape time."""
-        self.cache_bytes.set_function(lambda: float(size()))
+        gauge = Gauge(f"{PREFIX}_prefix_cache_bytes", "Bytes the in-process prefix cache "
+                      "holds (its bound: --prefix-cache-bytes).", registry=self.registry)
+        gauge.set_function(lambda: float(size()))
 
     def track_invariance(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Export the run-time invariance check's ``checks`` and ``mismatches``."""

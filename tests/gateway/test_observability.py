@@ -424,6 +424,25 @@ def test_the_invariance_check_and_the_cache_are_read_at_scrape_time() -> None:
     assert now["specserve_cache_errors_total"] == 1
 
 
+def test_the_in_process_cache_size_is_a_gauge_read_at_scrape_time() -> None:
+    from decoding.prefix_cache import InProcessStore
+
+    metrics, store = Metrics(), InProcessStore(max_bytes=1000)
+    metrics.track_cache_bytes(lambda: store.size_bytes)
+
+    def size() -> float:
+        text = generate_latest(metrics.registry).decode()
+        (sample,) = [s for family in text_string_to_metric_families(text)
+                     for s in family.samples if s.name == "specserve_prefix_cache_bytes"]
+        return float(sample.value)
+
+    assert size() == 0
+    store.put_many([(b"k" * 10, b"v" * 90)])
+    assert size() == 100
+    store.put_many([(b"j" * 10, b"w" * 990)])  # over the bound: the oldest goes
+    assert size() == 1000
+
+
 def test_the_position_labels_cover_the_longest_draft() -> None:
     from decoding.policy import MAX_DRAFT_TOKENS
     from observability.metrics import POSITION_LABELS
