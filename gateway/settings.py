@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -146,8 +147,9 @@ def sampling_problems(values: dict[str, Any]) -> list[str]:
             problems.append(f"unknown key {key!r} (known: {', '.join(SAMPLING_RANGES)})")
             continue
         kind, low, high = SAMPLING_RANGES[key]
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not number or (kind is int and float(value) != int(value)) or not low <= value <= high:
+        number = (isinstance(value, int | float) and not isinstance(value, bool)
+                  and math.isfinite(value))
+        if not number or (kind is int and value != int(value)) or not low <= value <= high:
             problems.append(f"{key} must be {'an integer' if kind is int else 'a number'} "
                             f"from {low:g} to {high:g}, not {value!r}")
     return problems

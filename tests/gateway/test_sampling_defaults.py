@@ -60,7 +60,7 @@ def test_the_setting_takes_model_openai_or_an_object(monkeypatch: pytest.MonkeyP
     assert json.loads(settings_from_args(args).sampling_defaults) == {"temperature": 0.3,
                                                                       "top_p": 0.8}
     for bad in ["greedy", '{"temperature": 3}', '{"min_p": 0.1}', '{"top_k": 1.5}', "[0.2]",
-                '{"temperature": true}']:
+                '{"temperature": true}', '{"top_k": 1e400}', '{"temperature": NaN}']:
         with pytest.raises(ValidationError, match="sampling_defaults"):
             Settings(sampling_defaults=bad)
 
