@@ -32,7 +32,13 @@ class Outbox:
         self._items.append((stream, item))
 
     def hand_over(self) -> None:
-        """Give every stream what was queued for it, in order."""
+        """Give every stream what was queued for it, in order (then wake each event loop
+        once: ``decoding.streams.Doorbell``)."""
         items, self._items = self._items, []
+        bells = {}
         for stream, item in items:
-            stream._put(item)
+            bell = stream._put(item)
+            if bell is not None:
+                bells[id(bell)] = bell
+        for bell in bells.values():
+            bell.ring()
