@@ -33,13 +33,7 @@ class Outbox:
         self._items.append((stream, item))
 
     def hand_over(self) -> None:
-        """Give every stream what was queued for it, in order (then wake each event loop
-        once: ``decoding.streams.Doorbell``)."""
+        """Give every stream what was queued for it, in order."""
         items, self._items = self._items, []
-        bells = {}
         for stream, item in items:
-            bell = stream._put(item)
-            if bell is not None:
-                bells[id(bell)] = bell
-        for bell in bells.values():
-            bell.ring()
+            stream._put(item)
