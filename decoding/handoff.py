@@ -12,8 +12,7 @@ pass is prepared and about to enter its long native call: the round calls the en
 ``Outbox.hand_over`` between ``Target.prepare_pass`` and ``Target.run_pass``, where the
 GIL stays released for milliseconds, and the loop's turn runs beside the pass instead
 of in front of it. The events then leave up to one round's preparation later (drafting,
-the pass's layout), which never holds up a token's successor. Handing over wakes each
-event loop once, without letting go of the GIL (``decoding.streams.Doorbell``). Figures:
+the pass's layout), which never holds up a token's successor. Figures:
 docs/performance.md, "Handing events over".
 """
 
