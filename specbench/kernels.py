@@ -6,7 +6,11 @@ few tokens, per precision, the two paths interleaved on the same loaded weights.
 Prints a table (median ms a pass at a 300-token context, and how far the two paths'
 logits are apart) and writes JSON. With ``--products``, also each of the default model's
 matrix shapes as PyTorch's int4 product against the native block product with int8
-activations (``runtime.quantized.BlockMatrix``), the same codes, interleaved.
+activations (``runtime.quantized.BlockMatrix``), the same codes, interleaved, beside
+the block product's two floors at the threads in use: reading its bytes at the memory
+bandwidth measured here, and its multiply-adds at the int8 MACs a core's cycle of the
+loaded instruction-set level gives (``INT8_MACS_PER_CYCLE``) and the clock in
+/proc/cpuinfo (or ``--ghz``).
 """
 
 from __future__ import annotations
@@ -80,6 +84,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"context": CONTEXT, "threads": torch.get_num_threads(), "rows": rows}
 
 
+# int8 multiply-adds a core's cycle gives in the block product at each level, one vector
+# multiply a cycle: avx512_vnni's vpdpbusd (64 on 512 bits); avx512 and avx2 build the
+# 256-bit pair vpmaddubsw + vpmaddwd (32 per two multiplies); default is scalar
+INT8_MACS_PER_CYCLE = {"avx512_vnni": 64, "avx512": 16, "avx2": 16, "default": 1}
+
+
+def clock_ghz() -> float | None:
+    """The fastest core clock /proc/cpuinfo reports now, in GHz (None where it says none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            mhz = [float(line.split(":")[1]) for line in info if line.startswith("cpu MHz")]
+    except OSError:
+        return None
+    return max(mhz) / 1000 if mhz else None
+
+
 # the default model's matrices (out, in): q/k/v, o, gate/up, down, the head
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
 
@@ -96,8 +116,15 @@ def products(args: argparse.Namespace) -> list[dict[str, Any]]:
     """PyTorch's int4 product against the block product, per shape and token count."""
     from runtime import kernels
     from runtime.quantized import BlockMatrix, Int4Matrix, quantize_int4
+    from specbench.concurrency import measure_bandwidth
 
     native = kernels.native()
+    level = kernels.capability()
+    threads = torch.get_num_threads()
+    ghz = args.ghz or clock_ghz()
+    ghz = round(ghz, 2) if ghz else None
+    macs_per_us = (INT8_MACS_PER_CYCLE[level] * threads * ghz * 1e3) if ghz else None
+    bandwidth = measure_bandwidth()  # bytes a second
     rows = []
     g = torch.Generator().manual_seed(0)
     for out, inputs in SHAPES:
@@ -111,9 +138,18 @@ def products(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for name, product in pair.items():
                     times[name].append(_call_us(product, x, repeats))
             torch_us, block_us = (statistics.median(times[n]) for n in pair)
+            block = pair["block"]
+            assert isinstance(block, BlockMatrix)
+            read_us = block.packed.numel() * block.packed.element_size() / bandwidth * 1e6
+            compute_us = out * inputs * tokens / macs_per_us if macs_per_us else None
             rows.append({"matrix": f"{out}x{inputs}", "tokens": tokens,
                          "torch_int4_us": round(torch_us, 1), "block_us": round(block_us, 1),
-                         "speedup": round(torch_us / block_us, 2)})
+                         "speedup": round(torch_us / block_us, 2),
+                         "read_floor_us": round(read_us, 1),
+                         "compute_floor_us": None if compute_us is None
+                         else round(compute_us, 1),
+                         "level": level, "threads": threads, "ghz": ghz,
+                         "bandwidth_gb_s": round(bandwidth / 1e9, 1)})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -126,10 +162,15 @@ def format_table(report: dict[str, Any]) -> str:
               for r in report["rows"]]
     lines.append(f"context {report['context']} tokens, {report['threads']} threads")
     if report.get("products"):
-        lines += ["", "matrix | tokens | PyTorch int4 us | block us | speed-up",
-                  "---|---|---|---|---"]
+        first = report["products"][0]
+        lines += ["", "matrix | tokens | PyTorch int4 us | block us | speed-up | "
+                  "read floor us | compute floor us", "---|---|---|---|---|---|---"]
         lines += [f"{r['matrix']} | {r['tokens']} | {r['torch_int4_us']} | {r['block_us']} | "
-                  f"{r['speedup']}x" for r in report["products"]]
+                  f"{r['speedup']}x | {r['read_floor_us']} | {r['compute_floor_us']}"
+                  for r in report["products"]]
+        lines.append(f"floors: {first['bandwidth_gb_s']} GB/s read; "
+                     f"{INT8_MACS_PER_CYCLE[first['level']]} int8 MACs a cycle "
+                     f"({first['level']}) x {first['threads']} threads x {first['ghz']} GHz")
     return "\n".join(lines) + "\n"
 
 
@@ -144,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--products", action="store_true",
                         help="also PyTorch's int4 product against the block product per "
                              "matrix shape")
+    parser.add_argument("--ghz", type=float, default=None,
+                        help="the core clock for the compute floor (default: /proc/cpuinfo's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     unknown = set(args.precisions.split(",")) - set(PRECISIONS)

@@ -377,7 +377,10 @@ def test_the_kernels_benchmark_writes_its_table_and_json(
     shapes = [(r["matrix"], r["tokens"]) for r in report["products"]]
     assert shapes == [(f"{o}x{i}", t) for o, i in bench.SHAPES for t in (1, 3)]
     assert all(r["torch_int4_us"] > 0 and r["block_us"] > 0 for r in report["products"])
-    assert "block us" in printed
+    assert all(r["read_floor_us"] > 0 for r in report["products"])
+    assert all(r["compute_floor_us"] is None or r["compute_floor_us"] > 0
+               for r in report["products"])
+    assert "block us" in printed and "compute floor us" in printed
 
 
 def test_the_lowest_level_passes_the_same_checks() -> None:
