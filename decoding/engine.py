@@ -1,17 +1,16 @@
 """The engine: one model thread serving many requests, round by round.
 
-Requests wait in a bounded queue; up to ``max_active`` of them are decoded at
-once. Every iteration runs one forward pass holding the next chunk of waiting
-prompts (at most ``prefill_chunk`` tokens, so a long prompt does not stall
-running streams) and one speculation round for every running stream, with
-draft lengths chosen for the batch as a whole (``plan_batch``:
-speculation shrinks as the batch grows and stops where plain batched decoding
-is faster). Requests join and leave at round boundaries. A round's events reach their
-streams as the next pass enters its long native call (``decoding.handoff``), or once
-the engine has nothing more to run.
-A cancelled request (client gone) is dropped before its next round and its KV
-caches are freed; a request past its deadline ends with ``timeout``; a model
-error ends only the request that hit it.
+Requests wait in a bounded queue; up to ``max_active`` of them are decoded at once. Every
+iteration runs one forward pass holding the next chunk of waiting prompts (at most
+``prefill_chunk`` tokens, so a long prompt does not stall running streams) and one
+speculation round for every running stream, with draft lengths chosen for the batch as a
+whole (``plan_batch``: speculation shrinks as the batch grows and stops where plain batched
+decoding is faster). Requests join and leave at round boundaries. A round's events reach
+their streams once the next pass is prepared, before its long native call
+(``decoding.handoff``), or once the engine has nothing more to run. A cancelled request
+(client gone) is dropped before its next round and its KV caches are freed; a request past
+its deadline (on the engine's ``clock``) ends with ``timeout``; a model error ends only the
+request that hit it.
 """
 
 from __future__ import annotations
@@ -347,8 +346,7 @@ class Engine:
         return self._prior(active.stream.drafter or "", active.decoder.source)
 
     def _new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:
-        """A new request's policy for one of its drafter's sources, from what earlier
-        requests measured of it."""
+        """A new request's policy for a source of its drafter, from earlier requests."""
         return self._prior(drafter or "", source).new_policy()
 
     def _positions(self, request: GenerationRequest) -> int:

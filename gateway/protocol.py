@@ -27,6 +27,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 from pydantic_core.core_schema import ValidationInfo
 
+from gateway.schema_rules import STREAM_OPTIONS_RULE, TOOL_CHOICE_RULE, TOP_LOGPROBS_RULE
 from gateway.tool_protocol import MAX_TOOLS, ChatTool, ResponseFormat, ToolCall, ToolChoice
 
 MAX_STOP_SEQUENCES = 4
@@ -200,34 +201,6 @@ StopField = Annotated[
         {"type": "null"},
     ]}),
 ]
-
-
-# ``_check_common``'s rule, for /openapi.json: without ``stream: true``, ``stream_options``
-# is absent or null (OpenAI refuses it with a 400 too).
-STREAM_OPTIONS_RULE: dict[str, Any] = {"allOf": [
-    {"if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
-     "else": {"properties": {"stream_options": {"type": "null"}}}},
-]}
-
-
-# ``ChatCompletionRequest._check``'s rule, for /openapi.json: a positive ``top_logprobs``
-# needs ``logprobs: true`` (OpenAI refuses it otherwise, with a 400 naming top_logprobs).
-TOP_LOGPROBS_RULE: dict[str, Any] = {
-    "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
-           "required": ["top_logprobs"]},
-    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
-
-
-# ``ChatCompletionRequest._check``'s rule on tool_choice, for /openapi.json: "required" or
-# a named function needs tools. The named function must also be one of the tools, which
-# JSON Schema cannot say (it compares no two values of a document); the server refuses
-# it with a 400 naming tool_choice.
-TOOL_CHOICE_RULE: dict[str, Any] = {
-    "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"},
-                                                   {"type": "object"}]}},
-           "required": ["tool_choice"]},
-    "then": {"properties": {"tools": {"type": "array", "minItems": 1}},
-             "required": ["tools"]}}
 
 
 def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:

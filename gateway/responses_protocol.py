@@ -13,13 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocol import (
-    TOOL_CHOICE_RULE,
-    ChatCompletionRequest,
-    OptionalInt,
-    SpeculationOptions,
-    refuse,
-)
+from gateway.protocol import ChatCompletionRequest, OptionalInt, SpeculationOptions, refuse
+from gateway.schema_rules import TOOL_CHOICE_RULE
 from gateway.tool_protocol import NAME_PATTERN, _Strict
 
 
