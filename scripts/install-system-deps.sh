@@ -7,6 +7,7 @@
 #   node, npm              the official openai npm package against a real server (tests/sdk)
 #   g++                    builds the fused CPU kernels (runtime/csrc), which the tests run
 #   podman, runc           build and run the image, the two-replica stack and the chart's pods
+#   catatonit              the pause process of the pods `podman kube play` makes
 #   debootstrap            stand-in base images from Debian's packages (no registry needed)
 # Idempotent and quick: when every program is on PATH it returns at once. As root with
 # apt-get it installs what is missing; otherwise it fails, naming the command to run.
@@ -27,6 +28,7 @@ declare -A PACKAGE=(
     [g++]=g++
     [podman]=podman
     [runc]=runc
+    [catatonit]=catatonit
     [debootstrap]=debootstrap
 )
 
