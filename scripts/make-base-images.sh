@@ -80,8 +80,22 @@ python_setup() {
     ln -s /usr/bin/pip3 "$1/usr/local/bin/pip"
 }
 
+# The official image's entry point: options alone run redis-server, and redis-server runs
+# without protected mode (no configuration file: other containers connect).
 redis_setup() {
-    :
+    cat > "$1/usr/local/bin/docker-entrypoint.sh" <<'SH'
+#!/bin/sh
+set -e
+case "${1:-}" in
+    -*) set -- redis-server "$@" ;;
+esac
+if [ "${1:-}" = redis-server ]; then
+    shift
+    set -- redis-server --protected-mode no "$@"
+fi
+exec "$@"
+SH
+    chmod 0755 "$1/usr/local/bin/docker-entrypoint.sh"
 }
 
 make_python() {
@@ -97,7 +111,8 @@ make_redis() {
         "USER redis" \
         "WORKDIR /var/lib/redis" \
         "EXPOSE 6379" \
-        'CMD ["redis-server", "--protected-mode", "no"]'
+        'ENTRYPOINT ["/usr/local/bin/docker-entrypoint.sh"]' \
+        'CMD ["redis-server"]'
 }
 
 if ! command -v "$ENGINE" >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
