@@ -347,9 +347,10 @@ def test_chart_pods_play(image: str, pip_mounts: list[tuple[str, str]],
     pods = re.findall(r"^Pod:\n([0-9a-f]{64})", played.stdout, re.M)
     assert len(pods) == 1, played.stdout
     try:
-        (server_name,) = [c["Names"] for c in json.loads(pm.podman(
-            "ps", "-a", "--filter", f"pod={pods[0]}", "--format", "json").stdout)
-            if c["Names"].endswith("-specserve")]
+        containers = json.loads(pm.podman("ps", "-a", "--filter", f"pod={pods[0]}",
+                                          "--format", "json").stdout)
+        (server_name,) = [name for c in containers for name in c["Names"]
+                          if name.endswith("-specserve")]
         url = f"http://{_pod_address(pods[0])}:8000"
         seen = pm.wait_url_ready(url, server_name)
         print(f"\nplayed {sorted({m['kind'] for m in manifests})}; pod ready after "
