@@ -8,6 +8,7 @@ address (nothing listens outside the host).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -54,6 +55,7 @@ def build_image() -> None:
 
 
 def make_redis_image() -> None:
+    """The Redis stand-in from Debian's packages (kept when present)."""
     result = subprocess.run([str(REPO / "scripts" / "make-base-images.sh"), "redis"],
                             env=_env(), capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
@@ -61,8 +63,6 @@ def make_redis_image() -> None:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    import os
-
     return {**os.environ, **extra}
 
 
