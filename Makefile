@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
+IMAGE_ARGS ?=
 
 .PHONY: install kernels model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
 	deploy-tools system-deps node-deps screenshot soak \
@@ -87,8 +88,10 @@ soak: model kernels system-deps
 bench-http: model kernels
 	$(BIN)/python -m specbench.http --threads 1 --json bench-results/http.json
 
+# the CPU image: docker where an engine runs, else podman (stand-in base images from Debian's
+# packages where no registry serves them, and this host's pip setup passed in read-only)
 image:
-	docker build -t specserve:0.1.0 .
+	PYTHON=$(PYTHON) scripts/build-image.sh specserve:0.1.0 $(IMAGE_ARGS)
 
 image-gpu:
 	docker build --target gpu -t specserve:0.1.0-gpu .

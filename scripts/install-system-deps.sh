@@ -6,6 +6,9 @@
 #   chromium, chromedriver the playground page in a headless browser
 #   node, npm              the official openai npm package against a real server (tests/sdk)
 #   g++                    builds the fused CPU kernels (runtime/csrc), which the tests run
+#   podman, runc           build and run the image, the two-replica stack and the chart's pods
+#   catatonit              the pause process of the pods `podman kube play` makes
+#   debootstrap            stand-in base images from Debian's packages (no registry needed)
 # Idempotent and quick: when every program is on PATH it returns at once. As root with
 # apt-get it installs what is missing; otherwise it fails, naming the command to run.
 #
@@ -23,7 +26,32 @@ declare -A PACKAGE=(
     [node]=nodejs
     [npm]=npm
     [g++]=g++
+    [podman]=podman
+    [runc]=runc
+    [catatonit]=catatonit
+    [debootstrap]=debootstrap
 )
+
+# podman as root on a host without systemd: runc (crun refuses some cgroup layouts),
+# cgroupfs (no systemd), and no default ulimits (they may exceed the hard limit here).
+# Written only where no containers.conf is, so a configured podman is left alone.
+CONTAINERS_CONF=/etc/containers/containers.conf
+configure_podman() {
+    if [ -e "$CONTAINERS_CONF" ] || [ "$(id -u)" -ne 0 ] || ! command -v podman >/dev/null 2>&1
+    then
+        return 0
+    fi
+    mkdir -p "$(dirname "$CONTAINERS_CONF")"
+    cat > "$CONTAINERS_CONF" <<'CONF'
+[containers]
+default_ulimits = []
+
+[engine]
+cgroup_manager = "cgroupfs"
+runtime = "runc"
+CONF
+    echo "wrote $CONTAINERS_CONF (podman: runc, cgroupfs, no default ulimits)" >&2
+}
 
 missing_packages() {
     local program
@@ -34,6 +62,7 @@ missing_packages() {
 
 mapfile -t missing < <(missing_packages)
 if [ "${#missing[@]}" -eq 0 ]; then
+    configure_podman
     exit 0
 fi
 
@@ -56,3 +85,4 @@ if [ "${#still[@]}" -gt 0 ]; then
     echo "error: apt-get ran but ${still[*]} still provide no program on PATH" >&2
     exit 1
 fi
+configure_podman
