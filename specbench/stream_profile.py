@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 
 from specbench.compare import json_output, load_prompts
+from specbench.http import wait_ready
 from specbench.peer import Peer, connect, stream_chat
 
 MS = 1000.0
@@ -151,20 +152,6 @@ def _child(argv: Sequence[str]) -> int:
 
 # -- in this process ------------------------------------------------------------------
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become ready")
-
-
 def profile(args: argparse.Namespace) -> dict[str, Any]:
     out = f"/tmp/stream-profile-{os.getpid()}.json"
     url = f"http://127.0.0.1:{args.port}"
@@ -173,7 +160,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     proc = subprocess.Popen(command, env={**os.environ, ENV: out},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_ready(url, proc)
+        wait_ready(url, proc)
         prompts = load_prompts(args.prompt_set, args.prompts)
         peer = Peer("server", url)
         gaps: list[float] = []
