@@ -52,10 +52,14 @@ def sampling_defaults(setting: str, model_path: str) -> SamplingDefaults:
     if setting == "openai":
         return SamplingDefaults()
     if setting == "model":
-        values, source = model_store.recommended_sampling(model_path)
-        for problem in sampling_problems(values):
-            log.warning("ignoring the model's sampling default: %s", problem)
-        values = {k: v for k, v in values.items() if not sampling_problems({k: v})}
+        recommended, source = model_store.recommended_sampling(model_path)
+        values = {}
+        for key, value in recommended.items():
+            problems = sampling_problems({key: value})
+            if problems:
+                log.warning("ignoring the model's sampling default: %s", problems[0])
+            else:
+                values[key] = value
         if not values:
             return SamplingDefaults(source="openai (the model recommends none)")
     else:
