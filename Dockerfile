@@ -9,6 +9,8 @@
 # model into $SPECSERVE_HOME (a volume) on first start, or an init container does
 # (see the Helm chart). Dependencies are installed from pyproject.toml before the
 # source is copied, so a source change rebuilds only the small layers at the end.
+# The wheel crosses stages with COPY --from, not a bind mount of the stage: an
+# interrupted build can leave a cached stage that podman can no longer mount.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
@@ -59,8 +61,9 @@ ENV SPECSERVE_KERNELS_DIR=/opt/specserve/kernels
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-deps /wheels/specserve-*.whl \
+COPY --from=wheel /wheels /tmp/wheels
+RUN pip install --no-deps /tmp/wheels/specserve-*.whl \
+    && rm -rf /tmp/wheels \
     && python -m runtime.kernels --all \
     && for level in default avx2 avx512 avx512_vnni; do \
         test -n "$(find /opt/specserve/kernels -name "specserve_kernels_${level}.so")"; \
@@ -126,8 +129,9 @@ RUN groupadd --system --gid 10001 specserve \
     && mkdir -p /var/lib/specserve /opt/specserve \
     && chown specserve:specserve /var/lib/specserve
 COPY --from=gpu-deps /opt/venv /opt/venv
-RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-deps /wheels/specserve-*.whl
+COPY --from=wheel /wheels /tmp/wheels
+RUN pip install --no-deps /tmp/wheels/specserve-*.whl \
+    && rm -rf /tmp/wheels
 COPY --chmod=0755 deploy/docker-entrypoint.sh /opt/specserve/docker-entrypoint.sh
 COPY deploy/healthcheck.py /opt/specserve/healthcheck.py
 RUN if [ "${BAKE_MODEL}" = "true" ]; then \
@@ -167,8 +171,9 @@ RUN groupadd --system --gid 10001 specserve \
     && mkdir -p /var/lib/specserve /opt/specserve \
     && chown specserve:specserve /var/lib/specserve
 COPY --from=cpu-deps /opt/venv /opt/venv
-RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-deps /wheels/specserve-*.whl
+COPY --from=wheel /wheels /tmp/wheels
+RUN pip install --no-deps /tmp/wheels/specserve-*.whl \
+    && rm -rf /tmp/wheels
 COPY --from=cpu-kernels /opt/specserve/kernels /opt/specserve/kernels
 COPY --chmod=0755 deploy/docker-entrypoint.sh /opt/specserve/docker-entrypoint.sh
 COPY deploy/healthcheck.py /opt/specserve/healthcheck.py

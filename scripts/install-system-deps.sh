@@ -9,6 +9,8 @@
 #   podman, runc           build and run the image, the two-replica stack and the chart's pods
 #   catatonit              the pause process of the pods `podman kube play` makes
 #   debootstrap            stand-in base images from Debian's packages (no registry needed)
+#   a DNS plugin           containers on one podman network reach each other by name (the
+#                          replicas' Redis): dnsname on the CNI backend, aardvark-dns on netavark
 # Idempotent and quick: when every program is on PATH it returns at once. As root with
 # apt-get it installs what is missing; otherwise it fails, naming the command to run.
 #
@@ -60,7 +62,18 @@ missing_packages() {
     done | sort -u
 }
 
-mapfile -t missing < <(missing_packages)
+# podman resolves container names on a network only through its backend's DNS plugin
+dns_plugin_package() {
+    command -v podman >/dev/null 2>&1 || return 0
+    case "$(podman info --format '{{.Host.NetworkBackend}}' 2>/dev/null)" in
+        netavark)
+            [ -x /usr/lib/podman/aardvark-dns ] || echo aardvark-dns ;;
+        *)  # cni, podman 4's default where netavark is not installed
+            [ -x /usr/lib/cni/dnsname ] || echo golang-github-containernetworking-plugin-dnsname ;;
+    esac
+}
+
+mapfile -t missing < <(missing_packages; dns_plugin_package)
 if [ "${#missing[@]}" -eq 0 ]; then
     configure_podman
     exit 0
@@ -83,6 +96,18 @@ apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${mis
 mapfile -t still < <(missing_packages)
 if [ "${#still[@]}" -gt 0 ]; then
     echo "error: apt-get ran but ${still[*]} still provide no program on PATH" >&2
+    exit 1
+fi
+# podman itself may have come in just now: its backend's DNS plugin is known only then
+mapfile -t dns < <(dns_plugin_package)
+if [ "${#dns[@]}" -gt 0 ]; then
+    echo "installing ${dns[*]} (apt-get): container names on podman networks" >&2
+    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${dns[@]}" \
+        >/dev/null
+fi
+mapfile -t dns < <(dns_plugin_package)
+if [ "${#dns[@]}" -gt 0 ]; then
+    echo "error: apt-get ran but ${dns[*]} installed no DNS plugin for podman" >&2
     exit 1
 fi
 configure_podman
