@@ -20,7 +20,9 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from decoding.prefix_cache import CacheStats
 
@@ -36,6 +38,28 @@ WINDOW = 2  # batches in flight: Redis builds the next while this one is read
 MID_READ_STALL_S = 1.0  # once Redis has answered, a pause this long cuts the read
 WRITE_TIMEOUT_S = 2.0  # per socket write in the background writer
 MAX_PENDING_BYTES = 1 << 30  # queued writes beyond this are dropped
+HEALTH_MAX_AGE_S = 5.0  # /ready pings Redis at most this often
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for logs and /ready."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + host))
+
+
+@dataclass(frozen=True)
+class RedisHealth:
+    """The last ping's outcome: whether Redis answered, and why not."""
+
+    reachable: bool
+    error: str | None  # the failure, e.g. a name that does not resolve
+    checked_at: float  # time.monotonic() of the ping
 
 
 class RedisStore:
@@ -70,6 +94,7 @@ class RedisStore:
         self.stats = CacheStats()
         self._open_until = 0.0
         self._lock = threading.Lock()
+        self._health: RedisHealth | None = None
         self._pending: queue.Queue[list[tuple[bytes, bytes]]] = queue.Queue()
         self._pending_bytes = 0
         self._writer = threading.Thread(target=self._write_loop, name="specserve-redis-writer",
@@ -186,10 +211,28 @@ class RedisStore:
     # -- health --------------------------------------------------------------------
 
     def ping(self) -> bool:
+        return self.check().reachable
+
+    def check(self) -> RedisHealth:
+        """Ping Redis now (bounded by ``timeout_s``) and remember the outcome."""
+        error: str | None = None
         try:
-            return bool(self._client.ping())
-        except self._errors:
-            return False
+            if not self._client.ping():
+                error = "PING was not answered with PONG"
+        except self._errors as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        health = RedisHealth(reachable=error is None, error=error, checked_at=time.monotonic())
+        with self._lock:
+            self._health = health
+        return health
+
+    def health(self) -> RedisHealth:
+        """The last ping's outcome, pinging again when it is older than HEALTH_MAX_AGE_S."""
+        with self._lock:
+            last = self._health
+        if last is not None and time.monotonic() - last.checked_at < HEALTH_MAX_AGE_S:
+            return last
+        return self.check()
 
     def _circuit_open(self) -> bool:
         return time.monotonic() < self._open_until

@@ -223,10 +223,21 @@ class HealthFailure(BaseModel):
     error: str  # why loading the models failed
 
 
+class PrefixCacheHealth(BaseModel):
+    """The prefix cache's store. An unreachable Redis leaves the server ready: the cache
+    is optional, and every request is then a miss."""
+
+    store: Literal["in-process", "redis"]
+    reachable: bool
+    url: str | None = None  # Redis's URL, without its password
+    error: str | None = None  # why the last ping failed
+
+
 class Readiness(BaseModel):
     status: Literal["ready"] = "ready"
     running: int  # requests being decoded
     waiting: int  # requests queued
+    prefix_cache: PrefixCacheHealth | None = None  # absent when the cache is off
 
 
 class NotReady(BaseModel):

@@ -301,11 +301,13 @@ async def health(request: Request) -> JSONResponse:
     200: {"model": Readiness, "description": "Loaded, warm and admitting requests."},
     503: {"model": NotReady, "description": "Loading, failed to load, or draining."}})
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: 200 once the models are loaded and warm, 503 before and while draining."""
+    """Readiness: 200 once the models are loaded and warm, 503 before and while draining;
+    the body says whether the prefix cache's store answers."""
     state = gateway_state(request)
     if state.accepting and state.engine is not None:
         engine = state.engine
-        body = Readiness(running=engine.num_running, waiting=engine.num_waiting)
+        body = Readiness(running=engine.num_running, waiting=engine.num_waiting,
+                         prefix_cache=await state.prefix_cache_health())
         return JSONResponse(body.model_dump())
     status: Literal["loading", "draining", "failed"] = "loading"
     if state.draining:

@@ -39,7 +39,7 @@ from gateway import pages
 from gateway.errors import install_error_handlers
 from gateway.middleware import HeadAsGetMiddleware, RequestMetricsMiddleware
 from gateway.openapi import install_openapi
-from gateway.redis_store import RedisStore
+from gateway.redis_store import RedisStore, redacted
 from gateway.responses_api import router as responses_router
 from gateway.routes import router
 from gateway.settings import Settings, add_settings_flags, settings_from_args
@@ -93,8 +93,13 @@ def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | No
     if settings.redis_url:
         store = RedisStore(settings.redis_url, ttl_s=settings.cache_ttl,
                            timeout_s=settings.redis_timeout)
-        log.info("prefix cache on Redis %s (reachable now: %s)", settings.redis_url,
-                 store.ping())
+        health = store.check()
+        if health.reachable:
+            log.info("prefix cache on Redis %s", redacted(settings.redis_url))
+        else:  # the cache is optional: serve without it until Redis answers
+            log.warning("prefix cache on Redis %s: not reachable at start-up (%s); serving "
+                        "without it until it answers (see /ready)",
+                        redacted(settings.redis_url), health.error)
     else:
         store = InProcessStore(max_bytes=settings.prefix_cache_bytes, ttl_s=settings.cache_ttl)
     namespace = "|".join([settings.model_name, model_store.revision(target.name),

@@ -14,6 +14,8 @@ from decoding.engine import Engine, RequestStream
 from decoding.prefix_cache import InProcessStore
 from gateway.errors import ServiceUnavailableError
 from gateway.params import Limits, SamplingDefaults, sampling_defaults
+from gateway.redis_store import RedisStore, redacted
+from gateway.responses import PrefixCacheHealth
 from gateway.settings import Settings
 from gateway.tokens import TokenTexts
 from observability.telemetry import Telemetry
@@ -64,6 +66,19 @@ class GatewayState:
     def accepting(self) -> bool:
         return (self.ready and not self.draining and self.engine is not None
                 and self.engine.accepting)
+
+    async def prefix_cache_health(self) -> PrefixCacheHealth | None:
+        """The prefix cache's store and whether it answers (Redis pinged off the event
+        loop, at most every few seconds); None without a cache."""
+        cache = self.engine.prefix_cache if self.engine is not None else None
+        if cache is None:
+            return None
+        store = cache.store
+        if not isinstance(store, RedisStore):
+            return PrefixCacheHealth(store="in-process", reachable=True)
+        health = await asyncio.to_thread(store.health)
+        return PrefixCacheHealth(store="redis", reachable=health.reachable,
+                                 url=redacted(store.url), error=health.error)
 
     def require_engine(self) -> Engine:
         """The engine, or a 503 saying why there is none to use."""

@@ -275,6 +275,12 @@ def test_two_replicas_share_a_prefix_through_redis(
                               options=options) for name in replicas)
         for replica in (a, b):
             pm.wait_ready(replica)
+            # the replicas find Redis by its container name: the network's DNS must answer
+            cache = httpx.get(f"{replica.url}/ready", timeout=10).json()["prefix_cache"]
+            assert cache["store"] == "redis" and cache["reachable"], (
+                f"{replica.name} cannot reach Redis as {redis!r} on network {network}: "
+                f"{cache['error']} (podman resolves container names through its network "
+                "backend's DNS plugin, which `make system-deps` installs)")
             _ttft(replica.url, "Hello")  # the first request's one-off costs
 
         shared, other = _long_prompt("harbours"), _long_prompt("orchards")

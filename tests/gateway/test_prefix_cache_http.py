@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_client import generate_latest
 
 from decoding.engine import Engine
+from gateway import redis_store
 from gateway.server import build_engine, create_app
 from tests.conftest import RedisServer
 from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings
@@ -60,3 +63,63 @@ def test_second_replica_hits_and_outputs_are_unchanged(
     errors = [line for line in scrape.splitlines()
               if line.startswith('specserve_cache_errors_total{store="redis"}')]
     assert float(errors[0].split()[-1]) >= 1
+
+
+UNRESOLVED = "redis://:secret@specserve-no-such-redis.invalid:6379/0"
+
+
+def test_a_redis_that_cannot_be_reached_is_logged_at_start_and_shown_by_ready(
+    tiny_target_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica whose Redis name does not resolve says so at start-up and in /ready, and
+    still serves (the cache is optional)."""
+    settings = tiny_settings(target=str(tiny_target_dir), redis_url=UNRESOLVED)
+    with caplog.at_level(logging.WARNING, logger="gateway.server"):
+        engine = build_engine(settings)
+    try:
+        (record,) = [r for r in caplog.records if "not reachable" in r.getMessage()]
+        assert record.levelno == logging.WARNING
+        message = record.getMessage()
+        assert "specserve-no-such-redis.invalid" in message and "secret" not in message
+        with live_server(create_app(settings, engine=engine)) as url:
+            ready = httpx.get(f"{url}/ready", timeout=10)
+            assert ready.status_code == 200
+            cache = ready.json()["prefix_cache"]
+            assert cache["store"] == "redis" and cache["reachable"] is False
+            assert cache["url"] == "redis://:***@specserve-no-such-redis.invalid:6379/0"
+            assert "Error" in cache["error"] and "secret" not in cache["error"]
+            text, cached, _ = _complete(url)
+            assert text and cached == 0
+    finally:
+        engine.shutdown()
+
+
+def test_ready_follows_redis_going_away(
+    tiny_target_dir: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_store, "HEALTH_MAX_AGE_S", 0.0)  # ping on every /ready
+    settings = tiny_settings(target=str(tiny_target_dir), redis_url=redis_server.url)
+    engine = build_engine(settings)
+    try:
+        with live_server(create_app(settings, engine=engine)) as url:
+            cache = httpx.get(f"{url}/ready", timeout=10).json()["prefix_cache"]
+            assert cache == {"store": "redis", "reachable": True, "url": redis_server.url,
+                             "error": None}
+            redis_server.stop()
+            ready = httpx.get(f"{url}/ready", timeout=10)
+            assert ready.status_code == 200
+            assert ready.json()["prefix_cache"]["reachable"] is False
+    finally:
+        engine.shutdown()
+
+
+def test_ready_shows_the_in_process_store(tiny_target_dir: Path) -> None:
+    settings = tiny_settings(target=str(tiny_target_dir))
+    engine = build_engine(settings)
+    try:
+        with live_server(create_app(settings, engine=engine)) as url:
+            cache = httpx.get(f"{url}/ready", timeout=10).json()["prefix_cache"]
+            assert cache == {"store": "in-process", "reachable": True, "url": None,
+                             "error": None}
+    finally:
+        engine.shutdown()
