@@ -237,3 +237,28 @@ def test_new_requests_inherit_how_often_alternatives_were_taken() -> None:
     new = prior.new_policy()
     assert new.alternative_calibration == pytest.approx(slow.alternative_calibration, rel=0.05)
     assert new.alternative_calibration < 0.7 and new.alternatives == 0
+
+
+def test_the_shared_line_fit_recovers_a_line_and_forgets_old_points() -> None:
+    from decoding.policy.cost import LineFit, StepCost, VerifyCost
+
+    fit = LineFit()
+    for x in range(1, 9):
+        fit.add(x, 0.010 + 0.002 * x, 1.0)
+    mean_x, mean_y, slope = fit.fit()
+    assert slope == pytest.approx(0.002) and mean_y - slope * mean_x == pytest.approx(0.010)
+    for _ in range(400):  # the machine got twice as slow: the old points fade
+        fit.decay(0.97)
+        for x in (1, 8):
+            fit.add(x, 2 * (0.010 + 0.002 * x), 1.0)
+    assert fit.fit()[2] == pytest.approx(0.004, rel=1e-3)
+    # both cost models read the same fit: a pass of 1 + k tokens against k verified
+    step, verify = StepCost(), VerifyCost()
+    for k in [0, 2, 4, 6, 3, 5] * 50:  # enough rounds that the starting prior has faded
+        seconds = 0.010 * (1 + 0.05 * k)
+        step.observe(1 + k, seconds)
+        verify.observe(k, seconds)
+    fixed, per_token = step.line()
+    assert fixed == pytest.approx(0.0095, rel=1e-2) and per_token == pytest.approx(0.0005, rel=1e-2)
+    assert verify.per_token == pytest.approx(0.05, rel=1e-2)
+    assert verify.step_s == pytest.approx(0.010, rel=1e-2)

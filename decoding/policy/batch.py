@@ -1,6 +1,6 @@
 """Draft lengths for a batch: many sequences in one forward pass.
 
-``StepCost`` fits the target's forward time to the tokens in a pass; ``plan_batch``
+``StepCost`` (decoding.policy.cost) prices the passes; ``plan_batch``
 spends draft tokens where they are most likely kept while the batch's committed tokens
 per second still rise; ``SpeculationPrior`` carries what finished requests learned of a
 drafter to new ones.
@@ -8,17 +8,16 @@ drafter to new ones.
 
 from __future__ import annotations
 
+from decoding.policy.cost import StepCost, ema
 from decoding.policy.speculation import (
     MAX_DRAFT_TOKENS,
     MIN_DRAFT_TOKENS,
     MIN_GAIN,
     VERIFY_COST_PER_TOKEN,
     AdaptiveSpeculation,
-    _bin_midpoints,
-    _ema,
+    bin_midpoints,
 )
 
-COST_HISTORY_DECAY = 0.97  # weight of older forward passes in the step-cost fit
 BATCH_MIN_GAIN = 1.05  # a batch plan must promise this much over plain batched decoding
 CALIBRATION_DECAY = 0.98  # weight of older rounds in a drafter's calibration (~50 rounds)
 CALIBRATION_EVIDENCE = 4.0  # promised drafts before a calibration is used
@@ -43,7 +42,7 @@ class SpeculationPrior:
         self._verify = VERIFY_COST_PER_TOKEN  # a verified token's cost, in target steps
         self._expected = 0.0  # accepted drafts the policies' rates promised (recent rounds)
         self._confident = False  # the drafter reports confidences (see AdaptiveSpeculation)
-        self._calibration = _bin_midpoints()
+        self._calibration = bin_midpoints()
         self._gain = MIN_GAIN
         self._accepted = 0.0  # ... and what verification accepted in those rounds
         self._alternatives = 1.0  # alternatives' calibration (see AdaptiveSpeculation)
@@ -86,7 +85,7 @@ class SpeculationPrior:
             self._alternatives = ((1 - share) * self._alternatives
                                   + share * policy.alternative_calibration)
         if policy.draft_s_per_token > 0:
-            self._draft_s = _ema(self._draft_s, policy.draft_s_per_token)
+            self._draft_s = ema(self._draft_s, policy.draft_s_per_token)
         self._verify = (1 - share) * self._verify + share * policy.verify.per_token
 
     def new_policy(self) -> AdaptiveSpeculation:
@@ -96,76 +95,6 @@ class SpeculationPrior:
         if self._confident:
             policy.start_confident(self._calibration, self._gain, self._alternatives)
         return policy
-
-
-class StepCost:
-    """The target's forward time as ``fixed + per_token * tokens``, fitted online.
-
-    On a CPU, or a GPU at small batch, ``fixed`` is reading the weights and
-    ``per_token`` the arithmetic for each token in the pass: verifying a draft
-    token is nearly free for one stream and costs nearly a full token's work in
-    a large batch. Until passes of different sizes have been seen, ``per_token``
-    is assumed to be ``VERIFY_COST_PER_TOKEN`` of a one-token pass.
-
-    A one-token pass is timed on its own: it may run through a different product (a
-    CPU without oneDNN takes a faster matrix-vector one), so the line is fitted to
-    passes of two or more tokens and ``predict(1)`` is the measured one-token time.
-    """
-
-    def __init__(self) -> None:
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        self._seen: set[int] = set()
-        self._single = 0.0  # measured time of a one-token pass
-
-    @property
-    def known(self) -> bool:
-        return self._w > 0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        if not self._seen:  # a prior line through the first pass, slope from the constant
-            fixed = seconds / (1 + VERIFY_COST_PER_TOKEN * (tokens - 1))
-            for x in (1, 1 + MAX_DRAFT_TOKENS):
-                self._add(x, fixed * (1 + VERIFY_COST_PER_TOKEN * (x - 1)), 1.0)
-        self._seen.add(tokens)
-        if tokens == 1:
-            self._single = _ema(self._single, seconds)
-            if len(self._seen) > 1:
-                return  # the line has passes of its own size to go by
-        self._decay()
-        self._add(tokens, seconds, 1.0)
-
-    def line(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token)."""
-        if not self.known:
-            return 0.0, 0.0
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
-        slope = (self._xy / self._w - mean_x * mean_y) / var if var > 1e-9 else 0.0
-        # a token never costs more than the weights' pass itself: noisy timings of a tiny
-        # model must not make every draft token look dear
-        slope = min(max(slope, 0.0), mean_y / (1 + mean_x))
-        fixed = max(mean_y - slope * mean_x, 0.0)
-        return fixed, slope
-
-    def predict(self, tokens: int) -> float:
-        if tokens == 1 and self._single > 0:
-            return self._single
-        fixed, slope = self.line()
-        return fixed + slope * tokens
-
-    def _decay(self) -> None:
-        d = COST_HISTORY_DECAY
-        self._w, self._x, self._y, self._xx, self._xy = (
-            d * self._w, d * self._x, d * self._y, d * self._xx, d * self._xy)
-
-    def _add(self, x: float, y: float, w: float) -> None:
-        self._w += w
-        self._x += w * x
-        self._y += w * y
-        self._xx += w * x * x
-        self._xy += w * x * y
 
 
 def _best_single(policy: AdaptiveSpeculation, limit: int, cost: StepCost,

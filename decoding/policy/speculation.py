@@ -25,16 +25,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from decoding.policy.cost import MAX_DRAFT_TOKENS, VERIFY_COST_PER_TOKEN, VerifyCost, ema
+
 MIN_DRAFT_TOKENS = 1
-MAX_DRAFT_TOKENS = 8
 INITIAL_ALPHA = 0.6  # optimistic start: the first rounds measure the truth
 INITIAL_WEIGHT = 2.0  # pseudo-rounds behind INITIAL_ALPHA; they fade like real history
 INHERIT_WEIGHT = 0.5  # pseudo-rounds by which a position leans on the one before it
 # Weight of history in the acceptance estimates, per round (about 20 rounds of memory;
 # docs/performance.md says how it was chosen)
 HISTORY_DECAY = 0.95
-# Extra verify time per draft token, in target steps (measured: docs/performance.md)
-VERIFY_COST_PER_TOKEN = 0.02
 MIN_GAIN = 1.02  # speculate only when expected to be at least 2% faster than plain
 CONFIDENCE_BINS = 10  # calibration of a drafter's confidence: bins of width 0.1
 CONFIDENCE_PRIOR = 2.0  # pseudo-tries per bin at the drafter's own word, before evidence
@@ -49,7 +48,6 @@ EXPLORE_EVIDENCE = 0.5
 # rate earlier requests measured (at first, in full).
 ALTERNATIVE_PRIOR = 1.0
 PROBE_INTERVAL = 16  # plain rounds between probes once speculation backed off
-COST_DECAY = 0.9
 
 
 def _initial_tries() -> list[float]:
@@ -64,69 +62,12 @@ def _bins() -> list[float]:
     return [0.0] * CONFIDENCE_BINS
 
 
-def _bin_midpoints() -> list[float]:
+def bin_midpoints() -> list[float]:
     return [(b + 0.5) / CONFIDENCE_BINS for b in range(CONFIDENCE_BINS)]
 
 
 def confidence_bin(confidence: float) -> int:
     return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
-
-
-VERIFY_FIT_DECAY = 0.95  # weight of older rounds in the verify-cost fit
-
-
-@dataclass
-class VerifyCost:
-    """What verifying costs, fitted from a sequence's own rounds: seconds of a pass as
-    ``step_s * (1 + per_token * verified)``. A target whose products cost little more for
-    a few tokens than for one (packed float weights) keeps about VERIFY_COST_PER_TOKEN;
-    one whose kernel's time grows with the tokens (the CPU's int4 kernel) measures far
-    more, and speculation must then be surer to pay. Starts on the ``prior`` line."""
-
-    prior: float = VERIFY_COST_PER_TOKEN
-    _w: float = 0.0
-    _x: float = 0.0
-    _y: float = 0.0
-    _xx: float = 0.0
-    _xy: float = 0.0
-
-    def observe(self, verified: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        if self._w == 0:  # the prior line through the first round, worth one round
-            step = seconds / (1 + self.prior * verified)
-            for x in (0, MAX_DRAFT_TOKENS):
-                self._add(x, step * (1 + self.prior * x), 0.5)
-        d = VERIFY_FIT_DECAY
-        self._w, self._x, self._y, self._xx, self._xy = (
-            d * self._w, d * self._x, d * self._y, d * self._xx, d * self._xy)
-        self._add(verified, seconds, 1.0)
-
-    def _add(self, x: float, y: float, w: float) -> None:
-        self._w += w
-        self._x += w * x
-        self._y += w * y
-        self._xx += w * x * x
-        self._xy += w * x * y
-
-    def _line(self) -> tuple[float, float]:
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
-        slope = (self._xy / self._w - mean_x * mean_y) / var if var > 1e-9 else 0.0
-        return max(mean_y - slope * mean_x, 1e-9), max(slope, 0.0)
-
-    @property
-    def step_s(self) -> float:
-        """A pass verifying nothing (0 until a round was seen)."""
-        return self._line()[0] if self._w else 0.0
-
-    @property
-    def per_token(self) -> float:
-        """One more verified token, in target steps."""
-        if not self._w:
-            return self.prior
-        step, slope = self._line()
-        return min(slope / step, 2.0)
 
 
 @dataclass
@@ -290,10 +231,10 @@ class AdaptiveSpeculation:
         first = self._draft_steps_seen == 0
         self._draft_steps_seen += steps
         if draft_s > 0 and not first:
-            self.draft_s_per_token = _ema(self.draft_s_per_token, draft_s / steps)
+            self.draft_s_per_token = ema(self.draft_s_per_token, draft_s / steps)
         if draft_s > 0 and self.verify.step_s > 0 and not first:
             per_token = draft_s / steps / self.verify.step_s
-            self.draft_cost_per_token = _ema(self.draft_cost_per_token, per_token)
+            self.draft_cost_per_token = ema(self.draft_cost_per_token, per_token)
         if confidences:
             self._calibrate(drafted, accepted, confidences, steps)
             self.k = self.max_tokens if self.realised_gain >= 1.0 else 0
@@ -320,7 +261,7 @@ class AdaptiveSpeculation:
 
     def calibration(self) -> list[float]:
         """The acceptance measured in each confidence bin (its midpoint where unmeasured)."""
-        return [self.accept_chance(mid) for mid in _bin_midpoints()]
+        return [self.accept_chance(mid) for mid in bin_midpoints()]
 
     def expected_tokens(self, limit: int) -> list[float]:
         """Expected committed tokens of a round drafting k = 1 .. ``limit`` tokens."""
@@ -384,7 +325,3 @@ class FixedSpeculation(AdaptiveSpeculation):
                verify_s: float = 0.0, confidences: Sequence[float] = (),
                alternative: float | None = None, alternative_taken: bool = False) -> None:
         return
-
-
-def _ema(previous: float, value: float) -> float:
-    return value if previous <= 0 else COST_DECAY * previous + (1 - COST_DECAY) * value
