@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.conftest import require_program
 from tests.deploy.dashboard import (
@@ -32,6 +34,7 @@ from tests.deploy.dashboard import (
     targets,
 )
 
+UNIT_TESTS = Path(__file__).with_name("alerts-test.yaml")
 # what the traffic does to the server: its queue fills, requests get 429, Redis stops
 EXPECTED_ALERTS = {"SpecserveQueueNearlyFull", "SpecserveRequestsRefused",
                    "SpecservePrefixCacheRedisErrors"}
@@ -46,6 +49,25 @@ def test_promtool_checks_the_rules() -> None:
                             text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(load_alerts())} rules found" in result.stdout
+
+
+def test_promtool_unit_tests_of_the_alerts(tmp_path: Path) -> None:
+    """Each alert waits out its ``for:``, fires past its threshold, stays quiet short of
+    it, and carries the labels it groups by (alerts-test.yaml). The rules run without
+    their annotations, whose text promtool would compare word for word."""
+    promtool = require_program("promtool", "prometheus")
+    rules = yaml.safe_load(ALERTS.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            del rule["annotations"]
+    (tmp_path / ALERTS.name).write_text(yaml.safe_dump(rules))
+    tests = tmp_path / UNIT_TESTS.name
+    shutil.copy(UNIT_TESTS, tests)
+    result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tested = set(re.findall(r"alertname: (\w+)", UNIT_TESTS.read_text()))
+    assert tested == {r["alert"] for r in load_alerts()}
 
 
 def test_every_rule_has_a_wait_a_severity_and_words() -> None:
@@ -229,3 +251,14 @@ def test_the_traffic_raises_exactly_the_alerts_it_should(observed: Observed) -> 
     assert all(s["metric"]["job"] == JOB for s in raised)
     severities = {r["alert"]: r["labels"]["severity"] for r in load_alerts()}
     assert all(s["metric"]["severity"] == severities[s["metric"]["alertname"]] for s in raised)
+    # the Redis errors are inside the rule's 5 minutes still: its alert is pending now,
+    # with its annotations written out
+    alerts = observed.prom.get("/api/v1/alerts")["alerts"]
+    (redis,) = [a for a in alerts if a["labels"]["alertname"] == "SpecservePrefixCacheRedisErrors"]
+    assert redis["state"] == "pending"
+    instance = redis["labels"]["instance"]
+    assert observed.server.metrics_url.endswith(instance)
+    assert redis["annotations"]["summary"].startswith(f"specserve {instance}: the Redis")
+    assert " errors in 5 minutes" in redis["annotations"]["summary"]
+    assert all("error expanding" not in text for text in redis["annotations"].values())
+    assert redis["annotations"]["description"].startswith(f"{instance} has counted Redis")
