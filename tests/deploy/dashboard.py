@@ -37,6 +37,7 @@ SCRAPE_S = 1  # the scrape and rule-evaluation interval (the data source's "scra
 MAX_DATA_POINTS = 1000  # about a panel's width in pixels, what Grafana asks for at most
 SERVER_FLAGS = ("--draft", "ngram+cache", "--max-active", "2", "--max-queue", "4",
                 "--prefix-block-tokens", "16", "--log-level", "warning")
+BACKOFF_S = 0.25  # what a client refused with 429 waits
 # a chat the tiny model answers in a loop, so that n-gram lookup drafts (the chat
 # template's own system prompt is a shared prefix of more than one cache block)
 CHAT = [{"role": "user", "content": "a b a b a b a b a b"}]
@@ -278,8 +279,9 @@ def one_request(client: openai.OpenAI, model: str, n: int, max_tokens: int) -> s
 
 
 def run_clients(url: str, model: str, clients: int, seconds: float, max_tokens: int,
-                tally: Tally, pause: float = 0.0) -> None:
-    """``clients`` threads sending one request after another for ``seconds``."""
+                tally: Tally) -> None:
+    """``clients`` threads sending one request after another for ``seconds``; a client
+    refused with 429 waits a little before its next one, as clients back off."""
     deadline = time.monotonic() + seconds
 
     def loop(first: int) -> None:
@@ -287,9 +289,11 @@ def run_clients(url: str, model: str, clients: int, seconds: float, max_tokens: 
                                timeout=120)
         n = first
         while time.monotonic() < deadline:
-            tally.add(one_request(client, model, n, max_tokens))
+            answer = one_request(client, model, n, max_tokens)
+            tally.add(answer)
             n += clients
-            time.sleep(pause)
+            if answer == "429":
+                time.sleep(BACKOFF_S)
 
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
     for thread in threads:
