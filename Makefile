@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 IMAGE_ARGS ?=
 
 .PHONY: install kernels model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
-	deploy-tools system-deps node-deps screenshot soak \
+	deploy-tools system-deps node-deps screenshot dashboard-picture soak \
 	image image-gpu
 
 $(PY):
@@ -80,6 +80,11 @@ reliability: model deploy-tools system-deps
 # the playground in headless Chromium against a real server, into docs/img/playground.png
 screenshot: model system-deps
 	$(PY) -m tests.gateway.browser docs/img/playground.png
+
+# the Grafana dashboard's panels over a real server and Prometheus, drawn with matplotlib
+# (no Grafana binary comes from PyPI, Debian or npm), into docs/img/dashboard.png
+dashboard-picture: model system-deps
+	$(PY) -m tests.deploy.dashboard_picture docs/img/dashboard.png
 
 # 30 minutes of mixed traffic on the default model, resident memory sampled throughout
 soak: model kernels system-deps

@@ -27,6 +27,7 @@ from functools import partial
 from decoding.drafters.base import Drafter
 from decoding.handoff import Outbox
 from decoding.invariance import InvarianceCheck
+from decoding.kv_budget import KvBudget
 from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
 from decoding.round import RoundResult, speculative_round, warm_up
@@ -81,9 +82,8 @@ class Engine:
         # True: draft lengths chosen for the whole batch by expected goodput; False:
         # every sequence drafts as its own policy says, whatever the batch size.
         self.batch_planning = batch_planning
-        # admission stops while the KV for one more request would pass this (one
-        # request is always admitted when none runs)
-        self.max_kv_bytes = max_kv_bytes
+        # admission stops while the KV for one more request would pass max_kv_bytes
+        self.kv_budget = KvBudget(target, max_kv_bytes)
         self.decode_threads = decode_threads  # CPU threads of a pass without prompts
         self.invariance_check = invariance_check  # decoding.invariance (debugging; None: off)
         self.clock = clock  # what request deadlines and queue times are measured by
@@ -148,6 +148,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def kv_bytes_reserved(self) -> int:
+        """The KV the running requests may hold at their longest, as admission counts it."""
+        return self.kv_budget.reserved([a.positions for a in list(self._active)])
 
     # -- requests ------------------------------------------------------------------
 
@@ -317,7 +322,9 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_active:
             stream = self._waiting[0]
-            if not stream.cancelled and not self._kv_room(stream.request):
+            positions = self.kv_budget.positions(stream.request)
+            if not stream.cancelled and not self.kv_budget.room(
+                    [a.positions for a in self._active], positions):
                 break  # it waits (first in line) until running requests free their KV
             self._waiting.popleft()
             if stream.cancelled:
@@ -334,8 +341,7 @@ class Engine:
                 continue
             timeout = stream.request.timeout_s
             deadline = stream.submitted_at + timeout if timeout else None
-            self._active.append(_Active(stream, decoder, deadline,
-                                        self._positions(stream.request)))
+            self._active.append(_Active(stream, decoder, deadline, positions))
             self._fit_kv()
 
     def _prior(self, drafter: str, source: str) -> SpeculationPrior:
@@ -348,16 +354,6 @@ class Engine:
     def _new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:
         """A new request's policy for a source of its drafter, from earlier requests."""
         return self._prior(drafter or "", source).new_policy()
-
-    def _positions(self, request: GenerationRequest) -> int:
-        prompt = len(request.prompt_ids)
-        return prompt + min(request.max_new_tokens, self.target.max_context - prompt) + 1
-
-    def _kv_room(self, request: GenerationRequest) -> bool:
-        if self.max_kv_bytes is None or not self._active:
-            return True
-        positions = max([self._positions(request)] + [a.positions for a in self._active])
-        return self.target.kv_bytes(len(self._active) + 1, positions) <= self.max_kv_bytes
 
     def _fit_kv(self) -> None:
         """Size the target's KV storage for the requests now running."""

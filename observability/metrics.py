@@ -124,6 +124,22 @@ class Metrics:
         self.running.set_function(lambda: float(running()))
         self.waiting.set_function(lambda: float(waiting()))
 
+    def track_capacity(self, max_waiting: int, max_running: int, kv_limit: int | None,
+                       kv_reserved: Callable[[], int]) -> None:
+        """Export the engine's bounds, and the KV its running requests reserve (read at
+        scrape time), so that queue and KV use can be read as shares of their bounds."""
+        r = self.registry
+        Gauge(f"{PREFIX}_max_requests_waiting", "Requests allowed to wait (--max-queue); "
+              "one more is refused with 429.", registry=r).set(max_waiting)
+        Gauge(f"{PREFIX}_max_requests_running", "Requests decoded at once at most "
+              "(--max-active).", registry=r).set(max_running)
+        reserved = Gauge(f"{PREFIX}_kv_cache_reserved_bytes", "KV the running requests may "
+                         "hold at their longest, as admission counts it.", registry=r)
+        reserved.set_function(lambda: float(kv_reserved()))
+        if kv_limit is not None:
+            Gauge(f"{PREFIX}_kv_cache_limit_bytes", "The KV budget admission keeps under "
+                  "(--kv-cache-bytes).", registry=r).set(kv_limit)
+
     def track_cache(self, counts: Callable[[], Mapping[str, int]], store: str) -> None:
         """Export a prefix cache's counters, ``counts()`` read at scrape time."""
         self.registry.register(_CacheCollector(counts, store))

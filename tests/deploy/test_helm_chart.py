@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import require_program
 from tests.deploy.conftest import (
     CHART,
     KUBE_VERSION,
@@ -28,7 +29,9 @@ REDIS = f"{FULLNAME}-redis"
 STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 # Kinds kubernetes-validate has no schema for; checked by hand below.
-CUSTOM_KINDS = {"ServiceMonitor"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
+DASHBOARD = CHART / "files" / "specserve-dashboard.json"
+ALERTS = CHART / "files" / "specserve-alerts.yaml"
 # Value sets rendered and validated besides the defaults and ci/full-values.yaml.
 VARIANTS: dict[str, dict[str, str]] = {
     "inline-keys": {"apiKeys.keys": '["k1","k2"]', "service.type": "NodePort"},
@@ -71,6 +74,9 @@ def test_helm_lint_strict_is_clean(helm: Callable[..., subprocess.CompletedProce
     {"service.type": "ExternalName"},
     {"redis.url": "http://not-redis:6379"},
     {"apiKeys.keys": '["has,comma"]'},
+    {"metrics.prometheusRule.disabled": '["NoSuchAlert"]'},
+    {"metrics.prometheusRule.alertLabels": '{"bad-name":"x"}'},
+    {"metrics.grafanaDashboard.label": ""},
 ], ids=lambda bad: next(iter(bad)))
 def test_schema_rejects_bad_values(helm: Callable[..., subprocess.CompletedProcess[str]],
                                    bad: dict[str, str]) -> None:
@@ -155,7 +161,7 @@ def test_full_render_has_every_optional_object(full_render: Rendered) -> None:
     assert sorted(o["kind"] for o in full_render.objects) == sorted([
         "ConfigMap", "Deployment", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy",
         "NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "Service",
-        "ServiceAccount", "ServiceMonitor"])
+        "ServiceAccount", "ServiceMonitor", "ConfigMap", "PrometheusRule"])
 
 
 # ---------------------------------------------------------------------------- labels, selectors
@@ -212,7 +218,7 @@ def test_service_ports_reach_named_container_ports(full_render: Rendered) -> Non
     service = full_render.get("Service", FULLNAME)
     ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
     assert ports == {"http": (8000, "http"), "metrics": (9100, "metrics")}
-    config = full_render.get("ConfigMap")["data"]
+    config = full_render.get("ConfigMap", FULLNAME)["data"]
     assert (config["SPECSERVE_PORT"], config["SPECSERVE_METRICS_PORT"]) == ("8000", "9100")
     endpoint = full_render.get("ServiceMonitor")["spec"]["endpoints"][0]
     assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
@@ -248,7 +254,7 @@ def test_three_distinct_probes(default_render: Rendered) -> None:
 def test_grace_period_outlasts_the_drain(render: Callable[..., Rendered],
                                          values: dict[str, str]) -> None:
     rendered = render(values=values)
-    shutdown = int(rendered.get("ConfigMap")["data"]["SPECSERVE_SHUTDOWN_TIMEOUT"])
+    shutdown = int(rendered.get("ConfigMap", FULLNAME)["data"]["SPECSERVE_SHUTDOWN_TIMEOUT"])
     pre_stop = rendered.server.get("lifecycle", {}).get("preStop", {}).get("exec", {})
     sleep = int(pre_stop["command"][1]) if pre_stop else 0
     assert rendered.pod["terminationGracePeriodSeconds"] > shutdown + sleep
@@ -291,7 +297,7 @@ def test_server_has_writable_model_cache_and_tmp(default_render: Rendered) -> No
     assert mounts == {"/var/lib/specserve": "models", "/tmp": "tmp"}
     volumes = {v["name"]: v for v in default_render.pod["volumes"]}
     assert "emptyDir" in volumes["models"] and "emptyDir" in volumes["tmp"]
-    config = default_render.get("ConfigMap")["data"]
+    config = default_render.get("ConfigMap", FULLNAME)["data"]
     assert config["SPECSERVE_HOME"] == "/var/lib/specserve"
     assert config["HF_HOME"].startswith("/var/lib/specserve/")
     assert config["XDG_CACHE_HOME"].startswith("/tmp/")
@@ -328,7 +334,7 @@ def test_key_change_rolls_the_pods(render: Callable[..., Rendered]) -> None:
 
 
 def test_configmap_carries_the_settings(full_render: Rendered) -> None:
-    data = full_render.get("ConfigMap")["data"]
+    data = full_render.get("ConfigMap", FULLNAME)["data"]
     assert all(isinstance(v, str) for v in data.values())
     assert data["SPECSERVE_TARGET"] == "default"
     assert data["SPECSERVE_DTYPE"] == "bfloat16"
@@ -355,7 +361,7 @@ def test_configmap_carries_the_settings(full_render: Rendered) -> None:
 
 
 def test_unset_limits_keep_server_defaults(default_render: Rendered) -> None:
-    data = default_render.get("ConfigMap")["data"]
+    data = default_render.get("ConfigMap", FULLNAME)["data"]
     assert data["SPECSERVE_PLAYGROUND"] == "true"  # the page is on unless turned off
     for key in ("SPECSERVE_MAX_QUEUE", "SPECSERVE_MAX_ACTIVE", "SPECSERVE_MAX_TOKENS",
                 "SPECSERVE_PREFILL_CHUNK", "SPECSERVE_KV_CACHE_BYTES",
@@ -478,7 +484,7 @@ def test_pod_disruption_budget(full_render: Rendered, render: Callable[..., Rend
 
 
 def test_in_chart_redis(full_render: Rendered) -> None:
-    data = full_render.get("ConfigMap")["data"]
+    data = full_render.get("ConfigMap", FULLNAME)["data"]
     assert data["SPECSERVE_REDIS_URL"] == f"redis://{REDIS}:6379/0"
     redis = full_render.get("Deployment", REDIS)
     assert redis["spec"]["replicas"] == 1
@@ -493,14 +499,14 @@ def test_in_chart_redis(full_render: Rendered) -> None:
 
 def test_external_redis(render: Callable[..., Rendered]) -> None:
     rendered = render(values=VARIANTS["external-redis"])
-    assert rendered.get("ConfigMap")["data"]["SPECSERVE_REDIS_URL"] == \
+    assert rendered.get("ConfigMap", FULLNAME)["data"]["SPECSERVE_REDIS_URL"] == \
         "redis://cache.example:6379/1"
     assert [d["metadata"]["name"] for d in rendered.all("Deployment")] == [FULLNAME]
 
 
 def test_redis_url_from_a_secret(render: Callable[..., Rendered]) -> None:
     rendered = render(values=VARIANTS["redis-url-secret"])
-    assert "SPECSERVE_REDIS_URL" not in rendered.get("ConfigMap")["data"]
+    assert "SPECSERVE_REDIS_URL" not in rendered.get("ConfigMap", FULLNAME)["data"]
     ref = _env(rendered.server)["SPECSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "redis-creds", "key": "redis-url"}
 
@@ -541,6 +547,89 @@ def test_service_monitor_shape(full_render: Rendered) -> None:
     (endpoint,) = monitor["spec"]["endpoints"]
     assert set(endpoint) == {"port", "path", "scheme", "interval", "scrapeTimeout"}
     assert endpoint["interval"] == "30s" and endpoint["scrapeTimeout"] == "10s"
+
+
+# ---------------------------------------------------------------------------- dashboard, alerts
+
+
+def test_dashboard_and_alerts_are_off_by_default(default_render: Rendered) -> None:
+    assert "PrometheusRule" not in default_render.kinds()
+    assert [c["metadata"]["name"] for c in default_render.all("ConfigMap")] == [FULLNAME]
+
+
+def test_dashboard_configmap_carries_the_dashboard(full_render: Rendered) -> None:
+    """A ConfigMap Grafana's sidecar picks up (its label), holding the dashboard as shipped."""
+    config = full_render.get("ConfigMap", f"{FULLNAME}-dashboard")
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    assert "namespace" not in config["metadata"]  # the release's
+    (key,) = config["data"]
+    assert key.endswith(".json")
+    assert json.loads(config["data"][key]) == json.loads(DASHBOARD.read_text())
+
+
+def test_dashboard_label_and_namespace_follow_the_values(render: Callable[..., Rendered]
+                                                         ) -> None:
+    rendered = render(values={"metrics.grafanaDashboard.enabled": "true",
+                              "metrics.grafanaDashboard.namespace": "monitoring",
+                              "metrics.grafanaDashboard.label": "dashboards",
+                              "metrics.grafanaDashboard.labelValue": "specserve"})
+    config = rendered.get("ConfigMap", f"{FULLNAME}-dashboard")
+    assert config["metadata"]["namespace"] == "monitoring"
+    assert config["metadata"]["labels"]["dashboards"] == "specserve"
+    assert "grafana_dashboard" not in config["metadata"]["labels"]
+    assert "PrometheusRule" not in rendered.kinds()
+
+
+def _alerts() -> list[Manifest]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"]
+            for rule in group["rules"]]
+
+
+def test_prometheus_rule_carries_the_alerts(full_render: Rendered) -> None:
+    """kubernetes-validate has no schema for this CRD: its shape is checked here, and its
+    rules are the shipped file's, with the values' labels added to every alert."""
+    rule = full_render.get("PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule) == {"apiVersion", "kind", "metadata", "spec"}
+    assert rule["metadata"]["name"] == FULLNAME
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert set(rule["spec"]) == {"groups"}
+    rendered = [r for group in rule["spec"]["groups"] for r in group["rules"]]
+    shipped = _alerts()
+    assert [r["alert"] for r in rendered] == [r["alert"] for r in shipped]
+    for got, want in zip(rendered, shipped, strict=True):
+        assert got == {**want, "labels": {**want["labels"], "team": "inference"}}
+
+
+def test_alerts_can_be_left_out_and_keep_their_own_labels(
+        render: Callable[..., Rendered]) -> None:
+    rendered = render(values={"metrics.prometheusRule.enabled": "true",
+                              "metrics.prometheusRule.disabled": '["SpecserveSlowFirstToken"]',
+                              "metrics.prometheusRule.alertLabels": '{"severity":"page"}'})
+    rules = [r for g in rendered.get("PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    assert [r["alert"] for r in rules] == [r["alert"] for r in _alerts()
+                                           if r["alert"] != "SpecserveSlowFirstToken"]
+    assert {r["labels"]["severity"] for r in rules} == {"warning", "critical"}
+    assert "ConfigMap" in rendered.kinds() and len(rendered.all("ConfigMap")) == 1
+
+
+def test_rendered_rules_pass_promtool(full_render: Rendered, tmp_path: Path) -> None:
+    promtool = require_program("promtool", "prometheus")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump(full_render.get("PrometheusRule")["spec"]))
+    result = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(_alerts())} rules found" in result.stdout
+
+
+def test_schema_names_every_alert() -> None:
+    """The values that leave alerts out accept exactly the shipped alerts' names."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    rule = schema["properties"]["metrics"]["properties"]["prometheusRule"]
+    names = rule["properties"]["disabled"]["items"]["enum"]
+    assert sorted(names) == sorted(r["alert"] for r in _alerts())
 
 
 # ---------------------------------------------------------------------------- NOTES

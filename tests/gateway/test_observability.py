@@ -7,10 +7,12 @@ import json
 import logging
 import re
 import subprocess
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,12 +20,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
 from decoding.engine import Engine
 from decoding.types import RoundEvent
 from gateway.server import create_app
 from observability.metrics import Metrics, start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import RequestSpan, build_tracer_provider
+from runtime.causal_lm import CausalLM
 from tests.conftest import free_port, require_program
 from tests.gateway.conftest import TINY, in_process, live_server, openai_client, tiny_settings
 
@@ -396,6 +400,70 @@ def test_real_prometheus_scrapes_responses_and_tool_calls(
             assert float(requests[0]["value"][1]) == 1  # type: ignore[index]
     finally:
         server.shutdown()
+
+
+class GatedDrafter(BaseDrafter):
+    """Holds its first proposal until released, so a request stays running."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        self.entered, self.release_all = threading.Event(), threading.Event()
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        return None
+
+    def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal:
+        self.entered.set()
+        self.release_all.wait(60)
+        return DraftProposal.empty()
+
+    def rollback(self, state: Any, length: int) -> None:
+        return None
+
+    def release(self, state: Any) -> None:
+        return None
+
+
+async def test_the_engine_bounds_and_its_reserved_kv_are_exported(tiny_target: CausalLM
+                                                                   ) -> None:
+    """Queue and KV use can be read as shares of their bounds: the bounds are exported,
+    and the KV gauge reads what admission counts for the running requests."""
+    drafter = GatedDrafter()
+    engine = Engine(tiny_target, {"gate": drafter}, default_drafter="gate", max_queue=5,
+                    max_active=3, max_kv_bytes=64 << 20)
+    engine.start()
+    telemetry, _ = _telemetry()
+    try:
+        async with in_process(create_app(tiny_settings(), engine=engine,
+                                         telemetry=telemetry)) as client:
+            idle = _samples(telemetry.metrics)
+            assert _total(idle, "specserve_max_requests_waiting") == 5
+            assert _total(idle, "specserve_max_requests_running") == 3
+            assert _total(idle, "specserve_kv_cache_limit_bytes") == 64 << 20
+            assert _total(idle, "specserve_kv_cache_reserved_bytes") == 0
+            prompt = [1, 2, 3, 4, 5]
+            reply = asyncio.create_task(client.post("/v1/completions", json={
+                "model": TINY, "prompt": prompt, "max_tokens": 8, "temperature": 0}))
+            assert await asyncio.to_thread(drafter.entered.wait, 30), "no round drafted"
+            busy = _samples(telemetry.metrics)
+            drafter.release_all.set()
+            assert (await reply).status_code == 200
+        reserved = _total(busy, "specserve_kv_cache_reserved_bytes")
+        assert reserved == tiny_target.kv_bytes(1, len(prompt) + 8 + 1) > 0
+        assert _total(busy, "specserve_num_requests_running") == 1
+        assert _total(_samples(telemetry.metrics), "specserve_kv_cache_reserved_bytes") == 0
+    finally:
+        drafter.release_all.set()
+        engine.shutdown()
+
+
+def test_an_unbounded_kv_exports_no_limit() -> None:
+    metrics = Metrics()
+    metrics.track_capacity(8, 2, None, lambda: 0)
+    names = {name for name, _ in _samples(metrics)}
+    assert "specserve_kv_cache_reserved_bytes" in names
+    assert "specserve_kv_cache_limit_bytes" not in names
 
 
 def test_the_invariance_check_and_the_cache_are_read_at_scrape_time() -> None:
