@@ -173,8 +173,9 @@ def _word_probs(target: CausalLM, prompt_ids: tuple[int, ...], compiler: Grammar
 
 def test_constrained_sampling_under_speculation_has_the_masked_target_distribution(
         tiny_target: CausalLM, tiny_draft: CausalLM, compiler: GrammarCompiler) -> None:
-    """A sampled poor draft model: its tokens are mostly forbidden and cut, where the
-    residual correction keeps the result exact."""
+    """A sampled poor draft model: its tokens are mostly forbidden and cut. Sampling is
+    keyed here, so each token is the masked target's keyed draw whatever was drafted (the
+    residual correction for a cut is rejection sampling's, tested below)."""
     from scipy.stats import chisquare
 
     words = ["cat", "dog", "bird", "fish"]
