@@ -173,8 +173,9 @@ def _word_probs(target: CausalLM, prompt_ids: tuple[int, ...], compiler: Grammar
 
 def test_constrained_sampling_under_speculation_has_the_masked_target_distribution(
         tiny_target: CausalLM, tiny_draft: CausalLM, compiler: GrammarCompiler) -> None:
-    """A sampled poor draft model: its tokens are mostly forbidden and cut, where the
-    residual correction keeps the result exact."""
+    """A sampled poor draft model: its tokens are mostly forbidden and cut. Sampling is
+    keyed here, so each token is the masked target's keyed draw whatever was drafted (the
+    residual correction for a cut is rejection sampling's, tested below)."""
     from scipy.stats import chisquare
 
     words = ["cat", "dog", "bird", "fish"]
@@ -197,6 +198,78 @@ def test_constrained_sampling_under_speculation_has_the_masked_target_distributi
     observed = [counts[words[i]] for i in keep]
     scale = sum(observed) / sum(expected[i] for i in keep)
     assert chisquare(observed, [expected[i] * scale for i in keep]).pvalue > 1e-3
+
+
+class _Skewed(BaseDrafter):
+    """A sampled drafter far from the target: one token a round, either one the grammar
+    forbids (cut before scoring, so the round keeps no draft at all) or one it allows."""
+
+    name = "skewed"
+
+    def __init__(self, vocab: int, forbidden: int, allowed: int, p_allowed: float) -> None:
+        self.probs = torch.zeros(vocab)  # [vocab]
+        self.probs[forbidden], self.probs[allowed] = 1.0 - p_allowed, p_allowed
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        return None
+
+    def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal:
+        assert isinstance(context.generator, torch.Generator)  # rejection sampling's
+        token = int(torch.multinomial(self.probs, 1, generator=context.generator).item())
+        return DraftProposal((token,), self.probs[None], (float(self.probs[token]),))
+
+    def rollback(self, state: Any, length: int) -> None:
+        pass
+
+    def release(self, state: Any) -> None:
+        pass
+
+
+def test_constrained_rejection_sampling_with_a_cut_first_draft_token_is_exact(
+        tiny_target: CausalLM, compiler: GrammarCompiler) -> None:
+    """Rejection sampling (not keyed) where the grammar leaves the choice free: the
+    prompt's pass gives the forced '"', and the next round's draft starts at the word.
+    The drafter proposes the target's likeliest first token with its own probability p,
+    else a forbidden token that is cut, and the round verifies an empty draft. The word
+    must then come from the residual (never that token); drawn from the target instead,
+    that token comes with probability p(2 - p), not p."""
+    from scipy.stats import binomtest, chisquare
+
+    grammar = compiler.json_schema({"enum": ["cat", "dog", "bird", "fish"]})
+    tok = tiny_target.tokenizer
+    prompt_ids = tuple(encode_chat(tok, [{"role": "user", "content": "An animal?"}]))
+    quote = tok.encode('"')[0]
+    matcher = grammar.matcher()
+    assert matcher.allowed().nonzero().flatten().tolist() == [quote]
+    assert matcher.advance([quote])
+    allowed = matcher.allowed()  # [vocab]: the word's first token
+    state = tiny_target.new_state()
+    logits = tiny_target.prefill(state, [*prompt_ids, quote])  # [vocab]
+    tiny_target.release(state)
+    exact = logits.float().masked_fill(~allowed[: logits.shape[-1]], float("-inf")).softmax(-1)
+    favoured = int(exact.argmax())
+    forbidden = tok.encode("a")[0]
+    assert not allowed[forbidden]
+    drafter = _Skewed(tiny_target.vocab_size, forbidden, favoured, float(exact[favoured]))
+    samples = 200
+    counts: dict[int, int] = {}
+    cut_first = 0
+    for seed in range(samples):
+        request = GenerationRequest(  # three tokens: the quote, then a draft and the next
+            prompt_ids=prompt_ids, max_new_tokens=3, grammar=grammar,
+            sampling=SamplingParams(temperature=1.0, seed=seed, keyed=False))
+        out, events = _run(tiny_target, drafter, request, k=1)
+        assert out[0] == quote and events[0].token_ids == (quote,)  # the prompt's pass
+        counts[out[1]] = counts.get(out[1], 0) + 1
+        cut_first += events[1].draft_tokens == 0
+    assert samples // 2 < cut_first < samples  # the case under test happened, not always
+    test = binomtest(counts.get(favoured, 0), samples, float(exact[favoured]))
+    assert test.pvalue > 1e-3, (counts.get(favoured, 0), samples, float(exact[favoured]))
+    big = [t for t in allowed.nonzero().flatten().tolist() if exact[t] * samples >= 5]
+    observed = [counts.get(t, 0) for t in big]
+    expected = [float(exact[t]) for t in big]
+    expected = [e * sum(observed) / sum(expected) for e in expected]
+    assert chisquare(observed, expected).pvalue > 1e-3, (counts, favoured)
 
 
 def test_hostile_schemas_are_refused_in_bounded_time(compiler: GrammarCompiler) -> None:

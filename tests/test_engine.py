@@ -269,3 +269,36 @@ def test_events_leave_while_the_next_pass_runs(tiny_target: CausalLM,
     assert len(events) == 12
     # each event but the last leaves within the next round's pass
     assert [during for during, _ in puts] == [True] * 11 + [False, False]
+
+
+IDLE_HAND_OVER_S = 5.0  # the stream's end after the engine goes idle: at once, with room
+
+
+async def test_the_last_events_leave_when_the_engine_goes_idle(tiny_target: CausalLM) -> None:
+    """No next pass will hand over the last round's events and the stream's end, so the
+    engine hands them over when it has nothing more to run. Its own bounded wait: a
+    stream left waiting fails here within seconds, not at the suite's timeout."""
+    engine = Engine(tiny_target)
+    engine.start()
+    try:
+        request = _request(tiny_target, "one two three", n=6,
+                           speculation=SpeculationParams(enabled=False))
+        stream = engine.submit(request)
+
+        async def collect() -> list[Any]:
+            return [event async for event in stream]
+
+        task = asyncio.ensure_future(collect())
+        deadline = time.monotonic() + 60
+        while engine.num_running + engine.num_waiting and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert engine.num_running + engine.num_waiting == 0, "the request never finished"
+        try:
+            events = await asyncio.wait_for(task, IDLE_HAND_OVER_S)
+        except TimeoutError:
+            pytest.fail(f"the engine is idle and the stream has not ended after "
+                        f"{IDLE_HAND_OVER_S} s: its last events were not handed over")
+    finally:
+        engine.shutdown()
+    alone = [t for e in decode(tiny_target, None, request) for t in e.token_ids]
+    assert [t for e in events for t in e.token_ids] == alone and len(alone) == 6

@@ -593,3 +593,22 @@ def test_the_norms_the_kernels_hold_are_copies(tiny_target: CausalLM) -> None:
     for (weight, _), module in zip(tiny_target._norms, modules, strict=True):
         assert torch.equal(weight, module.weight)
         assert weight.untyped_storage().data_ptr() != module.weight.untyped_storage().data_ptr()
+
+
+def test_a_level_above_the_cpu_s_is_refused_on_every_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's flags faked down to the avx2 level's, so the refusal of a level this
+    CPU cannot run is checked whatever the host runs (and never loaded)."""
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: kernels.LEVELS["avx2"][1])
+    assert kernels.host_levels() == ["default", "avx2"]
+    monkeypatch.delenv(kernels.CAPABILITY_VARIABLE, raising=False)
+    assert kernels.capability() == "avx2"
+    monkeypatch.setenv(kernels.CAPABILITY_VARIABLE, "default")
+    assert kernels.capability() == "default"
+    for level in ("avx512", "avx512_vnni"):
+        monkeypatch.setenv(kernels.CAPABILITY_VARIABLE, level)
+        with pytest.raises(kernels.KernelsUnavailable, match="this CPU runs only"):
+            kernels.capability()
+        with pytest.raises(kernels.KernelsUnavailable, match="this CPU runs only"):
+            kernels.native()

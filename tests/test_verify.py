@@ -84,19 +84,21 @@ def test_greedy_alternative_is_taken_when_the_target_picks_it() -> None:
                alternative=3, after_alternative=after)
 
 
-def test_a_cut_draft_token_is_rejected_and_recovered_from_the_residual() -> None:
+@pytest.mark.parametrize("kept", [0, 1], ids=["first-draft-token-cut", "one-kept"])
+def test_a_cut_draft_token_is_rejected_and_recovered_from_the_residual(kept: int) -> None:
     """A draft token the grammar cut after the kept draft would have been rejected for
     certain: once every kept token is accepted, the next token is drawn from
-    max(0, target - cut row), never the target alone, and the draws follow that residual."""
+    max(0, target - cut row), never the target alone, and the draws follow that residual.
+    With nothing kept (the drafter's first token was cut) the same holds at row 0."""
     generator = torch.Generator().manual_seed(0)
-    target = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
-                           [0.1, 0.2, 0.3, 0.4, 0.0, 0.0]])  # [k + 1, vocab], k = 1
-    draft = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]])  # [k, vocab]
+    sure = [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # the target's row where the kept token is 1
+    target = torch.tensor([sure] * kept + [[0.1, 0.2, 0.3, 0.4, 0.0, 0.0]])  # [k + 1, vocab]
+    draft = torch.tensor([sure] * kept).reshape(kept, VOCAB)  # [k, vocab]
     cut = torch.tensor([0.0, 0.0, 0.3, 0.6, 0.1, 0.0])  # [vocab]
     counts = [0] * VOCAB
     for _ in range(600):
-        verdict = verify([1], draft, target, generator, cut_probs=cut)
-        assert verdict.accepted == 1 and not verdict.bonus
+        verdict = verify([1] * kept, draft, target, generator, cut_probs=cut)
+        assert verdict.accepted == kept and not verdict.bonus
         counts[verdict.next_token] += 1
     assert counts[2] == counts[3] == 0  # the target alone would give these 70% of the time
     # the residual: 0.1 and 0.2 left of tokens 0 and 1, so 1/3 and 2/3

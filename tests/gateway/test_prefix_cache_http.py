@@ -9,12 +9,16 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from decoding.engine import Engine
+from decoding.prefix_cache import InProcessStore
 from gateway import redis_store
+from gateway.redis_store import RedisStore
 from gateway.server import build_engine, create_app
+from observability.metrics import start_metrics_server
 from tests.conftest import RedisServer
-from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings
+from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings, wait_until
 
 PASSAGE = ("The harbour master kept a ledger of every vessel that entered the bay, noting its "
            "name, its cargo, the weather and the hour of arrival. ") * 4
@@ -123,3 +127,36 @@ def test_ready_shows_the_in_process_store(tiny_target_dir: Path) -> None:
                              "error": None}
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("redis", [False, True], ids=["in-process", "redis"])
+def test_the_served_cache_size_gauge_is_the_in_process_store_s_size(
+        tiny_target_dir: Path, redis_server: RedisServer, redis: bool) -> None:
+    """Scraped from the metrics port as ``serve`` runs it: after a request, the gauge is
+    the in-process store's size (not its bound); with Redis there is no such gauge."""
+    settings = tiny_settings(target=str(tiny_target_dir), prefix_block_tokens=16,
+                             redis_url=redis_server.url if redis else None)
+    engine = build_engine(settings)
+    app = create_app(settings, engine=engine)
+    metrics = start_metrics_server(app.state.gateway.telemetry.metrics, "127.0.0.1", 0)
+    try:
+        with live_server(app) as url:
+            _complete(url)
+            assert wait_until(lambda: engine.num_running + engine.num_waiting == 0, 10)
+            assert engine.prefix_cache is not None and engine.prefix_cache.store.flush()
+            text = httpx.get(f"http://127.0.0.1:{metrics.server_port}/metrics",
+                             timeout=10).text
+    finally:
+        metrics.shutdown()
+        engine.shutdown()
+    store = engine.prefix_cache.store
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples}
+    assert samples["specserve_prefix_cache_lookups_total"] == 1  # the cache is exported
+    if redis:
+        assert isinstance(store, RedisStore)
+        assert "specserve_prefix_cache_bytes" not in samples
+    else:
+        assert isinstance(store, InProcessStore)
+        assert 0 < store.size_bytes < store.max_bytes
+        assert samples["specserve_prefix_cache_bytes"] == store.size_bytes

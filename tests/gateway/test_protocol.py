@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from typing import Any
 
+import jsonschema_rs
 import pytest
 
 from decoding.types import SpeculationParams
 from gateway.errors import InvalidRequestError
+from gateway.openapi import REQUEST_MODELS
 from gateway.params import (
     Limits,
     Prompt,
@@ -20,6 +23,8 @@ from gateway.params import (
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes import parse_body
+from gateway.server import create_app
+from tests.gateway.conftest import tiny_settings
 
 LIMITS = Limits(max_context=100, max_prompt_tokens=None, max_tokens=40, timeout_s=5.0,
                 vocab_size=1000)
@@ -223,6 +228,85 @@ def test_integral_floats_are_integers(model: type[Any], payload: dict[str, Any],
     request = parse_body(model, json.dumps(payload).encode())
     got = getattr(request, field)
     assert json.dumps(got) == json.dumps(value)  # 16, not 16.0
+
+
+# a valid body of each endpoint, and what an integer field needs beside it to be valid
+VALID_BODIES = {"ChatCompletionRequest": chat(),
+                "CompletionRequest": {"model": "m", "prompt": "x"},
+                "ResponsesRequest": {"model": "m", "input": "x"}}
+NEEDS = {"top_logprobs": {"logprobs": True}}
+
+
+def integer_fields(document: dict[str, Any]) -> Iterator[tuple[str, tuple[str, ...],
+                                                                dict[str, Any]]]:
+    """Every integer field of every endpoint's request body in the published schema:
+    (the body's schema name, the field's path, the integer's schema with its bounds).
+    Objects are walked into through references; arrays are not (token-id prompts have
+    their own cases above)."""
+    components = document["components"]["schemas"]
+
+    def walk(schema: dict[str, Any], path: tuple[str, ...], seen: frozenset[str]
+             ) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+        ref = schema.get("$ref")
+        if ref is not None:
+            name = ref.rsplit("/", 1)[1]
+            if name not in seen:
+                yield from walk(components[name], path, seen | {name})
+            return
+        if schema.get("type") == "integer" and path:
+            yield path, schema
+        for option in schema.get("anyOf", ()):
+            yield from walk(option, path, seen)
+        for key, value in schema.get("properties", {}).items():
+            yield from walk(value, (*path, key), seen)
+
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            if "requestBody" not in operation:
+                continue
+            ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            name = ref.rsplit("/", 1)[1]
+            for path, schema in walk(components[name], (), frozenset({name})):
+                yield name, path, schema
+
+
+def _with(body: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out = json.loads(json.dumps(body))
+    node = out
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    return out
+
+
+def test_every_integer_field_of_every_endpoint_takes_integral_floats() -> None:
+    """Each integer field of each request body, enumerated from the published schema (a
+    new field or endpoint is covered without a new case): the schema (under a JSON Schema
+    validator) and the server both take an integral float and refuse a fractional one,
+    and the server reads the integral float as that integer."""
+    document = create_app(tiny_settings()).openapi()
+    models = {model.__name__: model for model in REQUEST_MODELS}
+    fields = list(integer_fields(document))
+    names = {(name, ".".join(path)) for name, path, _ in fields}
+    assert {("ResponsesRequest", "max_output_tokens"), ("ChatCompletionRequest", "max_tokens"),
+            ("CompletionRequest", "seed"), ("ChatCompletionRequest",
+                                            "speculation.max_draft_tokens")} <= names
+    assert {name for name, _ in names} == set(VALID_BODIES)  # every endpoint's body
+    for name, path, schema in fields:
+        check = jsonschema_rs.Draft202012Validator(
+            {"$ref": f"#/components/schemas/{name}", "components": document["components"]})
+        value = min(max(16, schema.get("minimum", 16)), schema.get("maximum", 16))
+        fraction = value + 0.5 if value + 0.5 <= schema.get("maximum", value + 1) else value - 0.5
+        base = {**VALID_BODIES[name], **NEEDS.get(path[-1], {})}
+        whole = _with(base, path, float(value))
+        assert check.is_valid(whole), (name, path)
+        parsed: Any = parse_body(models[name], json.dumps(whole).encode())
+        for key in path:
+            parsed = getattr(parsed, key)
+        assert type(parsed) is int and parsed == value, (name, path, parsed)
+        half = _with(base, path, fraction)
+        assert not check.is_valid(half), (name, path)
+        assert refused(models[name], half).param == ".".join(path)
 
 
 @pytest.mark.parametrize(("payload", "param"), [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -82,3 +83,18 @@ def test_refused(client: openai.OpenAI, body: dict[str, Any], param: str) -> Non
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=TINY, input="x", extra_body=body)
     assert caught.value.param == param
+
+
+def test_an_integral_float_max_output_tokens_is_that_integer(tiny_url: str) -> None:
+    """JSON Schema's ``integer`` (the published schema) includes 16.0, as OpenAI's API
+    does: 16.0 is served as 16 (echoed as an integer, at most 16 tokens); 16.5 is refused."""
+    body = {"model": TINY, "input": "Count to fifty.", "temperature": 0}
+    with httpx.Client(base_url=tiny_url, timeout=120) as http:
+        served = http.post("/v1/responses", json={**body, "max_output_tokens": 16.0})
+        refused = http.post("/v1/responses", json={**body, "max_output_tokens": 16.5})
+    assert served.status_code == 200, served.text
+    answer = served.json()
+    assert type(answer["max_output_tokens"]) is int and answer["max_output_tokens"] == 16
+    assert 0 < answer["usage"]["output_tokens"] <= 16
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "max_output_tokens"

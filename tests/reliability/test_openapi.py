@@ -22,7 +22,7 @@ from gateway.openapi import COMPLETION_ERRORS
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes import parse_body, router, v1
 from gateway.server import create_app
-from tests.gateway.conftest import in_process, tiny_settings
+from tests.gateway.conftest import TINY, in_process, tiny_settings
 
 # a request that never ends must fail the test, not hang the suite
 pytestmark = pytest.mark.timeout(300)
@@ -135,6 +135,10 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tool_choice": "required"}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT,
                               "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tool_choice": "required",
+                              "tools": []}),
+    ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tools": [],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tool_choice": "auto"}),
     ("/v1/chat/completions", {"model": "m", "messages": CHAT, "tool_choice": "required",
                               "tools": [{"type": "function", "function": {"name": "f"}}]}),
@@ -195,6 +199,44 @@ def test_request_schema_agrees_with_the_validator(document: dict[str, Any], path
     except InvalidRequestError:
         accepted = False
     assert documented == accepted, f"schema says {documented}, server says {accepted}"
+
+
+# "required" or a named function with an empty tools list: what a schema that only
+# asks for ``tools`` would let through, and the server refuses
+NEEDS_TOOLS: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = [
+    ("/v1/chat/completions", {"model": TINY, "messages": CHAT, "max_tokens": 1},
+     {"type": "function", "function": {"name": "f"}},
+     {"type": "function", "function": {"name": "f"}}),
+    ("/v1/responses", {"model": TINY, "input": "hi", "max_output_tokens": 1},
+     {"type": "function", "name": "f"}, {"type": "function", "name": "f"}),
+]
+
+
+@pytest.mark.parametrize(("path", "base", "named", "tool"), NEEDS_TOOLS,
+                         ids=[n[0] for n in NEEDS_TOOLS])
+async def test_a_tool_choice_that_needs_tools_is_refused_with_an_empty_tools_list(
+        tiny_engine: Engine, path: str, base: dict[str, Any], named: dict[str, Any],
+        tool: dict[str, Any]) -> None:
+    """Both sides: the served /openapi.json (under a JSON Schema validator) and the
+    server refuse tool_choice "required" or a named function with ``tools: []``, and
+    both take the same request with the function in ``tools``."""
+    async with in_process(create_app(tiny_settings(), engine=tiny_engine)) as client:
+        served = (await client.get("/openapi.json")).json()
+        body_schema = served["paths"][path]["post"]["requestBody"]["content"][
+            "application/json"]["schema"]
+        check = jsonschema_rs.Draft202012Validator(
+            {**body_schema, "components": served["components"]})
+        for choice in ("required", named):
+            for tools in ([], [tool]):
+                body = {**base, "tool_choice": choice, "tools": tools}
+                response = await client.post(path, json=body)
+                if tools:
+                    assert check.is_valid(body), body
+                    assert response.status_code == 200, response.text
+                else:
+                    assert not check.is_valid(body), f"the schema takes {body}"
+                    assert response.status_code == 400, response.text
+                    assert response.json()["error"]["param"] == "tool_choice"
 
 
 async def test_served_document_is_the_accurate_one(tiny_engine: Engine,
