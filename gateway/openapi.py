@@ -24,12 +24,14 @@ from gateway.responses import ChatCompletionChunk, Completion, ErrorResponse
 from gateway.responses_events import EVENT_MODELS as RESPONSE_EVENTS
 from gateway.responses_events import ResponseObject, event_types
 from gateway.responses_protocol import ResponsesRequest
+from gateway.tokenize_protocol import REQUEST_MODELS as TOKENIZE_REQUESTS
 
 REF = "#/components/schemas/{model}"
 BEARER = "bearerAuth"
 # Models the handlers use without FastAPI seeing them: request bodies and stream events.
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest,
-                                               ResponsesRequest)
+                                               ResponsesRequest, *TOKENIZE_REQUESTS)
+KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1/*: the routes an API key guards
 EVENT_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, Completion, ErrorResponse,
                                               ResponseObject, *RESPONSE_EVENTS)
 
@@ -165,7 +167,7 @@ def build_document(app: FastAPI, bearer: bool) -> dict[str, Any]:
     if bearer:
         components["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer"}}
         for path, operations in document["paths"].items():
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path in KEYED_PATHS:
                 for operation in operations.values():
                     operation["security"] = [{BEARER: []}]
     return document

@@ -22,6 +22,7 @@ from gateway.openapi import COMPLETION_ERRORS
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes import parse_body, router, v1
 from gateway.server import create_app
+from gateway.tokenizing import router as tokenizing_router
 from tests.gateway.conftest import in_process, tiny_settings
 
 # a request that never ends must fail the test, not hang the suite
@@ -63,14 +64,15 @@ def test_document_is_valid_openapi(keys: list[str]) -> None:
 
 
 def test_every_route_is_documented(document: dict[str, Any]) -> None:
-    routes = [r for r in [*router.routes, *v1.routes] if isinstance(r, APIRoute)]
+    routes = [r for r in [*router.routes, *v1.routes, *tokenizing_router.routes]
+              if isinstance(r, APIRoute)]
     for route in routes:
         path = route.path.replace(":path}", "}")
         for method in route.methods or ():
             operation = document["paths"][path][method.lower()]
             assert "200" in operation["responses"], (path, method)
             assert "422" not in operation["responses"], "validation errors are 400s here"
-    assert len(routes) == 6
+    assert len(routes) == 8
 
 
 @pytest.mark.parametrize("path", sorted(REQUEST_MODELS))
