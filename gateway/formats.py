@@ -171,9 +171,12 @@ class CompletionFormat(_ChoiceFormat):
         return self.job.prompt_of(index).text
 
     def _logprobs_of(self, index: int, event: RoundEvent) -> dict[str, list[Any]]:
-        """The round's entries; with ``echo``, the prompt's before the first round's."""
+        """The round's entries; with ``echo``, the prompt's before the first round's, and a
+        final end-of-sequence token kept: an echoed request lists every token it scored
+        (lm-evaluation-harness drops the last entry as the generated one)."""
         legacy = self._legacy[index]
-        completion = legacy.chunk(self._shown_logprobs(event))
+        completion = legacy.chunk(event.logprobs if self.job.echo
+                                  else self._shown_logprobs(event))
         if not self.job.echo or self._scored[index]:
             return completion
         self._scored[index] = True

@@ -10,6 +10,11 @@ import openai
 import pytest
 import torch
 
+from decoding.types import FinishReason, RoundEvent, TokenLogprob
+from gateway.formats import CompletionFormat, Job
+from gateway.generation import ChoiceTotals
+from gateway.params import Prompt
+from gateway.tokens import TokenTexts
 from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import TINY, openai_client
 
@@ -115,3 +120,23 @@ def test_a_stream_scores_the_prompt_in_its_first_chunk(client: openai.OpenAI) ->
     assert whole is not None
     assert merged["tokens"] == whole.tokens and merged["text_offset"] == whole.text_offset
     assert merged["token_logprobs"] == pytest.approx(whole.token_logprobs)
+
+
+def test_an_echoed_choice_lists_its_final_end_of_sequence_token(
+        tiny_target: CausalLM) -> None:
+    """The text never shows the end-of-sequence token; an echoed request's logprobs still
+    list it, so that prompt + generated entries are all there (a scorer drops the last)."""
+    eos = min(tiny_target.eos_token_ids)
+    event = RoundEvent(token_ids=(eos,), text="", draft_tokens=0, accepted_tokens=0,
+                       logprobs=(TokenLogprob(eos, -0.5),), finish_reason=FinishReason.STOP,
+                       prompt_logprobs=(TokenLogprob(7, -1.25),))
+    totals = ChoiceTotals(drafter=None)
+    for echo, listed in ((True, [None, -1.25, -0.5]), (False, [])):
+        job = Job(id="cmpl-1", created=0, model=TINY, prompts=[Prompt(ids=(5, 7), text="ab")],
+                  per_prompt=1, logprobs=True, echo=echo)
+        fmt = CompletionFormat(job, TokenTexts(tiny_target.tokenizer),
+                               tiny_target.eos_token_ids)
+        totals.add(event)
+        fmt.observe(0, event)
+        logprobs = fmt.response([totals]).choices[0].logprobs
+        assert logprobs is not None and logprobs.token_logprobs == listed
