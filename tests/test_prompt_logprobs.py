@@ -84,8 +84,9 @@ def test_only_a_request_that_asks_keeps_every_prompt_row(tiny_target: CausalLM) 
         try:
             first = decoder.next_prompt_chunk(7)
             assert decoder.pass_item(first).keep == keeps[0]
-            tiny_target.forward_batch([decoder.pass_item(first)])
-            decoder._prefilled = 7  # what prompt_done records after the pass
+            logits = tiny_target.forward_batch([decoder.pass_item(first)])[0]
+            assert logits.shape[0] == keeps[0]
+            assert decoder.prompt_done(first, logits, 0.0) is None
             rest = decoder.next_prompt_chunk()
             assert rest.final and decoder.pass_item(rest).keep == keeps[1]
         finally:
