@@ -11,7 +11,7 @@ request models' schemas and, when API keys are configured, the bearer scheme.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI
@@ -142,15 +142,38 @@ def model_schemas(models: Iterable[type[BaseModel]], mode: JsonSchemaMode
     return schemas
 
 
-def install_openapi(app: FastAPI, bearer: bool) -> None:
-    """Serve the completed document; ``bearer`` when the server has API keys."""
+def install_openapi(app: FastAPI, bearer: bool,
+                    vocab_size: Callable[[], int | None] = lambda: None) -> None:
+    """Serve the completed document; ``bearer`` when the server has API keys;
+    ``vocab_size``: the served model's, once it is loaded (None before): the document
+    then bounds the token ids ``/detokenize`` takes, and is kept from then on."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_document(app, bearer)
+            document = build_document(app, bearer)
+            vocab = vocab_size()
+            if vocab is None:
+                return document
+            bound_token_ids(document, vocab)
+            app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def bound_token_ids(document: dict[str, Any], vocab_size: int) -> None:
+    """The token ids a request may send (``/detokenize``'s, a completion's token-id
+    prompts) lie in the served model's vocabulary."""
+    schemas = document["components"]["schemas"]
+    ids = [schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]]
+    for form in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        items = form.get("items", {})
+        if items.get("type") == "integer":  # a token-id list
+            ids.append(items)
+        elif items.get("type") == "array":  # a list of them
+            ids.append(items["items"])
+    for schema in ids:
+        schema["maximum"] = vocab_size - 1
 
 
 def build_document(app: FastAPI, bearer: bool) -> dict[str, Any]:

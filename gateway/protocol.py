@@ -59,6 +59,7 @@ def _integral(value: Any) -> Any:
 # An optional integer field: an integer, a float with no fractional part, or null (its
 # bounds, given by ``Field``, stay in the published schema as minimum and maximum).
 OptionalInt = Annotated[int | None, BeforeValidator(_integral)]
+Integral = Annotated[int, BeforeValidator(_integral)]  # the same, never null
 
 
 class Refused:
@@ -318,7 +319,8 @@ def _prompt(value: Any) -> Any:
                           "ids or an array of non-empty token-id arrays (not a mix)")
 
 
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+# ids below the vocabulary's size: /openapi.json adds the maximum once the model is loaded
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PromptField = Annotated[
     str | list[str] | list[int] | list[list[int]],
     BeforeValidator(_prompt),

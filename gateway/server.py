@@ -213,7 +213,8 @@ def create_app(
     app.include_router(tokenizing_router)
     if settings.playground:
         app.include_router(pages.router)
-    install_openapi(app, bearer=bool(settings.api_keys))
+    install_openapi(app, bearer=bool(settings.api_keys),
+                    vocab_size=lambda: state.engine.target.vocab_size if state.engine else None)
     app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(RequestMetricsMiddleware, metrics=telemetry.metrics)
     if settings.cors_origins:

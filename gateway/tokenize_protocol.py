@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocol import ChatMessage, refuse
+from gateway.protocol import ChatMessage, Integral, refuse
 from gateway.tool_protocol import MAX_TOOLS, ChatTool
 
 TOKEN_ID_MAX = (1 << 63) - 1
+# an integral float is that id, as everywhere in the API (the bounds stated again for the
+# schema: pydantic writes a wrapped integer's as "ge"/"le")
+TokenId = Annotated[Integral, Field(ge=0, le=TOKEN_ID_MAX),
+                    WithJsonSchema({"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX})]
 
 
 class _Strict(BaseModel):
@@ -80,7 +84,9 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]]
+    tokens: list[TokenId] = Field(
+        description="Ids in the model's vocabulary (/openapi.json bounds them once the model "
+                    "is loaded).")
 
 
 class DetokenizeResponse(BaseModel):

@@ -93,10 +93,10 @@ def test_batched_token_prompts_are_scored_each(client: openai.OpenAI,
     prompts = [tiny_reference.tokenizer.encode(text) for text in
                ("The capital of France is Paris", "Two plus two is four", "Yes")]
     batch = client.completions.create(model=TINY, prompt=prompts, echo=True, logprobs=1,
-                                      max_tokens=1, temperature=0)
-    assert sorted(c.index for c in batch.choices) == [0, 1, 2]
+                                      max_tokens=1, temperature=0, n=2)
+    assert sorted(c.index for c in batch.choices) == list(range(6))  # n per prompt
     for choice in batch.choices:
-        ids = prompts[choice.index]
+        ids = prompts[choice.index // 2]
         assert choice.logprobs is not None
         assert len(choice.logprobs.tokens) == len(ids) + 1
         _check_prompt(choice.logprobs, ids, tiny_reference, top=1)

@@ -74,6 +74,8 @@ async def test_detokenize_is_the_echoed_text(client: httpx.AsyncClient,
                                                         "max_tokens": 0, "echo": True})
     assert echoed.json()["choices"][0]["text"] == TEXT
     assert (await client.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}
+    as_floats = await client.post("/detokenize", json={"tokens": [float(t) for t in ids]})
+    assert as_floats.json() == {"prompt": TEXT}  # JSON Schema's integers include 5.0
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -89,6 +91,7 @@ async def test_detokenize_is_the_echoed_text(client: httpx.AsyncClient,
     ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
     ("/detokenize", {"tokens": ["1"]}, "tokens[0]"),
+    ("/detokenize", {"tokens": [1.5]}, "tokens[0]"),
     ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, "skip_special_tokens"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(client: httpx.AsyncClient, path: str,
@@ -122,5 +125,9 @@ async def test_an_api_key_guards_them(tiny_engine: Engine) -> None:
         {"$ref": "#/components/schemas/TokenizeCompletionRequest"},
         {"$ref": "#/components/schemas/TokenizeChatRequest"}]
     schemas = document["components"]["schemas"]
+    ids = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert (ids["minimum"], ids["maximum"]) == (0, tiny_engine.target.vocab_size - 1)
+    forms = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert forms[2]["items"] == forms[3]["items"]["items"] == ids  # token-id prompts
     assert {"TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest",
             "TokenizeResponse", "DetokenizeResponse"} <= set(schemas)
