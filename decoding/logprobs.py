@@ -1,4 +1,5 @@
-"""The target's log-probabilities of the tokens a round committed (OpenAI ``logprobs``)."""
+"""The target's log-probabilities of the tokens a round committed (OpenAI ``logprobs``),
+and of a prompt's own tokens (``echo`` with ``logprobs``)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,19 @@ def token_logprobs(
                 for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
     return tuple(TokenLogprob(token_id=t, logprob=lp, top=tuple(top))
                  for t, lp, top in zip(tokens, chosen, tops, strict=True))
+
+
+ROWS_PER_BLOCK = 64  # prompt rows turned into log-probabilities at a time (bounds memory)
+
+
+def prompt_token_logprobs(
+    tokens: Sequence[int],  # [n] the prompt tokens each row predicts
+    logits: torch.Tensor,  # [>= n, vocab] the raw target logits of the positions before them
+    top_n: int,
+) -> tuple[TokenLogprob, ...]:
+    """``token_logprobs`` over a prompt chunk, a block of rows at a time."""
+    out: list[TokenLogprob] = []
+    for start in range(0, len(tokens), ROWS_PER_BLOCK):
+        block = tokens[start : start + ROWS_PER_BLOCK]
+        out.extend(token_logprobs(block, logits[start : start + len(block)], top_n))
+    return tuple(out)

@@ -19,7 +19,7 @@ from decoding.constrained import ConstrainedDecoding
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal
 from decoding.drafting import Draft
 from decoding.features import FeatureRows
-from decoding.logprobs import token_logprobs
+from decoding.logprobs import prompt_token_logprobs, token_logprobs
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.prefix_use import load_prefix, remember_continuation, store_prefix
@@ -32,6 +32,7 @@ from decoding.types import (
     PromptChunk,
     RoundEvent,
     RoundTiming,
+    TokenLogprob,
 )
 from decoding.verify import Verdict, verify
 from runtime.causal_lm import BatchItem
@@ -94,6 +95,7 @@ class SequenceDecoder:
         self._prefilled: int | None = None  # prompt tokens in the cache during round 0
         self._prefill_s = 0.0
         self._round_start = 0.0
+        self._prompt_logprobs: list[TokenLogprob] = []  # request.prompt_logprobs: so far
         spec = request.speculation  # a grammar the output must match (decoding/constrained.py)
         self.grammar = None if request.grammar is None else ConstrainedDecoding(
             request.grammar, self.stop_ids, spec.enabled and spec.drafter != "none")
@@ -130,12 +132,14 @@ class SequenceDecoder:
 
     def next_prompt_chunk(self, limit: int = 0) -> PromptChunk:
         """The next at most ``limit`` prompt tokens to prefill (0: all the rest), after
-        the longest cached prefix."""
+        the longest cached prefix (none when the prompt's log-probabilities are asked
+        for: a cached position's logits were never computed)."""
         if self.finished or self.rounds:
             raise RuntimeError("the prompt has been prefilled")
         if self._prefilled is None:
             self._round_start = time.perf_counter()
-            self.cached_tokens = load_prefix(self.prefix_cache, self.target, self.state,
+            cache = None if self.request.prompt_logprobs else self.prefix_cache
+            self.cached_tokens = load_prefix(cache, self.target, self.state,
                                              self.request.prompt_ids)
             self._prefilled = self.cached_tokens
         rest = self.request.prompt_ids[self._prefilled :]
@@ -173,10 +177,14 @@ class SequenceDecoder:
 
     def pass_item(self, part: PromptChunk | Draft) -> BatchItem:
         """What the target runs for this sequence: a prompt chunk, or the pending token,
-        the draft and (last) the alternative."""
+        the draft and (last) the alternative. A prompt chunk keeps the logits of its last
+        token when it is the prompt's last, or of every token when the prompt's
+        log-probabilities are asked for."""
         features = self.features is not None
         if isinstance(part, PromptChunk):
-            return BatchItem(self.state, part.tokens, 1 if part.final else 0, features=features)
+            keep = (len(part.tokens) if self.request.prompt_logprobs
+                    else 1 if part.final else 0)
+            return BatchItem(self.state, part.tokens, keep, features=features)
         tokens = [self.tokens[-1], *part.tokens]
         if part.alternative is not None:
             tokens.append(part.alternative)
@@ -186,17 +194,24 @@ class SequenceDecoder:
     def prompt_done(self, chunk: PromptChunk, logits: torch.Tensor, forward_s: float,
                     features: torch.Tensor | None = None,  # [n, H]
                     ) -> RoundEvent | None:
-        """After a prompt chunk's pass: nothing yet, or (the last chunk) the first token."""
+        """After a prompt chunk's pass (``logits``: the rows ``pass_item`` kept): nothing
+        yet, or (the last chunk) the first token."""
         assert self._prefilled is not None
         if self.features is not None and features is not None:
             self.features.add(self._prefilled, features)
+        if self.request.prompt_logprobs:
+            start = self._prefilled + 1  # the prompt tokens this chunk's rows predict
+            scored = self.request.prompt_ids[start : start + len(chunk.tokens)]
+            self._prompt_logprobs.extend(prompt_token_logprobs(
+                scored, logits, self.request.top_logprobs))
         self._prefilled += len(chunk.tokens)
         self._prefill_s += forward_s
         if not chunk.final:
             return None
-        token = verify((), None, self.process(logits, ()), self.generator,
+        last = logits[-1:]  # [1, vocab]: the first new token's
+        token = verify((), None, self.process(last, ()), self.generator,
                        len(self.tokens)).next_token
-        return self.commit([token], 0, 0, logits, RoundTiming(0.0, self._prefill_s, 0.0),
+        return self.commit([token], 0, 0, last, RoundTiming(0.0, self._prefill_s, 0.0),
                            self._round_start)
 
     def keep(self, verdict: Verdict, passed: int,
@@ -294,6 +309,11 @@ class SequenceDecoder:
             self.drafter.release(self.draft_state)
             self.draft_state = None
 
+    def _take_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The prompt's log-probabilities, once (for the first event)."""
+        taken, self._prompt_logprobs = tuple(self._prompt_logprobs), []
+        return taken
+
     def _store_prefix_now(self) -> None:
         self._store_prefix_pending = False
         assert self.prefix_cache is not None
@@ -375,6 +395,7 @@ class SequenceDecoder:
             prompt_tokens=len(self.request.prompt_ids),
             completion_tokens=len(self.output),
             cached_tokens=self.cached_tokens if self.rounds == 1 else 0,
+            prompt_logprobs=self._take_prompt_logprobs(),
             draft_source=(self.source or (self.drafter.name if self.drafter else "")
                           if drafted else ""),
         )

@@ -70,7 +70,12 @@ class SpeculationParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One sequence to generate. ``prompt_ids`` are already tokenized."""
+    """One sequence to generate. ``prompt_ids`` are already tokenized.
+
+    ``max_new_tokens`` may be 0: the prompt is read (for its log-probabilities) and
+    nothing is generated. ``prompt_logprobs``: the first event also carries every prompt
+    token's log-probability after the first (with ``top_logprobs`` alternatives), from
+    the prefill's own pass; such a request does not take the prefix cache."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -83,12 +88,13 @@ class GenerationRequest:
     timeout_s: float | None = None
     request_id: str = ""
     grammar: Grammar | None = None  # the output must match it (structured outputs, tools)
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("the prompt must contain at least one token")
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
 
@@ -137,6 +143,9 @@ class RoundEvent:
     constraint_s: float = 0.0  # seconds spent on grammar masks and matching this round
     forced_tokens: int = 0  # grammar-forced draft tokens verified this round
     forced_accepted: int = 0  # ... of which accepted
+    # the first event of a request with ``prompt_logprobs``: prompt tokens 1.. (the first
+    # has no context to be scored in), each under the tokens before it
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ from gateway.responses import (
     ChatMessageOut,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     SpeculationStats,
     StreamSpeculation,
     Usage,
@@ -161,6 +162,7 @@ class CompletionFormat(_ChoiceFormat):
             for i in range(self.count)
         ]
         self._parts: list[list[dict[str, list[Any]]]] = [[] for _ in range(self.count)]
+        self._scored = [False] * self.count  # the echoed prompt's logprobs have been given
 
     def _prefix(self, index: int) -> str:
         """The echoed prompt, once, before a choice's first text."""
@@ -169,7 +171,17 @@ class CompletionFormat(_ChoiceFormat):
         return self.job.prompt_of(index).text
 
     def _logprobs_of(self, index: int, event: RoundEvent) -> dict[str, list[Any]]:
-        return self._legacy[index].chunk(self._shown_logprobs(event))
+        """The round's entries; with ``echo``, the prompt's before the first round's, and a
+        final end-of-sequence token kept: an echoed request lists every token it scored
+        (lm-evaluation-harness drops the last entry as the generated one)."""
+        legacy = self._legacy[index]
+        completion = legacy.chunk(event.logprobs if self.job.echo
+                                  else self._shown_logprobs(event))
+        if not self.job.echo or self._scored[index]:
+            return completion
+        self._scored[index] = True
+        prompt = legacy.prompt(self.job.prompt_of(index).ids[0], event.prompt_logprobs)
+        return merge_legacy([prompt, completion])
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> Completion | None:
         self._round(index, event)
@@ -180,8 +192,9 @@ class CompletionFormat(_ChoiceFormat):
         if not (text or (logprobs and logprobs["tokens"]) or finish):
             return None
         self._started[index] = True
-        choice = CompletionChoice(text=text, index=index, logprobs=logprobs,
-                                  finish_reason=finish)
+        choice = CompletionChoice(
+            text=text, index=index, finish_reason=finish,
+            logprobs=CompletionLogprobs(**logprobs) if logprobs is not None else None)
         return Completion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
             seed=self.job.seed,
@@ -203,7 +216,8 @@ class CompletionFormat(_ChoiceFormat):
             prefix = self.job.prompt_of(i).text if self.job.echo else ""
             choices.append(CompletionChoice(
                 text=prefix + "".join(t.text), index=i,
-                logprobs=merge_legacy(self._parts[i]) if self.job.logprobs else None,
+                logprobs=CompletionLogprobs(**merge_legacy(self._parts[i]))
+                if self.job.logprobs else None,
                 finish_reason=finish_reason_text(t.finish_reason)))
         usage: Usage = usage_of(totals, self.job.per_prompt)
         return Completion(

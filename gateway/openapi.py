@@ -11,7 +11,7 @@ request models' schemas and, when API keys are configured, the bearer scheme.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,12 +24,14 @@ from gateway.responses import ChatCompletionChunk, Completion, ErrorResponse
 from gateway.responses_events import EVENT_MODELS as RESPONSE_EVENTS
 from gateway.responses_events import ResponseObject, event_types
 from gateway.responses_protocol import ResponsesRequest
+from gateway.tokenize_protocol import REQUEST_MODELS as TOKENIZE_REQUESTS
 
 REF = "#/components/schemas/{model}"
 BEARER = "bearerAuth"
 # Models the handlers use without FastAPI seeing them: request bodies and stream events.
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest,
-                                               ResponsesRequest)
+                                               ResponsesRequest, *TOKENIZE_REQUESTS)
+KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1/*: the routes an API key guards
 EVENT_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, Completion, ErrorResponse,
                                               ResponseObject, *RESPONSE_EVENTS)
 
@@ -140,15 +142,38 @@ def model_schemas(models: Iterable[type[BaseModel]], mode: JsonSchemaMode
     return schemas
 
 
-def install_openapi(app: FastAPI, bearer: bool) -> None:
-    """Serve the completed document; ``bearer`` when the server has API keys."""
+def install_openapi(app: FastAPI, bearer: bool,
+                    vocab_size: Callable[[], int | None] = lambda: None) -> None:
+    """Serve the completed document; ``bearer`` when the server has API keys;
+    ``vocab_size``: the served model's, once it is loaded (None before): the document
+    then bounds the token ids ``/detokenize`` takes, and is kept from then on."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_document(app, bearer)
+            document = build_document(app, bearer)
+            vocab = vocab_size()
+            if vocab is None:
+                return document
+            bound_token_ids(document, vocab)
+            app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def bound_token_ids(document: dict[str, Any], vocab_size: int) -> None:
+    """The token ids a request may send (``/detokenize``'s, a completion's token-id
+    prompts) lie in the served model's vocabulary."""
+    schemas = document["components"]["schemas"]
+    ids = [schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]]
+    for form in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        items = form.get("items", {})
+        if items.get("type") == "integer":  # a token-id list
+            ids.append(items)
+        elif items.get("type") == "array":  # a list of them
+            ids.append(items["items"])
+    for schema in ids:
+        schema["maximum"] = vocab_size - 1
 
 
 def build_document(app: FastAPI, bearer: bool) -> dict[str, Any]:
@@ -165,7 +190,7 @@ def build_document(app: FastAPI, bearer: bool) -> dict[str, Any]:
     if bearer:
         components["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer"}}
         for path, operations in document["paths"].items():
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path in KEYED_PATHS:
                 for operation in operations.values():
                     operation["security"] = [{BEARER: []}]
     return document

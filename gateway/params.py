@@ -240,6 +240,7 @@ def generation_requests(
     param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     check_choices(request, len(prompts), limits)
     logprobs, top_logprobs = logprob_options(request)
+    prompt_logprobs = isinstance(request, CompletionRequest) and request.prompt_logprobs
     speculation = speculation_params(request)
     stops = stop_sequences(request)
     out: list[GenerationRequest] = []
@@ -258,5 +259,6 @@ def generation_requests(
                 timeout_s=limits.timeout_s,
                 request_id=f"{request_id}-{len(out)}",
                 grammar=grammar,
+                prompt_logprobs=prompt_logprobs,
             ))
     return out

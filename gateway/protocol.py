@@ -27,7 +27,12 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 from pydantic_core.core_schema import ValidationInfo
 
-from gateway.schema_rules import STREAM_OPTIONS_RULE, TOOL_CHOICE_RULE, TOP_LOGPROBS_RULE
+from gateway.schema_rules import (
+    MAX_TOKENS_ZERO_RULE,
+    STREAM_OPTIONS_RULE,
+    TOOL_CHOICE_RULE,
+    TOP_LOGPROBS_RULE,
+)
 from gateway.tool_protocol import MAX_TOOLS, ChatTool, ResponseFormat, ToolCall, ToolChoice
 
 MAX_STOP_SEQUENCES = 4
@@ -54,6 +59,7 @@ def _integral(value: Any) -> Any:
 # An optional integer field: an integer, a float with no fractional part, or null (its
 # bounds, given by ``Field``, stay in the published schema as minimum and maximum).
 OptionalInt = Annotated[int | None, BeforeValidator(_integral)]
+Integral = Annotated[int, BeforeValidator(_integral)]  # the same, never null
 
 
 class Refused:
@@ -313,7 +319,8 @@ def _prompt(value: Any) -> Any:
                           "ids or an array of non-empty token-id arrays (not a mix)")
 
 
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+# ids below the vocabulary's size: /openapi.json adds the maximum once the model is loaded
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PromptField = Annotated[
     str | list[str] | list[int] | list[list[int]],
     BeforeValidator(_prompt),
@@ -327,10 +334,13 @@ PromptField = Annotated[
 
 
 class CompletionRequest(_Strict):
-    """``POST /v1/completions`` (the legacy text endpoint)."""
+    """``POST /v1/completions`` (the legacy text endpoint). With ``echo`` and
+    ``logprobs`` the prompt's tokens come back with their log-probabilities (the first
+    one's null) before the completion's; ``max_tokens: 0`` (only with ``echo``) returns
+    the prompt alone."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
-                              json_schema_extra=STREAM_OPTIONS_RULE)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, json_schema_extra={
+        "allOf": [*STREAM_OPTIONS_RULE["allOf"], MAX_TOKENS_ZERO_RULE]})
     model: str
     prompt: PromptField
     best_of: Annotated[Any, refuse(1)] = None
@@ -338,7 +348,8 @@ class CompletionRequest(_Strict):
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: Annotated[Any, refuse({})] = None
     logprobs: OptionalInt = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_tokens: OptionalInt = Field(default=None, ge=1)
+    max_tokens: OptionalInt = Field(
+        default=None, ge=0, description="0 (with echo only): the prompt alone, nothing new.")
     n: OptionalInt = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     seed: OptionalInt = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
@@ -357,12 +368,17 @@ class CompletionRequest(_Strict):
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         _check_common(self)
-        if self.echo and self.logprobs is not None:
+        if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError(
-                "unsupported_parameter",
-                "'echo' together with 'logprobs' (prompt logprobs) is not supported by this "
-                "server.", {"param": "echo"})
+                "invalid_value", "max_tokens 0 generates nothing: it is allowed only with "
+                "echo (the prompt alone, with its logprobs when logprobs is set)",
+                {"param": "max_tokens"})
         return self
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether the prompt's own tokens are scored (``echo`` with ``logprobs``)."""
+        return bool(self.echo) and self.logprobs is not None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"

@@ -159,10 +159,20 @@ class ChatCompletionChunk(BaseModel):
 # -- completions ----------------------------------------------------------------------
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: one entry per token in each list. With ``echo``
+    the prompt's tokens come first, the first of them with null logprob and alternatives."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: dict[str, Any] | None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 

@@ -35,3 +35,10 @@ TOOL_CHOICE_RULE: dict[str, Any] = {
            "required": ["tool_choice"]},
     "then": {"properties": {"tools": {"type": "array", "minItems": 1}},
              "required": ["tools"]}}
+
+
+# ``CompletionRequest._check``: ``max_tokens: 0`` generates nothing, so it is taken only with
+# ``echo: true`` (the prompt alone, with its logprobs when ``logprobs`` is set).
+MAX_TOKENS_ZERO_RULE: dict[str, Any] = {
+    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+    "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}}

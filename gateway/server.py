@@ -45,6 +45,7 @@ from gateway.routes import router
 from gateway.settings import Settings, add_settings_flags, settings_from_args
 from gateway.startup import CONFIG_ERRORS, StartupError, check_settings, fail, one_line
 from gateway.state import GatewayState
+from gateway.tokenizing import router as tokenizing_router
 from observability.logging import configure_logging
 from observability.metrics import start_metrics_server
 from observability.telemetry import Telemetry
@@ -214,9 +215,11 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)
+    app.include_router(tokenizing_router)
     if settings.playground:
         app.include_router(pages.router)
-    install_openapi(app, bearer=bool(settings.api_keys))
+    install_openapi(app, bearer=bool(settings.api_keys),
+                    vocab_size=lambda: state.engine.target.vocab_size if state.engine else None)
     app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(RequestMetricsMiddleware, metrics=telemetry.metrics)
     if settings.cors_origins:

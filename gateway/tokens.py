@@ -87,12 +87,22 @@ def chat_logprobs(texts: TokenTexts, logprobs: Iterable[TokenLogprob]) -> list[d
 
 class LegacyLogprobs:
     """Builds the completions-format logprobs of one choice, chunk by chunk,
-    keeping ``text_offset`` running across chunks."""
+    keeping ``text_offset`` running across chunks (from ``start_offset``: the length of
+    an echoed prompt)."""
 
     def __init__(self, texts: TokenTexts, start_offset: int = 0) -> None:
         self.texts = texts
         self.offset = start_offset
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def prompt(self, first_token: int, logprobs: Sequence[TokenLogprob]
+               ) -> dict[str, list[Any]]:
+        """An echoed prompt's entries, offsets from 0: its first token, which nothing
+        before it scores (its logprob and alternatives null), then ``logprobs``."""
+        prompt = LegacyLogprobs(self.texts)
+        first = prompt.chunk([TokenLogprob(token_id=first_token, logprob=0.0)])
+        first["token_logprobs"], first["top_logprobs"] = [None], [None]
+        return merge_legacy([first, prompt.chunk(logprobs)])
 
     def chunk(self, logprobs: Iterable[TokenLogprob]) -> dict[str, list[Any]]:
         tokens: list[str] = []

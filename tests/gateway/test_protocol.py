@@ -143,9 +143,25 @@ def test_completion_refusals() -> None:
         == "suffix"
     assert refused(CompletionRequest, {"model": "m", "prompt": "x", "best_of": 3}).param \
         == "best_of"
-    error = refused(CompletionRequest, {"model": "m", "prompt": "x", "echo": True,
-                                        "logprobs": 1})
-    assert "echo" in error.message and error.param == "echo"
+    error = refused(CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": 0})
+    assert "echo" in error.message and error.param == "max_tokens"
+    assert refused(CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": -1}).param \
+        == "max_tokens"
+
+
+@pytest.mark.parametrize(("body", "scored"), [
+    ({"echo": True, "logprobs": 1, "max_tokens": 0}, True),
+    ({"echo": True, "logprobs": 0}, True),
+    ({"echo": True, "max_tokens": 0.0}, False),
+    ({"logprobs": 3}, False),
+])
+def test_prompt_logprobs_come_with_echo_and_logprobs(body: dict[str, Any], scored: bool
+                                                     ) -> None:
+    request = CompletionRequest.model_validate({"model": "m", "prompt": [5, 6, 7], **body})
+    assert request.prompt_logprobs is scored
+    out = generation_requests(request, [PROMPT], LIMITS, "id")
+    assert out[0].prompt_logprobs is scored
+    assert (out[0].max_new_tokens == 0) is (body.get("max_tokens") == 0)
 
 
 def test_conversion_makes_new_objects_and_seeds_choices() -> None:

@@ -64,14 +64,20 @@ CHAT, TEXT = "POST /v1/chat/completions", "POST /v1/completions"
 MODEL = "GET /v1/models/{model_id}"
 FIXED = ("GET /health", "GET /ready", "GET /v1/models")  # no inputs: one case each
 RESPONSES = "POST /v1/responses"  # typed event streams, without [DONE]
+TOKENIZE, DETOKENIZE = "POST /tokenize", "POST /detokenize"
 # (operation, mode, cases): a path parameter that is any string has no negative cases.
 FAST_PLAN = [(CHAT, POSITIVE, 200), (CHAT, NEGATIVE, 100), (TEXT, POSITIVE, 200),
              (TEXT, NEGATIVE, 100), (RESPONSES, POSITIVE, 120), (RESPONSES, NEGATIVE, 60),
-             (MODEL, POSITIVE, 20), *((op, POSITIVE, 1) for op in FIXED)]
+             (TOKENIZE, POSITIVE, 60), (TOKENIZE, NEGATIVE, 30), (DETOKENIZE, POSITIVE, 30),
+             (DETOKENIZE, NEGATIVE, 20), (MODEL, POSITIVE, 20),
+             *((op, POSITIVE, 1) for op in FIXED)]
 SLOW_PLAN = [(CHAT, POSITIVE, 800), (CHAT, NEGATIVE, 400), (TEXT, POSITIVE, 800),
              (TEXT, NEGATIVE, 400), (RESPONSES, POSITIVE, 600), (RESPONSES, NEGATIVE, 300),
+             (TOKENIZE, POSITIVE, 200), (TOKENIZE, NEGATIVE, 100),
+             (DETOKENIZE, POSITIVE, 100), (DETOKENIZE, NEGATIVE, 50),
              (MODEL, POSITIVE, 50), *((op, POSITIVE, 1) for op in FIXED)]
 KEYED_PLAN = [(CHAT, POSITIVE, 20), (TEXT, POSITIVE, 20), (RESPONSES, POSITIVE, 10),
+              (TOKENIZE, POSITIVE, 5), (DETOKENIZE, POSITIVE, 5),
               (MODEL, POSITIVE, 5), *((op, POSITIVE, 1) for op in FIXED)]
 KEY = "fuzz-key"
 SERVER_FLAGS = ("--max-tokens", "4", "--max-prompt-tokens", "64", "--max-body-bytes", "65536",
@@ -208,7 +214,8 @@ def fuzz(url: str, plan: Sequence[tuple[str, GenerationMode, int]], setup: Setup
     for result in schema.get_all_operations():
         assert isinstance(result, Ok), f"an operation is not valid OpenAPI: {result}"
         operations[result.ok().label] = result.ok()
-    assert set(operations) == {CHAT, TEXT, MODEL, RESPONSES, *FIXED}, sorted(operations)
+    assert set(operations) == {CHAT, TEXT, MODEL, RESPONSES, TOKENIZE, DETOKENIZE, *FIXED}, \
+        sorted(operations)
     tally = Tally()
     with requests.Session() as session:
         for label, mode, examples in plan:
