@@ -280,10 +280,11 @@ def integer_fields(document: dict[str, Any]) -> Iterator[tuple[str, tuple[str, .
         for operation in operations.values():
             if "requestBody" not in operation:
                 continue
-            ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-            name = ref.rsplit("/", 1)[1]
-            for path, schema in walk(components[name], (), frozenset({name})):
-                yield name, path, schema
+            body = operation["requestBody"]["content"]["application/json"]["schema"]
+            for option in body.get("anyOf", [body]):  # a body of several kinds: each
+                name = option["$ref"].rsplit("/", 1)[1]
+                for path, schema in walk(components[name], (), frozenset({name})):
+                    yield name, path, schema
 
 
 def _with(body: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
