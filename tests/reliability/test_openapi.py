@@ -273,13 +273,22 @@ def typed_event_validator(document: dict[str, Any]) -> jsonschema_rs.Validator:
     return jsonschema_rs.Draft202012Validator(schema)
 
 
-@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool-call"])
+NAMESPACED: list[Any] = [  # as Codex CLI sends them
+    {"type": "namespace", "name": "ns", "description": "d",
+     "tools": [{"type": "function", "name": "f", "strict": False}]},
+    {"type": "web_search", "external_web_access": False}]
+
+
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "name": "f"}], NAMESPACED],
+                         ids=["text", "tool-call", "namespace-call"])
 async def test_responses_events_and_body_match_the_document(
-        tiny_engine: Engine, document: dict[str, Any], tools: bool) -> None:
+        tiny_engine: Engine, document: dict[str, Any], tools: list[Any] | None) -> None:
     check = typed_event_validator(document)
-    body: dict[str, Any] = {"model": "tiny", "input": "Hi", "max_output_tokens": 6}
+    body: dict[str, Any] = {"model": "tiny", "input": "Hi", "max_output_tokens": 6,
+                            "reasoning": {"summary": "auto"}, "prompt_cache_key": "k",
+                            "store": False, "include": ["reasoning.encrypted_content"]}
     if tools:
-        body |= {"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+        body |= {"tools": tools, "tool_choice": "required",
                  "max_output_tokens": 40, "parallel_tool_calls": False}
     async with in_process(create_app(tiny_settings(), engine=tiny_engine)) as client:
         whole = await client.post("/v1/responses", json=body)
