@@ -8,11 +8,12 @@ conversation as ``input`` items instead.
 Tools: functions, and ``namespace`` tools whose functions the model sees under one
 flat name each (``FunctionNames``); hosted tools the server cannot run
 (``web_search``, ``file_search``, ...) are accepted and left out of what the model
-sees (docs/api.md, "Tools the server cannot run").
+sees (docs/structured-outputs.md, "Tools: functions, namespaces and hosted tools").
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -93,6 +94,8 @@ class NamespaceTool(_Strict):
     tools: list[FunctionTool] = Field(min_length=1, max_length=128)
 
 
+MAX_NAME = 64  # a function name's longest (``NAME_PATTERN``)
+
 # Tools OpenAI runs on its side, which this server cannot: accepted, left out of what the
 # model sees, echoed in the response's ``tools`` and named in its ``ignored_tools``.
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
@@ -114,8 +117,12 @@ ResponsesTool = Annotated[FunctionTool | NamespaceTool | HostedTool,
 def flat_name(namespace: str, name: str) -> str:
     """The one name the model sees for a namespace's function: ``<namespace>__<name>``
     (underscores at the seam trimmed, so ``mcp__files__`` and ``read`` give
-    ``mcp__files__read``)."""
-    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+    ``mcp__files__read``); past a function name's 64 characters, its first 55 and a hash
+    of the whole."""
+    flat = f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+    if len(flat) <= MAX_NAME:
+        return flat
+    return f"{flat[:MAX_NAME - 9]}_{hashlib.sha1(flat.encode()).hexdigest()[:8]}"
 
 
 @dataclass(frozen=True)

@@ -177,3 +177,14 @@ def test_what_is_not_served_is_refused(client: openai.OpenAI, body: dict[str, An
         client.responses.create(model=TINY, input="x", extra_body=body)
     assert caught.value.param is not None and caught.value.param.startswith(param), \
         caught.value.body
+
+
+def test_a_long_namespace_still_round_trips(client: openai.OpenAI) -> None:
+    """``<namespace>__<name>`` past 64 characters is shortened with a hash for the model,
+    and the call still comes back by its own name and namespace."""
+    long = {**NAMESPACE, "name": "n" * 64}
+    out = client.responses.create(model=TINY, input="Weather?", tools=[long],  # type: ignore[list-item]
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  max_output_tokens=60, temperature=0)
+    call = next(item for item in out.output if item.type == "function_call")
+    assert (call.namespace, call.name) == ("n" * 64, "get_weather")
