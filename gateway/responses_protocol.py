@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from pydantic_core import PydanticCustomError
 
 from gateway.protocol import ChatCompletionRequest, OptionalInt, SpeculationOptions, refuse
-from gateway.schema_rules import TOOL_CHOICE_RULE
+from gateway.schema_rules import RESPONSES_TOOL_CHOICE_RULE
 from gateway.tool_protocol import NAME_PATTERN, _Strict
 
 
@@ -204,7 +204,7 @@ class ResponsesRequest(_Strict):
     """``POST /v1/responses``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True,
-                              json_schema_extra={"allOf": [TOOL_CHOICE_RULE]})
+                              json_schema_extra={"allOf": [RESPONSES_TOOL_CHOICE_RULE]})
     model: str
     input: Annotated[Annotated[str, Field(min_length=1)]
                      | Annotated[list[InputItem], Field(min_length=1)],
@@ -217,8 +217,13 @@ class ResponsesRequest(_Strict):
     stream: bool | None = False
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     text: TextOptions | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    tools: list[ResponsesTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = Field(
+        default=None, description="A named function must be one of tools (a namespace's by "
+        "its flat name, <namespace>__<name>; refused otherwise).")
+    tools: list[ResponsesTool] | None = Field(
+        default=None, max_length=128,
+        description="Function names must be unique, a namespace's functions counted by their "
+        "flat names, <namespace>__<name> (a request that repeats one is refused).")
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     user: str | None = None
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
@@ -246,6 +251,11 @@ class ResponsesRequest(_Strict):
                 spec.name is None or spec.schema_ is None):
             raise PydanticCustomError("invalid_value", "a json_schema format needs a name "
                                       "and a schema", {"param": "text.format"})
+        forcing = self.tool_choice is not None and self.tool_choice not in ("none", "auto")
+        if forcing and not self.functions():  # RESPONSES_TOOL_CHOICE_RULE
+            raise PydanticCustomError("invalid_value", "this tool_choice needs a function or "
+                                      "namespace tool (hosted tools are not run here)",
+                                      {"param": "tool_choice"})
         return self
 
     def hosted_tools(self) -> list[str]:

@@ -35,3 +35,13 @@ TOOL_CHOICE_RULE: dict[str, Any] = {
            "required": ["tool_choice"]},
     "then": {"properties": {"tools": {"type": "array", "minItems": 1}},
              "required": ["tools"]}}
+
+
+# The Responses API's form of it: "required" or a named function needs a function among
+# the tools (a hosted tool cannot be called here, and a namespace holds functions).
+RESPONSES_TOOL_CHOICE_RULE: dict[str, Any] = {
+    "if": TOOL_CHOICE_RULE["if"],
+    "then": {"properties": {"tools": {"type": "array", "contains": {
+        "type": "object", "properties": {"type": {"enum": ["function", "namespace"]}},
+        "required": ["type"]}}},
+             "required": ["tools"]}}

@@ -20,6 +20,7 @@ from decoding.engine import Engine
 from gateway.errors import InvalidRequestError
 from gateway.openapi import COMPLETION_ERRORS
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses_protocol import ResponsesRequest
 from gateway.routes import parse_body, router, v1
 from gateway.server import create_app
 from tests.gateway.conftest import in_process, tiny_settings
@@ -112,6 +113,12 @@ def test_bearer_scheme_only_with_api_keys() -> None:
     assert "security" not in keyed["paths"]["/health"]["get"]
 
 
+NAMESPACED: list[Any] = [  # as Codex CLI sends them
+    {"type": "namespace", "name": "ns", "description": "d",
+     "tools": [{"type": "function", "name": "f", "strict": False}]},
+    {"type": "web_search", "external_web_access": False}]
+
+
 # Bodies that probe where a schema and a validator tend to disagree: coercion,
 # neutral values of unsupported fields, list bounds and JSON types.
 BODIES: list[tuple[str, dict[str, Any]]] = [
@@ -181,13 +188,19 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
                               "stream_options": {"include_usage": True}}),
     ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {}}),
     ("/v1/completions", {"model": "m", "prompt": "x", "stream": True, "stream_options": {}}),
+    # "required" needs a function or a namespace among the tools, a hosted one is not run
+    ("/v1/responses", {"model": "m", "input": "x", "tool_choice": "required",
+                       "tools": [{"type": "web_search"}]}),
+    ("/v1/responses", {"model": "m", "input": "x", "tool_choice": "required",
+                       "tools": [{"type": "web_search"}, *NAMESPACED[:1]]}),
+    ("/v1/responses", {"model": "m", "input": "x", "tools": [{"type": "web_search"}]}),
 ]
 
 
 @pytest.mark.parametrize(("path", "body"), BODIES)
 def test_request_schema_agrees_with_the_validator(document: dict[str, Any], path: str,
                                                   body: dict[str, Any]) -> None:
-    model = REQUEST_MODELS[path]
+    model = {**REQUEST_MODELS, "/v1/responses": ResponsesRequest}[path]
     documented = validator(document, model.__name__).is_valid(body)
     try:
         parse_body(model, httpx.Request("POST", "/", json=body).content)
@@ -273,10 +286,6 @@ def typed_event_validator(document: dict[str, Any]) -> jsonschema_rs.Validator:
     return jsonschema_rs.Draft202012Validator(schema)
 
 
-NAMESPACED: list[Any] = [  # as Codex CLI sends them
-    {"type": "namespace", "name": "ns", "description": "d",
-     "tools": [{"type": "function", "name": "f", "strict": False}]},
-    {"type": "web_search", "external_web_access": False}]
 
 
 @pytest.mark.parametrize("tools", [None, [{"type": "function", "name": "f"}], NAMESPACED],
