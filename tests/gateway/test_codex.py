@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -143,3 +144,13 @@ def test_the_default_model_answers_codex_with_a_context_length_error(
     assert "out of room in the model's context window" in errors[-1], errors
     assert caught.value.code == "context_length_exceeded" and caught.value.param == "input"
     assert "maximum context length is 8192 tokens" in caught.value.message
+
+
+def test_the_codex_version_is_pinned() -> None:
+    package = json.loads((CODEX_DIR / "package.json").read_text())
+    lock = json.loads((CODEX_DIR / "package-lock.json").read_text())
+    pinned = package["dependencies"]["@openai/codex"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pinned), "an exact version, not a range"
+    assert lock["packages"]["node_modules/@openai/codex"]["version"] == pinned
+    native = lock["packages"]["node_modules/@openai/codex-linux-x64"]  # the binary itself
+    assert native["version"] == f"{pinned}-linux-x64" and native["integrity"]
