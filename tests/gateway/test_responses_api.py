@@ -88,13 +88,17 @@ def test_refused(client: openai.OpenAI, body: dict[str, Any], param: str) -> Non
 
 # -- what Codex CLI sends -----------------------------------------------------------------
 
-CODEX_REQUEST = Path(__file__).parents[1] / "codex" / "request.json"  # Codex 0.169.0's
+CODEX_DIR = Path(__file__).parents[1] / "codex"
+# What Codex 0.169.0 sent: for `codex exec "Say hello."`, and after running the namespaced
+# call (multi_agent_v1's wait_agent) that a scripted provider had answered with
+CODEX_REQUEST = CODEX_DIR / "request.json"
+CODEX_AFTER_CALL = CODEX_DIR / "request-after-call.json"
 
 
-def codex_request(**changes: Any) -> dict[str, Any]:
+def codex_request(path: Path = CODEX_REQUEST, **changes: Any) -> dict[str, Any]:
     """Codex's request as ``responses.create`` arguments (``client_metadata`` is not one
     of the SDK's, so it goes in the extra body)."""
-    body = {**json.loads(CODEX_REQUEST.read_text()), **changes}
+    body = {**json.loads(path.read_text()), **changes}
     extra = {"client_metadata": body.pop("client_metadata")}
     return {**body, "extra_body": extra}
 
@@ -103,12 +107,14 @@ NAMESPACE = {"type": "namespace", "name": "weather_v1", "description": "Weather 
              "tools": [{**FUNCTION, "strict": False}]}
 
 
-def test_codex_request_meets_only_the_context_limit(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("path", [CODEX_REQUEST, CODEX_AFTER_CALL], ids=["turn", "after-call"])
+def test_codex_request_meets_only_the_context_limit(client: openai.OpenAI, path: Path) -> None:
     """Everything Codex sends is accepted (developer messages, input_text parts, a
     namespace tool, a hosted web_search, reasoning, include, store, prompt_cache_key,
-    client_metadata); its ~9k-token prompt is then too long for the tiny model's 512."""
+    client_metadata; a namespaced function_call and its output, with their ids and
+    status); its ~9k-token prompt is then too long for the tiny model's 512."""
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(**codex_request(model=TINY, stream=False))
+        client.responses.create(**codex_request(path, model=TINY, stream=False))
     error = caught.value
     assert error.code == "context_length_exceeded" and error.param == "input", error.body
     assert "maximum context length is 512 tokens" in error.message
