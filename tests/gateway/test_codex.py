@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
 
 CODEX_DIR = Path(__file__).parents[1] / "codex"
 REQUEST = CODEX_DIR / "request.json"
+AFTER_CALL = CODEX_DIR / "request-after-call.json"  # Codex's request after it ran a call
 GEMMA = "gemma3-270m"
 START_TIMEOUT_S = 600.0  # load Gemma (and its 262k-token vocabulary) on two busy cores
 TURN_TIMEOUT_S = 600  # one turn: ~9k prompt tokens before the first answer token
@@ -125,6 +126,13 @@ def test_a_forced_call_and_its_output_round_trip_on_gemma(gemma_server: ServePro
     assert first.usage and follow.usage
     assert follow.usage.input_tokens > first.usage.input_tokens
     assert follow.usage.input_tokens_details.cached_tokens >= 8000, follow.usage
+    # what Codex itself sent back after running multi_agent_v1's wait_agent (for a
+    # scripted provider that asked for it): the next turn proceeds here too
+    after = json.loads(AFTER_CALL.read_text())
+    extra = {"client_metadata": after.pop("client_metadata")}
+    turn = client.responses.create(**{**after, "model": GEMMA, "stream": False,
+                                      "max_output_tokens": 16, "extra_body": extra})
+    assert turn.status in ("completed", "incomplete") and turn.output, turn
 
 
 def test_the_default_model_answers_codex_with_a_context_length_error(
