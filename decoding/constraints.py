@@ -78,22 +78,28 @@ class Grammar:
 class GuidanceConstraint:
     """``Constraint`` on an llguidance matcher."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_id: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_id: int,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
         self.eos_id = eos_id
+        # every token that ends the answer where the grammar lets it end (a chat model's
+        # end of turn, not only the tokenizer's end of sequence)
+        self.stop_ids = [t for t in sorted(stop_ids | {eos_id}) if 0 <= t < vocab_size]
 
     def allowed(self) -> torch.Tensor:  # [vocab] bool
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         if self._m.is_stopped() or self._m.is_error():
-            mask[self.eos_id] = True
+            mask[self.stop_ids] = True
             return mask
         bias = torch.frombuffer(bytearray(self._m.compute_logit_bias()), dtype=torch.uint8)
         n = min(self.vocab_size, bias.numel())
         mask[:n] = bias[:n] != 0
         if self._m.is_error() or not bool(mask.any()):  # ran out of fuel: end the answer
             mask.zero_()
-            mask[self.eos_id] = True
+            mask[self.stop_ids] = True
+        elif mask[self.eos_id]:
+            mask[self.stop_ids] = True
         return mask
 
     def advance(self, tokens: Sequence[int]) -> bool:
@@ -126,10 +132,12 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_id: int | None = None,
                  max_entries: int = MAX_CACHED_GRAMMARS,
-                 max_bytes: int = MAX_CACHED_BYTES) -> None:
+                 max_bytes: int = MAX_CACHED_BYTES,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_id = int(tokenizer.eos_token_id if eos_id is None else eos_id)
+        self.stop_ids = stop_ids  # the model's other end-of-answer tokens
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -176,7 +184,8 @@ class GrammarCompiler:
         with self._lock:
             entry = self._cache.get(grammar.key)
         template = entry[1] if entry is not None else self._compile(grammar.source)
-        return GuidanceConstraint(template.deep_copy(), self.vocab_size, self.eos_id)
+        return GuidanceConstraint(template.deep_copy(), self.vocab_size, self.eos_id,
+                                  self.stop_ids)
 
     def _cached(self, key: str, source: Any) -> Grammar:
         with self._lock:
@@ -210,6 +219,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(_short(matcher.get_error()))
         return matcher
+
+    def prepare(self) -> None:
+        """Build the tokenizer's table for the matcher, once (seconds for a large
+        vocabulary; separate, so that a compile's time limit does not count it)."""
+        self._tokenizer()
 
     def _tokenizer(self) -> Any:
         with self._lock:

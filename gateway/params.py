@@ -70,6 +70,12 @@ def sampling_defaults(setting: str, model_path: str) -> SamplingDefaults:
                             top_k=int(values.get("top_k", base.top_k)), source=source)
 
 
+def model_stops(model_path: str) -> tuple[str, ...]:
+    """The strings that end a chat answer for the model at ``model_path`` (the
+    ``stop_strings`` of its generation_config.json), added to every chat request's."""
+    return model_store.recommended_stops(model_path)
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the server allows, from the settings and the model."""
@@ -81,6 +87,7 @@ class Limits:
     vocab_size: int
     max_choices: int | None = None  # generations one request may ask for (prompts x n)
     sampling: SamplingDefaults = SamplingDefaults()  # for fields a request leaves unset
+    chat_stops: tuple[str, ...] = ()  # the model's own ends of a chat answer (its template's)
 
 
 @dataclass(frozen=True)
@@ -237,12 +244,15 @@ def generation_requests(
 ) -> list[GenerationRequest]:
     """One engine request per choice, in choice-index order, sampling with ``seed``
     (``request_seed``; None: the request's own)."""
-    param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    chat = isinstance(request, ChatCompletionRequest)
+    param = "messages" if chat else "prompt"
     check_choices(request, len(prompts), limits)
     logprobs, top_logprobs = logprob_options(request)
     prompt_logprobs = isinstance(request, CompletionRequest) and request.prompt_logprobs
     speculation = speculation_params(request)
     stops = stop_sequences(request)
+    if chat:
+        stops = tuple(dict.fromkeys((*stops, *limits.chat_stops)))
     out: list[GenerationRequest] = []
     for p, prompt in enumerate(prompts):
         check_prompt(prompt, limits, param if len(prompts) == 1 else f"{param}[{p}]")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -37,6 +38,7 @@ from gateway.structured import request_grammar
 from gateway.tool_calls import CallParser
 from gateway.tools import ToolPlan
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
@@ -59,6 +61,7 @@ class ResponsesFormat:
         self.api = api
         self.sampling = sampling  # what the response reports it sampled with
         self.parser = CallParser(auto=plan.mode == "auto") if plan is not None else None
+        self.names = api.function_names()
         self.items: list[dict[str, Any]] = []  # output items, as they stand
         self.text_item: dict[str, Any] | None = None
         self.sequence = 0
@@ -75,6 +78,7 @@ class ResponsesFormat:
                      "input_tokens_details": {"cached_tokens": totals.cached_tokens},
                      "output_tokens_details": {"reasoning_tokens": 0}}
         fmt = api.text.format if api.text is not None and api.text.format else None
+        reasoning = api.reasoning
         return {
             "id": self.job.id, "object": "response", "created_at": self.job.created,
             "status": status, "error": None, "model": self.job.model,
@@ -89,8 +93,13 @@ class ResponsesFormat:
             "tool_choice": api.tool_choice if isinstance(api.tool_choice, str) or
             api.tool_choice is None else api.tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in api.tools or ()],
-            "usage": usage, "metadata": {},
+            "usage": usage, "metadata": dict(api.metadata or {}),
+            "prompt_cache_key": api.prompt_cache_key,
+            "reasoning": {"effort": reasoning.effort if reasoning else None,
+                          "summary": (reasoning.summary or reasoning.generate_summary)
+                          if reasoning else None},
             "speculation": totals.stats().model_dump() if totals is not None else None,
+            "ignored_tools": api.hosted_tools(),
         }
 
     # -- the ``Format`` protocol (a body; the stream is ``ResponsesRun``'s) ---------------
@@ -134,8 +143,11 @@ class ResponsesFormat:
             events += self._text(content)
         for delta in deltas:
             if delta.started:
+                namespace, name = self.names.split(delta.call.name)
                 item = {"type": "function_call", "id": _item_id("fc"), "call_id": delta.call.id,
-                        "name": delta.call.name, "arguments": "", "status": "in_progress"}
+                        "name": name, "arguments": "", "status": "in_progress"}
+                if namespace is not None:
+                    item["namespace"] = namespace
                 self.items.append(item)
                 events.append(self.event("response.output_item.added",
                                          output_index=len(self.items) - 1, item=item))
@@ -258,6 +270,10 @@ async def create_response(request: Request) -> Response:
     state = gateway_state(request)
     api = await _parse(request, state, ResponsesRequest)
     engine = state.require_engine()
+    hosted = api.hosted_tools()
+    if hosted:
+        log.info("left out of the prompt, hosted tools this server cannot run: %s",
+                 ", ".join(hosted))
     with responses_params():
         try:
             chat = api.chat_request()

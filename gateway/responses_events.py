@@ -41,9 +41,10 @@ class OutputFunctionCall(_Out):
     type: Literal["function_call"]
     id: str
     call_id: str
-    name: str
+    name: str  # a namespace tool's function: its own name, and ``namespace`` set
     arguments: str
     status: ItemStatus
+    namespace: str | None = None
 
 
 OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
@@ -68,6 +69,11 @@ class ResponseUsage(_Out):
 class ResponseError(_Out):
     code: str
     message: str
+
+
+class Reasoning(_Out):
+    effort: str | None
+    summary: str | None
 
 
 class IncompleteDetails(_Out):
@@ -96,9 +102,12 @@ class ResponseObject(_Out):
     tool_choice: str | dict[str, Any] | None
     tools: list[dict[str, Any]]
     usage: ResponseUsage | None
-    metadata: dict[str, Any]
+    metadata: dict[str, str]
+    prompt_cache_key: str | None
+    reasoning: Reasoning
     # -- extras (not in OpenAI's API) ----------------------------------------------------
     speculation: SpeculationStats | None
+    ignored_tools: list[str]  # hosted tools' types, left out of what the model saw
 
 
 class _Event(_Out):

@@ -42,3 +42,12 @@ TOOL_CHOICE_RULE: dict[str, Any] = {
 MAX_TOKENS_ZERO_RULE: dict[str, Any] = {
     "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
     "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}}
+
+# The Responses API's form of it: "required" or a named function needs a function among
+# the tools (a hosted tool cannot be called here, and a namespace holds functions).
+RESPONSES_TOOL_CHOICE_RULE: dict[str, Any] = {
+    "if": TOOL_CHOICE_RULE["if"],
+    "then": {"properties": {"tools": {"type": "array", "contains": {
+        "type": "object", "properties": {"type": {"enum": ["function", "namespace"]}},
+        "required": ["type"]}}},
+             "required": ["tools"]}}

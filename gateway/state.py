@@ -13,7 +13,7 @@ from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine, RequestStream
 from decoding.prefix_cache import InProcessStore
 from gateway.errors import ServiceUnavailableError
-from gateway.params import Limits, SamplingDefaults, sampling_defaults
+from gateway.params import Limits, SamplingDefaults, model_stops, sampling_defaults
 from gateway.redis_store import RedisStore, redacted
 from gateway.responses import PrefixCacheHealth
 from gateway.settings import Settings
@@ -39,6 +39,7 @@ class GatewayState:
     telemetry: Telemetry | None = None
     grammars: GrammarCompiler | None = None  # built on the first structured request
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for unset fields
+    chat_stops: tuple[str, ...] = ()  # the model's generation_config.json stop_strings
     _inflight: int = 0
     _streams: dict[int, RequestStream] = field(default_factory=dict)  # by id()
     _idle: asyncio.Event | None = None
@@ -49,6 +50,9 @@ class GatewayState:
         self.texts = TokenTexts(engine.target.tokenizer)
         self.sampling = sampling_defaults(self.settings.sampling_defaults, engine.target.name)
         log.info("sampling defaults: %s", self.sampling.metadata())
+        self.chat_stops = model_stops(engine.target.name)
+        if self.chat_stops:
+            log.info("chat answers end at the model's stop strings: %s", list(self.chat_stops))
         if self.telemetry is not None:
             metrics = self.telemetry.metrics
             metrics.track_engine(lambda: engine.num_running, lambda: engine.num_waiting)
@@ -103,6 +107,7 @@ class GatewayState:
             vocab_size=engine.target.vocab_size,
             max_choices=engine.max_queue,
             sampling=self.sampling,
+            chat_stops=self.chat_stops,
         )
 
     def token_texts(self) -> TokenTexts:

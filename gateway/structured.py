@@ -26,7 +26,8 @@ def compiler(state: GatewayState, engine: Engine) -> GrammarCompiler:
     if state.grammars is None:
         target = engine.target
         eos = getattr(target.tokenizer, "eos_token_id", None)
-        state.grammars = GrammarCompiler(target.tokenizer, target.vocab_size, eos)
+        state.grammars = GrammarCompiler(target.tokenizer, target.vocab_size, eos,
+                                         stop_ids=target.eos_token_ids)
     return state.grammars
 
 
@@ -62,6 +63,7 @@ async def request_grammar(state: GatewayState, engine: Engine, response_format: 
             "json_object" if isinstance(response_format, JsonObjectFormat) else "json_schema")
         state.telemetry.metrics.constrained_requests.labels(state.telemetry.model, kind).inc()
     where = "tools" if plan is not None else param
+    await asyncio.to_thread(grammars.prepare)  # the vocabulary's table, once, untimed
     try:
         return await asyncio.wait_for(asyncio.to_thread(_build, grammars, schema, plan),
                                       COMPILE_TIMEOUT_S)

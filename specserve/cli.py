@@ -63,7 +63,10 @@ def _parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="manage local models")
     models_sub = models.add_subparsers()
-    pull = models_sub.add_parser("pull", help="fetch and convert the default model")
+    pull = models_sub.add_parser("pull", help="fetch and convert the default model (or "
+                                 "gemma3-270m)")
+    pull.add_argument("name", nargs="?", default="default",
+                      choices=["default", *sorted(model_store.GEMMA_ALIASES)])
     pull.add_argument("--force", action="store_true", help="convert again even if present")
     pull.add_argument("--no-progress", action="store_true",
                       help="no progress line (it shows only when stderr is a terminal)")
@@ -184,7 +187,10 @@ def _draft_dtype_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    path = model_store.pull_default(force=args.force, progress=not args.no_progress)
+    if args.name in model_store.GEMMA_ALIASES:
+        path = model_store.pull_gemma(force=args.force) / model_store.GEMMA_GGUF
+    else:
+        path = model_store.pull_default(force=args.force, progress=not args.no_progress)
     print(path)
     return 0
 

@@ -377,3 +377,18 @@ def test_a_drafted_stop_token_after_the_grammar_completes(default_target: Causal
                                                              grammar, max_new=60), k=k)
         assert got == plain
         assert events[-1].finish_reason is FinishReason.STOP
+
+
+def test_other_stop_tokens_end_the_answer_where_eos_may(tiny_target: CausalLM) -> None:
+    """A chat model's end of turn ends a constrained answer wherever the grammar lets the
+    tokenizer's end of sequence end it, and nowhere else."""
+    eos = int(tiny_target.tokenizer.eos_token_id)
+    end_of_turn = next(t for t in range(tiny_target.vocab_size) if t != eos)
+    compiler = GrammarCompiler(tiny_target.tokenizer, tiny_target.vocab_size,
+                               stop_ids=frozenset({end_of_turn}))
+    matcher = compiler.matcher(compiler.json_schema({"type": "boolean"}))
+    allowed = matcher.allowed()
+    assert not allowed[eos] and not allowed[end_of_turn]  # nothing written yet
+    assert matcher.advance(tiny_target.tokenizer.encode("true", add_special_tokens=False))
+    allowed = matcher.allowed()
+    assert allowed[eos] and allowed[end_of_turn] and int(allowed.sum()) == 2

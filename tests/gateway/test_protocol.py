@@ -366,3 +366,14 @@ def test_unset_sampling_fields_take_the_defaults_and_set_ones_win() -> None:
     greedy = sampling_params(ChatCompletionRequest.model_validate(chat(temperature=0)),
                              defaults=defaults)
     assert greedy.greedy
+
+
+def test_the_models_stop_strings_end_chat_answers_only() -> None:
+    """A model's ``stop_strings`` (its generation_config.json) are added to a chat
+    request's own, once each; a completion's prompt has no template, so none apply."""
+    limits = dataclasses.replace(LIMITS, chat_stops=("\nUser:", "\nAssistant:"))
+    request = ChatCompletionRequest.model_validate(chat(stop=["\nUser:", "END"]))
+    assert generation_requests(request, [PROMPT], limits, "i")[0].stop == (
+        "\nUser:", "END", "\nAssistant:")
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    assert generation_requests(completion, [PROMPT], limits, "i")[0].stop == ()

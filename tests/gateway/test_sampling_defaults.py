@@ -111,3 +111,19 @@ def test_a_copied_model_keeps_its_recommendation(tmp_path: Path,
     copy = tmp_path / "m"
     shutil.copytree(tiny_target_dir, copy)
     assert model_store.recommended_sampling(str(copy)) == ({}, "none")
+
+
+def test_stop_strings_come_from_generation_config(tmp_path: Path) -> None:
+    """``stop_strings`` beside a GGUF file (or in a model directory) end chat answers;
+    none, an unreadable file or a wrong type give none."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    config = tmp_path / "generation_config.json"
+    assert model_store.recommended_stops(str(gguf)) == ()
+    config.write_text(json.dumps({"stop_strings": ["\nUser:", "", 3]}))
+    assert model_store.recommended_stops(str(gguf)) == ("\nUser:",)
+    assert model_store.recommended_stops(str(tmp_path)) == ("\nUser:",)
+    config.write_text(json.dumps({"stop_strings": "\nUser:"}))
+    assert model_store.recommended_stops(str(gguf)) == ("\nUser:",)
+    config.write_text("{")
+    assert model_store.recommended_stops(str(gguf)) == ()

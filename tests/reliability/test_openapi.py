@@ -21,6 +21,7 @@ from decoding.engine import Engine
 from gateway.errors import InvalidRequestError
 from gateway.openapi import COMPLETION_ERRORS, bound_token_ids
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses_protocol import ResponsesRequest
 from gateway.routes import parse_body, router, v1
 from gateway.server import create_app
 from gateway.tokenizing import router as tokenizing_router
@@ -115,6 +116,12 @@ def test_bearer_scheme_only_with_api_keys() -> None:
     assert "security" not in keyed["paths"]["/health"]["get"]
 
 
+NAMESPACED: list[Any] = [  # as Codex CLI sends them
+    {"type": "namespace", "name": "ns", "description": "d",
+     "tools": [{"type": "function", "name": "f", "strict": False}]},
+    {"type": "web_search", "external_web_access": False}]
+
+
 # Bodies that probe where a schema and a validator tend to disagree: coercion,
 # neutral values of unsupported fields, list bounds and JSON types.
 BODIES: list[tuple[str, dict[str, Any]]] = [
@@ -188,13 +195,19 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
                               "stream_options": {"include_usage": True}}),
     ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {}}),
     ("/v1/completions", {"model": "m", "prompt": "x", "stream": True, "stream_options": {}}),
+    # "required" needs a function or a namespace among the tools, a hosted one is not run
+    ("/v1/responses", {"model": "m", "input": "x", "tool_choice": "required",
+                       "tools": [{"type": "web_search"}]}),
+    ("/v1/responses", {"model": "m", "input": "x", "tool_choice": "required",
+                       "tools": [{"type": "web_search"}, *NAMESPACED[:1]]}),
+    ("/v1/responses", {"model": "m", "input": "x", "tools": [{"type": "web_search"}]}),
 ]
 
 
 @pytest.mark.parametrize(("path", "body"), BODIES)
 def test_request_schema_agrees_with_the_validator(document: dict[str, Any], path: str,
                                                   body: dict[str, Any]) -> None:
-    model = REQUEST_MODELS[path]
+    model = {**REQUEST_MODELS, "/v1/responses": ResponsesRequest}[path]
     documented = validator(document, model.__name__).is_valid(body)
     try:
         parse_body(model, httpx.Request("POST", "/", json=body).content)
@@ -320,13 +333,18 @@ def typed_event_validator(document: dict[str, Any]) -> jsonschema_rs.Validator:
     return jsonschema_rs.Draft202012Validator(schema)
 
 
-@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool-call"])
+
+
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "name": "f"}], NAMESPACED],
+                         ids=["text", "tool-call", "namespace-call"])
 async def test_responses_events_and_body_match_the_document(
-        tiny_engine: Engine, document: dict[str, Any], tools: bool) -> None:
+        tiny_engine: Engine, document: dict[str, Any], tools: list[Any] | None) -> None:
     check = typed_event_validator(document)
-    body: dict[str, Any] = {"model": "tiny", "input": "Hi", "max_output_tokens": 6}
+    body: dict[str, Any] = {"model": "tiny", "input": "Hi", "max_output_tokens": 6,
+                            "reasoning": {"summary": "auto"}, "prompt_cache_key": "k",
+                            "store": False, "include": ["reasoning.encrypted_content"]}
     if tools:
-        body |= {"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+        body |= {"tools": tools, "tool_choice": "required",
                  "max_output_tokens": 40, "parallel_tool_calls": False}
     async with in_process(create_app(tiny_settings(), engine=tiny_engine)) as client:
         whole = await client.post("/v1/responses", json=body)
