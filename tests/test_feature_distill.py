@@ -19,6 +19,7 @@ from specdistill.feature import (
     ttt_mask,
 )
 from specdistill.feature_eval import evaluate
+from specdistill.prompts import Pools
 from specserve.cli import main
 
 
@@ -146,3 +147,49 @@ def test_training_learns_a_tiny_set(feature_run: tuple[Path, Path],
     after_acc = evaluate(draft.eval(), rows, 512)["teacher_forced"]
     assert losses[-1] < 0.5 * losses[0]
     assert after_acc > before_acc + 0.2
+
+
+def _pools(passages: list[str]) -> Pools:
+    return Pools(topics=[f"a tool number {i} that converts files" for i in range(40)],
+                 everyday=[], python=[], passages=passages,
+                 code=[f"def f{i}(x):\n    y = x + {i}\n    z = y * 2\n    return z"
+                       for i in range(30)])
+
+
+def test_a_benchmark_passage_is_dropped_under_any_task_and_counted() -> None:
+    """A grounded task over a passage the benchmark quotes is dropped whatever our own
+    instruction around it (no prompt of ours equals or contains the benchmark's), and
+    every drop is counted."""
+    quoted = feature_data.bench_prompts("grounded")[0].split("\n\n", 1)[1]
+    ours = [f"Passage {i}: the module reads a file of records and checks each one before "
+            f"it writes the result {i} to disk." for i in range(300)]
+    items = feature_data.grounded_items(_pools([*ours, quoted]), seed=0)
+    with_quoted = [k for k, (_, _, text) in enumerate(items) if text == quoted]
+    assert len(with_quoted) == len(feature_data.PASSAGE_TASKS)
+    exclusion = feature_data.Exclusion()
+    kept: set[tuple[str, str, str]] = set()
+    rounds = -(-len(items) // feature_data.ROUND_GROUNDED)  # every item at least once
+    for index in range(rounds):
+        kept |= {item for _, item in feature_data.grounded_round(items, index, exclusion)}
+    assert quoted not in {text for _, _, text in kept}
+    assert kept == set(items) - {items[k] for k in with_quoted}  # nothing else dropped
+    offered = [items[p % len(items)] for p in range(rounds * feature_data.ROUND_GROUNDED)]
+    assert exclusion.dropped == sum(text == quoted for _, _, text in offered)  # each counted
+
+
+def test_held_out_follows_the_text_whatever_the_seed() -> None:
+    passages = [f"Passage {i}: the parser keeps every token of line {i} and stops at the "
+                f"first blank line it meets." for i in range(400)]
+    pools = _pools(passages)
+    splits = []
+    for seed in (0, 1, 7):
+        items = feature_data.grounded_items(pools, seed)
+        splits.append({prompt: feature_data.held_out(feature_data.split_key(prompt, text))
+                       for _, prompt, text in items})
+        by_text: dict[str, set[bool]] = {}
+        for _, prompt, text in items:
+            by_text.setdefault(text, set()).add(splits[-1][prompt])
+        assert all(len(s) == 1 for s in by_text.values())  # a text's tasks on one side
+    assert splits[0] == splits[1] == splits[2]
+    held = sum(feature_data.held_out(p) for p in passages)
+    assert 0.01 * len(passages) <= held <= 0.12 * len(passages)
