@@ -60,7 +60,7 @@ TURNS = ((1, 0.6), (2, 0.25), (3, 0.15))  # a conversation's user turns, and the
 MAGPIE_TEMPERATURE = 1.0
 MAGPIE_MAX_TOKENS = 96
 ANSWER_TEMPERATURES = (0.0, 0.2, 0.7)
-MAX_PROMPT_TOKENS = 1024  # a conversation ends before a turn whose prompt passes this
+MAX_PROMPT_TOKENS = 768  # a conversation ends before a turn whose prompt passes this
 HELD_OUT_SHARE = 0.05
 EVAL_MAX_TOKENS = 128
 ROUNDS_IN_FLIGHT = 2  # rounds whose records are held in memory at once
@@ -261,6 +261,7 @@ class _Round:
     live: int = 0  # conversations not ended
     records: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
     answer_tokens: int = 0
+    seen: set[str] = field(default_factory=set)  # first messages the target wrote
 
 
 class _Rounds:
@@ -332,7 +333,7 @@ class _Rounds:
         conv: _Conversation = done.job.tag
         rnd = self.flight[conv.round]
         if not done.job.features:  # a user message the target wrote
-            follow = self._user_message(conv, done)
+            follow = self._user_message(conv, rnd, done)
         else:
             follow = self._answered(conv, rnd, done)
         if follow is None:
@@ -342,7 +343,7 @@ class _Rounds:
             return []
         return [follow]
 
-    def _user_message(self, conv: _Conversation, done: Done) -> Job | None:
+    def _user_message(self, conv: _Conversation, rnd: _Round, done: Done) -> Job | None:
         ids = done.answers[0].tokens
         self.stats["magpie_sampled"] += 1
         if not ids or ids[-1] not in self.target.eos_token_ids:  # unfinished
@@ -350,6 +351,10 @@ class _Rounds:
         text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
         if not text or any(_norm(text) == _norm(m["content"]) for m in conv.messages):
             return None
+        if not conv.messages:  # a first message: once a round
+            if _norm(text) in rnd.seen:
+                return None
+            rnd.seen.add(_norm(text))
         if self.exclusion.excludes(text):
             return None
         self.stats["magpie_kept"] += 1
