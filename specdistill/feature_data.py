@@ -63,7 +63,8 @@ ANSWER_TEMPERATURES = (0.0, 0.2, 0.7)
 MAX_PROMPT_TOKENS = 768  # a conversation ends before a turn whose prompt passes this
 HELD_OUT_SHARE = 0.05
 EVAL_MAX_TOKENS = 128
-ROUNDS_IN_FLIGHT = 2  # rounds whose records are held in memory at once
+ROUNDS_IN_FLIGHT = 4  # rounds whose records are held in memory at once (a 3-turn
+# conversation runs through about three rounds of single answers)
 DEFAULT_DISK_GB = 40.0
 FORMAT_VERSION = 2
 BENCH_SETS = ("chat", "grounded")
@@ -144,22 +145,23 @@ def save_atomic(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_rows(path: Path) -> list[dict[str, Any]]:
-    """A shard's rows, one per answer (records of several answers are flattened)."""
+def load_rows(path: Path, layers: bool = False) -> list[dict[str, Any]]:
+    """A shard's rows, one per answer (records of several answers are flattened); the
+    captured layers' outputs only with ``layers`` (they are three times the rest)."""
     rows: list[dict[str, Any]] = torch.load(path, weights_only=True)
-    return [r for row in rows for r in (flatten(row) if "answers" in row else [row])]
+    return [r for row in rows for r in (flatten(row, layers) if "answers" in row else [row])]
 
 
-def flatten(record: dict[str, Any]) -> list[dict[str, Any]]:
+def flatten(record: dict[str, Any], layers: bool = False) -> list[dict[str, Any]]:
     """One row per answer of a record: its prompt and answer ids, and the features of
-    every position of both (and the captured layers', when kept)."""
+    every position of both (and with ``layers`` the captured layers', when kept)."""
     out = []
     for a in record["answers"]:
         row = {"kind": record["kind"], "text": record["text"], "held_out": record["held_out"],
                "greedy": a["temperature"] == 0, "temperature": a["temperature"],
                "prompt_ids": record["prompt_ids"].long(), "answer_ids": a["answer_ids"].long(),
                "features": torch.cat([record["features"], a["features"]])}
-        if "layers" in record:
+        if layers and "layers" in record:
             row["layers"] = torch.cat([record["layers"], a["layers"]])
         out.append(row)
     return out
