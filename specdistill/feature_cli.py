@@ -17,6 +17,8 @@ from typing import Any
 SETTINGS_NAME = "feature-settings.json"
 DEFAULT_TOKENS = 150_000
 DEFAULT_MAX_NEW_TOKENS = 160
+# settings added after the first runs, with the values those runs had
+LATER_SETTINGS = (("data", "layers", ()), ("train", "vocab_coverage", 0.0))
 
 
 def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path) -> int:
@@ -47,7 +49,8 @@ def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path)
     train_settings = FeatureTrainSettings(
         steps=args.steps, minutes=args.minutes, lr=args.lr or FeatureTrainSettings.lr,
         batch_tokens=args.batch_tokens or FeatureTrainSettings.batch_tokens,
-        vocab_top_k=args.vocab_top or FeatureTrainSettings.vocab_top_k, seed=args.seed)
+        vocab_top_k=args.vocab_top or FeatureTrainSettings.vocab_top_k, seed=args.seed,
+        vocab_coverage=args.vocab_coverage or 0.0)
     _check_work(work, data_settings, train_settings, args.resume)
     started = time.perf_counter()
     print(f"distill: feature draft data in {work / 'data'} (layers kept: "
@@ -129,6 +132,9 @@ def _check_work(work: Path, data: Any, training: Any, resume: bool) -> None:
                       if k not in ("tokens", "streams", "disk_gb")},
              "train": {k: v for k, v in asdict(training).items()
                        if k not in ("steps", "minutes", "eval_every")}}
+    for part, key, default in LATER_SETTINGS:  # at their defaults, earlier runs resume
+        if fixed[part].get(key) == default:
+            del fixed[part][key]
     fixed = json.loads(json.dumps(fixed))
     if path.exists():
         if not resume:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem
 from specdistill import feature_data, feature_train
 from specdistill.feature import (
     FORMAT,
@@ -55,6 +57,8 @@ def test_a_run_writes_a_valid_feature_draft(feature_run: tuple[Path, Path]) -> N
     assert "model.embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors
     report = json.loads((out / "report.json").read_text())
     assert report["training"]["steps"] == 4
+    assert report["vocabulary"]["tokens"] == 512
+    assert 0 < report["vocabulary"]["held_out_coverage"] <= 1
     for name in ("held_out", "chat", "grounded"):
         result = report["evaluation"][name]
         assert 0 <= result["teacher_forced"] <= 1 and len(result["tau"]) == 5
@@ -193,3 +197,70 @@ def test_held_out_follows_the_text_whatever_the_seed() -> None:
     assert splits[0] == splits[1] == splits[2]
     held = sum(feature_data.held_out(p) for p in passages)
     assert 0.01 * len(passages) <= held <= 0.12 * len(passages)
+
+
+def test_the_head_s_vocabulary_is_the_fewest_tokens_covering_the_held_out_share() -> None:
+    """Zipf-like answers: the chosen tokens cover 97% of the held-out answer tokens, one
+    fewer of the same ranking would not, and the stop token is always in."""
+    gen = torch.Generator().manual_seed(0)
+    weights = 1.0 / torch.arange(1, 2001, dtype=torch.float) ** 1.1
+
+    def rows(n: int) -> list[dict[str, torch.Tensor]]:
+        return [{"answer_ids": torch.multinomial(weights, 64, replacement=True, generator=gen)
+                 + 10} for _ in range(n)]
+
+    train, held = rows(400), rows(40)
+    ids, covered = feature_train.vocab_for_coverage(train, held, 0.97, 5000, [2])
+    assert covered >= 0.97 and 2 in ids.tolist()
+    assert covered == feature_train.coverage(ids, held)
+    assert 50 < ids.numel() < 2001
+    counts = torch.bincount(torch.cat([r["answer_ids"] for r in train]), minlength=5000)
+    ranked = sorted(range(5000), key=lambda t: (-int(counts[t]), t))
+    chosen = set(ids.tolist()) - {2}
+    fewer = torch.tensor(sorted([2, *ranked[:len(chosen) - 1]]))
+    assert set(ranked[:len(chosen)]) == chosen  # the most frequent ones
+    assert feature_train.coverage(fewer, held) < 0.97
+
+
+def test_grown_answers_and_their_features_are_what_each_alone_gives(
+        tiny_target_dir: Path) -> None:
+    """Answers grown together (a prompt run once, its three answers forked from its KV
+    rows) are each what the target gives alone, greedy ones its plain greedy answer, and
+    the features kept along the way (and a captured layer's) are those of one pass over
+    prompt and answer; a record flattens to one row per answer."""
+    from specdistill.data import answer_all
+    from specdistill.feature_gen import Job, grow
+
+    target = BatchedLM.load(str(tiny_target_dir), dtype="float32", kernels="native")
+    target.capture_layers((0,))
+    prompts = [[5, 9, 300, 41, 7], [11, 12, 13], [400, 3, 8, 8, 20, 21, 22]]
+    jobs = [Job(p, (0.0, 0.2, 0.7), (i, i + 1, i + 2), 12, tag=i)
+            for i, p in enumerate(prompts)]
+    done: dict[int, Any] = {}
+    grow(target, jobs, 4, lambda d: done.__setitem__(d.job.tag, d) or [])
+    alone = answer_all(target, prompts, 12, 1, 1)
+    for i, p in enumerate(prompts):
+        d = done[i]
+        assert d.answers[0].tokens == alone[i].answer_ids.tolist()
+        for a in d.answers:
+            seq = p + a.tokens
+            state = target.new_state()
+            prepared = target.prepare_pass([BatchItem(state, seq, 1, features=True)])
+            target.run_pass(prepared)
+            target.release(state)
+            feats = torch.cat([d.prompt_features, *a.features]).float()
+            layers = torch.cat([d.prompt_layers, *a.layers]).float()
+            assert feats.shape == (len(seq), target.hidden_size)
+            torch.testing.assert_close(feats, prepared.features[0].half().float())
+            torch.testing.assert_close(layers, prepared.layers[0].half().float())
+    one = done[0]
+    record = {"kind": "rewrite", "text": "t", "held_out": False,
+              "prompt_ids": torch.tensor(prompts[0]), "features": one.prompt_features,
+              "layers": one.prompt_layers,
+              "answers": [{"temperature": a.temperature, "answer_ids": torch.tensor(a.tokens),
+                           "features": torch.cat(a.features), "layers": torch.cat(a.layers)}
+                          for a in one.answers]}
+    rows = feature_data.flatten(record)
+    assert [r["greedy"] for r in rows] == [True, False, False] and "layers" not in rows[0]
+    assert "layers" in feature_data.flatten(record, layers=True)[0]
+    target.capture_layers(())
