@@ -77,7 +77,10 @@ def test_resume_continues_the_run(tmp_path: Path, tiny_target_dir: Path) -> None
     first = json.loads((tmp_path / "draft" / "report.json").read_text())
     with pytest.raises(SystemExit):  # an earlier run is there: not silently restarted
         _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", steps=6)
+    partial = tmp_path / "work" / "data" / "features-99999.pt.tmp"  # an interrupted write
+    partial.write_bytes(b"half a shard")
     _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", 6, "--resume")
+    assert not partial.exists()  # a resumed run deletes what it no longer needs
     report = json.loads((tmp_path / "draft" / "report.json").read_text())
     assert report["training"]["steps"] == 6
     assert report["history"][0] == first["history"][0]  # continued, not restarted
