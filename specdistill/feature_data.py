@@ -407,6 +407,15 @@ class _Rounds:
         self.stats["excluded"] += self.exclusion.dropped
         self.exclusion.dropped = 0
         del self.flight[rnd.index]
+        self.write_report()
+
+    def write_report(self) -> None:
+        self.stats["answer_tokens"] = self.tokens
+        self.stats["bytes"] = self.bytes
+        path = self.data_dir / REPORT_NAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.stats, indent=2) + "\n")
+        os.replace(tmp, path)
 
 
 def _on_disk(data_dir: Path, stats: dict[str, Any]) -> tuple[set[int], int, int]:
@@ -459,11 +468,7 @@ def generate(target: Any, data_dir: Path, settings: FeatureDataSettings,
     rounds = _Rounds(target, data_dir, settings, stats, rounds_done, have, size,
                      load_or_make_pools(data_dir, settings.seed))
 
-    def write_report() -> None:
-        stats["answer_tokens"] = rounds.tokens
-        stats["bytes"] = rounds.bytes
-        report_path.write_text(json.dumps(stats, indent=2) + "\n")
-
+    write_report = rounds.write_report
     def progress(g: GrowStats) -> None:
         if on_progress is not None:
             on_progress(rounds.tokens + sum(r.answer_tokens for r in rounds.flight.values()), g)
