@@ -283,6 +283,8 @@ class _Rounds:
         self.prefix = magpie_prefix(self.tokenizer)
         self.flight: dict[int, _Round] = {}
         self.stopped = ""
+        self.started_with = tokens_on_disk
+        self.grown: GrowStats | None = None  # this run's passes so far
 
     def _seed(self, conv: _Conversation, k: int) -> int:
         return ((self.settings.seed * 1_000_003 + conv.round) * 4096 + conv.id) * 64 + k
@@ -412,6 +414,12 @@ class _Rounds:
     def write_report(self) -> None:
         self.stats["answer_tokens"] = self.tokens
         self.stats["bytes"] = self.bytes
+        if self.grown is not None:  # this run so far (its entry in "runs" when it ends)
+            made, g = self.tokens - self.started_with, self.grown
+            self.stats["this_run"] = {
+                "answer_tokens": made, "seconds": round(g.seconds, 1),
+                "answer_tokens_per_second": round(made / max(g.seconds, 1e-9), 1),
+                **_pass_report(g)}
         path = self.data_dir / REPORT_NAME
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.stats, indent=2) + "\n")
@@ -460,6 +468,10 @@ def generate(target: Any, data_dir: Path, settings: FeatureDataSettings,
                              else {"format": FORMAT_VERSION, "seconds": 0.0,
                                    "magpie_sampled": 0, "magpie_kept": 0, "excluded": 0,
                                    "shards": {}, "runs": []})
+    if "this_run" in stats:  # an interrupted run: its figures up to its last shard
+        interrupted = stats.pop("this_run")
+        stats["runs"].append({**interrupted, "stopped": "interrupted"})
+        stats["seconds"] += interrupted["seconds"]
     rounds_done, have, size = _on_disk(data_dir, stats)
     if on_progress is not None:
         on_progress(have, None)
@@ -470,6 +482,7 @@ def generate(target: Any, data_dir: Path, settings: FeatureDataSettings,
 
     write_report = rounds.write_report
     def progress(g: GrowStats) -> None:
+        rounds.grown = g
         if on_progress is not None:
             on_progress(rounds.tokens + sum(r.answer_tokens for r in rounds.flight.values()), g)
 
@@ -486,6 +499,8 @@ def generate(target: Any, data_dir: Path, settings: FeatureDataSettings,
            "answer_tokens_per_cpu_second": round(made / max(time.process_time() - cpu, 1e-9), 1),
            **_pass_report(grown), "stopped": rounds.stopped or "tokens"}
     stats["runs"].append(run)
+    rounds.grown = None
+    stats.pop("this_run", None)
     write_report()
     for name in BENCH_SETS:
         path = data_dir / f"eval-{name}.pt"

@@ -81,6 +81,11 @@ def test_resume_continues_the_run(tmp_path: Path, tiny_target_dir: Path) -> None
     partial.write_bytes(b"half a shard")
     _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", 6, "--resume")
     assert not partial.exists()  # a resumed run deletes what it no longer needs
+    data_report = json.loads((tmp_path / "work" / "data" / "feature-data.json").read_text())
+    first_run, resumed = data_report["runs"]  # each run's figures, the rate among them
+    assert first_run["answer_tokens"] == data_report["answer_tokens"] >= 300
+    assert first_run["answer_tokens_per_second"] > 0 and resumed["answer_tokens"] == 0
+    assert sum(s["answer_tokens"] for s in data_report["shards"].values()) >= 300
     report = json.loads((tmp_path / "draft" / "report.json").read_text())
     assert report["training"]["steps"] == 6
     assert report["history"][0] == first["history"][0]  # continued, not restarted
