@@ -106,6 +106,8 @@ class BatchedLM(CausalLM):
         self._kernels: Any = None  # the fused CPU kernels (runtime/fused.py), or None
         self._rotary = fused.Rotary(self._inner.rotary_emb)  # cos/sin for the kernels
         self._norms: list[fused.Norm] = []
+        self._captured: tuple[int, ...] = ()  # see capture_layers
+        self._segments: list[tuple[range, Any]] | None = None
         self.use_kernels(kernels)
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
         self.weights_format = weights_format or (quantize if quantize != "none" else dtype_name)
@@ -191,6 +193,25 @@ class BatchedLM(CausalLM):
             self._norms = fused.norm_weights(self.model, self.dtype)
         self._stack = (fused.layer_stack(self._kernels, self._norms, self)
                        if self._kernels is not None else None)
+        self.capture_layers(self._captured)
+
+    def capture_layers(self, layers: Sequence[int]) -> None:
+        """Give, beside the final hidden states, the outputs of ``layers`` (the residual
+        stream after each, EAGLE-3's low, middle and high features) for every item that
+        asks for features (``PreparedPass.layers``); ``()``: none. The native kernels
+        only; the logits stay bitwise the same."""
+        self._captured = tuple(sorted({int(i) for i in layers}))
+        self._segments = None
+        if not self._captured:
+            return
+        if self._kernels is None:
+            raise ValueError(f"{self.name}: captured layers need the native kernels")
+        self._segments = fused.layer_segments(self._kernels, self._norms, self,
+                                              self._captured)
+
+    @property
+    def captured_layers(self) -> tuple[int, ...]:
+        return self._captured
 
     # -- sequences --------------------------------------------------------------------
 
@@ -332,13 +353,21 @@ class BatchedLM(CausalLM):
         batch, inputs, embedded = prepared.work
         native = embedded is not None
         # [T, H]: every real token, packed (normed by the final norm when native)
-        hidden = (fused.forward(self._kernels, self._norms, self, batch, embedded, self._stack)
+        captured: list[torch.Tensor] = []
+        capture = self._captured if any(item.features for item in items) else ()
+        hidden = (fused.forward(self._kernels, self._norms, self, batch, embedded, self._stack,
+                                capture, self._segments, captured)
                   if native else layers.forward(self, batch, inputs))
         prepared.features = [
             None if not item.features else (  # copies: the stack reuses its buffer
                 hidden[start : start + len(item.token_ids)].clone() if native
                 else self._inner.norm(hidden[start : start + len(item.token_ids)]))
             for start, item in zip(batch.offsets, items, strict=True)]
+        if capture:
+            joined = torch.cat(captured, dim=1)  # [T, layers * H]
+            prepared.layers = [None if not item.features
+                               else joined[start : start + len(item.token_ids)]
+                               for start, item in zip(batch.offsets, items, strict=True)]
 
         kept = [i for i, item in zip(batch.offsets, items, strict=True)
                 for i in range(i + len(item.token_ids) - min(item.keep, len(item.token_ids)),

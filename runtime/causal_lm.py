@@ -72,6 +72,9 @@ class PreparedPass:
     # after the run, per item: its new tokens' final hidden states (normed by the final
     # norm: what the output head reads), [n, H], where the item asked for them, else None
     features: list[torch.Tensor | None] = field(default_factory=list)
+    # and, on a runner capturing layers (``BatchedLM.capture_layers``), those layers'
+    # outputs (the residual stream after each), side by side: [n, layers * H]
+    layers: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def head_subset(model: Any) -> torch.Tensor | None:  # [K]

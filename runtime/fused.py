@@ -7,6 +7,8 @@ sees, so no attention blocks, padding or masks are built (``Layout.build(native=
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -93,15 +95,18 @@ def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
             for m in _norms(model)]
 
 
-def layer_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
-    """The kernels' whole-stack loop (``LayerStack``) over ``runner``'s layers when every
+def layer_stack(native: Any, norms: list[Norm], runner: Any, layers: range | None = None
+                ) -> Any | None:
+    """The kernels' whole-stack loop (``LayerStack``) over ``runner``'s layers (or those of
+    ``layers``, with ``norms`` their own: 2 per layer and the one after) when every
     layer matrix runs natively (4- and 8-bit ``BlockMatrix``, a dense ``Matrix`` in the
     model's dtype: a GGUF's tensors, ``--quantize int4``, a bfloat16 or float32 model), or
     every one is PyTorch's packed int4 of one group size in bfloat16; else None. It makes
     the calls ``forward`` makes, in C++."""
-    mats = [m for w in runner._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+    chosen = runner._weights if layers is None else runner._weights[layers.start:layers.stop]
+    mats = [m for w in chosen for m in (w.qkv, w.o, w.gate_up, w.down)]
     if (runner.dtype not in (ACTIVATIONS, torch.float32)
-            or any(w.qk_norms is not None for w in runner._weights)):
+            or any(w.qk_norms is not None for w in chosen)):
         return None  # (its loop has no per-head q/k norms)
     kinds = [stack_kind(m, runner.dtype) for m in mats]
     if all(kinds):
@@ -117,6 +122,38 @@ def layer_stack(native: Any, norms: list[Norm], runner: Any) -> Any | None:
                              [m.out_features for m in mats], [m.bias for m in mats],
                              [w for w, _ in norms], [e for _, e in norms], mats[0].group,
                              runner.heads, runner.kv_heads, runner.scaling, [0] * len(mats))
+
+
+# a norm that hands its input on unchanged: x * rsqrt(mean(x^2) + 2^100) is x * 2^-50
+# exactly (mean(x^2) < 2^76 vanishes beside 2^100), and the weight 2^50 undoes it
+_PASS_EPS = 2.0**100
+_PASS_WEIGHT = 2.0**50
+
+
+def layer_segments(native: Any, norms: list[Norm], runner: Any, capture: Sequence[int]
+                   ) -> list[tuple[range, Any]] | None:
+    """``LayerStack``s over runs of ``runner``'s layers, cut after each layer of ``capture``:
+    a run cut there ends with a pass-through norm (``_PASS_EPS``), so it returns the
+    residual stream after that layer, which the next run takes as its input; the last run
+    ends with the final norm, or none when the last layer is captured. None where the
+    whole stack does not run natively."""
+    count = len(runner._weights)
+    cuts = sorted({int(i) for i in capture})
+    if not cuts or cuts[0] < 0 or cuts[-1] >= count:
+        raise ValueError(f"captured layers must lie in 0..{count - 1}: {list(capture)}")
+    identity = (torch.full_like(norms[0][0], _PASS_WEIGHT), _PASS_EPS)
+    bounds = [0, *(i + 1 for i in cuts)]
+    if bounds[-1] < count:
+        bounds.append(count)
+    out = []
+    for start, stop in itertools.pairwise(bounds):
+        last = identity if stop - 1 in cuts else norms[2 * count]  # else: the final norm
+        stack = layer_stack(native, [*norms[2 * start:2 * stop], last], runner,
+                            range(start, stop))
+        if stack is None:
+            return None
+        out.append((range(start, stop), stack))
+    return out
 
 
 def stack_kind(m: Product, dtype: torch.dtype) -> int:
@@ -142,14 +179,24 @@ def embed(runner: Any, batch: Layout, inputs: torch.Tensor | None = None) -> Emb
 
 
 def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout, embedded: Embedded,
-            stack: Any = None) -> torch.Tensor:
+            stack: Any = None, capture: Sequence[int] = (),
+            segments: list[tuple[range, Any]] | None = None,
+            captured: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The decoder layers and the final norm over ``batch``'s packed tokens, ``embedded``
     (``embed``); ``[T, H]``. ``runner`` is the ``BatchedLM`` (its modules, matrices and
     KV buffers); ``stack``: its ``layer_stack``, which runs the same loop in one call
-    (not for bulk products)."""
+    (not for bulk products). ``capture``: layers whose output (the residual stream after
+    the layer, ``[T, H]``) is appended to ``captured``, in order; ``segments``: their
+    ``layer_segments``, which run the loop in one call per run of layers."""
     hidden, cos, sin = embedded
     split, dtype = batch.bulk_from, runner.dtype
-    if stack is not None and split >= hidden.shape[0]:  # the whole pass is one call
+    cuts = sorted({int(i) for i in capture})
+    if cuts and captured is None:
+        raise ValueError("captured layers need a list to go to")
+    if split >= hidden.shape[0] and cuts and segments is not None:
+        return _forward_segments(native, norms, runner, batch, embedded, segments, cuts,
+                                 captured)
+    if stack is not None and split >= hidden.shape[0] and not cuts:  # the whole pass: one call
         return stack.forward(hidden, cos, sin, runner._keys, runner._values, batch.cache_rows,
                              batch.cache_slots, batch.limits, batch.extras)
 
@@ -171,4 +218,28 @@ def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout, embedded
         gated = native.silu_mul(product(w.gate_up, x))  # [T, I]
         # the residual addition and the next layer's norm (the final norm after the last)
         hidden, x = native.add_rms_norm(hidden, product(w.down, gated), *norms[2 * index + 2])
+        if index in cuts:
+            assert captured is not None
+            captured.append(hidden)
     return x
+
+
+def _forward_segments(native: Any, norms: list[Norm], runner: Any, batch: Layout,
+                      embedded: Embedded, segments: list[tuple[range, Any]], cuts: list[int],
+                      captured: list[torch.Tensor] | None) -> torch.Tensor:
+    """``forward`` as one ``LayerStack`` call per run of layers (``layer_segments``)."""
+    hidden, cos, sin = embedded
+    if [r.stop - 1 for r, _ in segments if r.stop - 1 in cuts] != cuts:
+        raise ValueError("the runs of layers were cut for other captured layers")
+    out = hidden
+    for layers, stack in segments:
+        out = stack.forward(hidden, cos, sin, runner._keys[layers.start:layers.stop],
+                            runner._values[layers.start:layers.stop], batch.cache_rows,
+                            batch.cache_slots, batch.limits, batch.extras)
+        if layers.stop - 1 in cuts:
+            assert captured is not None
+            captured.append(out)
+            hidden = out
+    if segments[-1][0].stop - 1 in cuts:  # the last layer captured: its final norm here
+        out = native.add_rms_norm(hidden.contiguous(), None, *norms[-1])[1]
+    return out

@@ -32,7 +32,8 @@ from specbench.compare import json_output
 MS = 1000.0
 CONTEXT = 300
 PRECISIONS = {"gguf": ("bfloat16", "auto"), "bfloat16": ("bfloat16", "none"),
-              "float32": ("float32", "none")}
+              "float32": ("float32", "none"),
+              "gguf-float32": ("float32", "auto")}  # the server's default
 PATHS = ("torch", "native")
 
 

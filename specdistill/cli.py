@@ -94,6 +94,18 @@ def add_distill_command(sub: Any) -> None:
                         "then spans them instead of --steps)")
     p.add_argument("--data-only", action="store_true",
                    help="feature kind: stop after the data phase")
+    p.add_argument("--feature-layers", default="auto",
+                   help="feature kind: target layers whose outputs the data keeps beside the "
+                        "final hidden states (float16), for EAGLE-3's fused features: auto "
+                        "(2, the middle and the third from last; 2,15,27 of 30), none, or a "
+                        "comma-separated list")
+    p.add_argument("--vocab-coverage", type=float, default=None,
+                   help="feature kind: choose the head's tokens as the fewest of the target's "
+                        "most frequent answer tokens that cover this share of the held-out "
+                        "answer tokens (e.g. 0.97; default: --vocab-top tokens)")
+    p.add_argument("--disk-gb", type=float, default=None,
+                   help="feature kind: the data shards' disk budget in GB (default 40); "
+                        "generation stops there")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run in the work directory")
     p.set_defaults(func=run_distill)

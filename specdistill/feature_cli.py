@@ -17,6 +17,8 @@ from typing import Any
 SETTINGS_NAME = "feature-settings.json"
 DEFAULT_TOKENS = 150_000
 DEFAULT_MAX_NEW_TOKENS = 160
+# settings added after the first runs, with the values those runs had
+LATER_SETTINGS = (("data", "layers", ()), ("train", "vocab_coverage", 0.0))
 
 
 def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path) -> int:
@@ -24,7 +26,12 @@ def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path)
     from tqdm import tqdm
 
     from runtime.loading import load_target
-    from specdistill.feature_data import FeatureDataSettings, generate
+    from specdistill.feature_data import (
+        DEFAULT_DISK_GB,
+        FeatureDataSettings,
+        default_layers,
+        generate,
+    )
     from specdistill.feature_train import FeatureTrainSettings, Progress
 
     if args.threads:
@@ -32,39 +39,55 @@ def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path)
     if args.device not in ("auto", "cpu"):
         raise SystemExit("--kind feature runs on a CPU (the served target's own weights)")
     out_dir: Path = args.out.expanduser().resolve()
+    target = load_target(args.target, "float32", "cpu", "auto", "auto", True)
+    layers = _feature_layers(args.feature_layers, int(target.model.config.num_hidden_layers),
+                             default_layers)
     data_settings = FeatureDataSettings(
         seed=args.seed, tokens=args.tokens, max_new_tokens=args.max_new_tokens,
-        streams=args.batch_size or FeatureDataSettings.streams)
+        streams=args.batch_size or FeatureDataSettings.streams, layers=layers,
+        disk_gb=args.disk_gb or DEFAULT_DISK_GB)
     train_settings = FeatureTrainSettings(
         steps=args.steps, minutes=args.minutes, lr=args.lr or FeatureTrainSettings.lr,
         batch_tokens=args.batch_tokens or FeatureTrainSettings.batch_tokens,
-        vocab_top_k=args.vocab_top or FeatureTrainSettings.vocab_top_k, seed=args.seed)
+        vocab_top_k=args.vocab_top or FeatureTrainSettings.vocab_top_k, seed=args.seed,
+        vocab_coverage=args.vocab_coverage or 0.0)
     _check_work(work, data_settings, train_settings, args.resume)
     started = time.perf_counter()
-    target = load_target(args.target, "float32", "cpu", "auto", "auto", True)
-    print(f"distill: feature draft data in {work / 'data'}", file=sys.stderr)
+    print(f"distill: feature draft data in {work / 'data'} (layers kept: "
+          f"{list(layers) or 'final only'}, budget {data_settings.disk_gb:g} GB)",
+          file=sys.stderr)
     with tqdm(total=data_settings.tokens, desc="target answers", unit="tok") as bar:
-        def progress(have: int) -> None:
+        def progress(have: int, grown: Any) -> None:
             bar.update(min(have, data_settings.tokens) - bar.n)
+            if grown is not None and grown.passes % 20 == 0:
+                bar.set_postfix({"answer_tok/s": f"{grown.answer_tokens / grown.seconds:.0f}",
+                                 "rows": f"{grown.rows / grown.passes:.0f}",
+                                 "ms/pass": f"{1000 * grown.pass_seconds / grown.passes:.0f}"},
+                                refresh=False)
 
         data_stats = generate(target, work / "data", data_settings, progress)
-    print(f"distill: {data_stats['answer_tokens']} answer tokens in "
-          f"{data_stats['seconds']:.0f} s of generation", file=sys.stderr)
+    run = data_stats["run"]
+    print(f"distill: {data_stats['answer_tokens']} answer tokens on disk "
+          f"({data_stats['bytes'] / 1e9:.2f} GB); this run {run['answer_tokens']} at "
+          f"{run['answer_tokens_per_second']} answer tokens/s, {run['ms_per_pass']} ms a pass "
+          f"of {run['mean_rows_per_pass']} rows ({run['stopped']}; report: "
+          f"{work / 'data' / 'feature-data.json'})", file=sys.stderr)
     if args.data_only:
         return 0
     from specdistill.feature_train import train
 
     rate = data_stats["answer_tokens"] / max(1e-9, data_stats["seconds"])
+    summary = {k: v for k, v in data_stats.items() if k not in ("shards", "runs", "run")}
     made_with = {"command": command_line, "target": args.target,
-                 "data": {**asdict(data_settings), **data_stats,
+                 "data": {**asdict(data_settings), **summary,
                           "answer_tokens_per_second": round(rate, 1),
-                          "answers": "greedy, or (a fifth) sampled at temperature 0.7 among "
-                                     "the 40 most likely tokens, seeded per answer",
-                          "prompts": "magpie (the target writes the user's message, "
-                                     "temperature 1, top-k 40) and grounded tasks over Python "
-                                     "standard-library docstrings and Debian package "
-                                     "descriptions; none of specbench's chat and grounded "
-                                     "prompts"}}
+                          "answers": "each prompt greedy, and sampled at temperatures 0.2 and "
+                                     "0.7 among the 40 most likely tokens, seeded per answer",
+                          "prompts": "magpie conversations of 1-3 turns (the target writes "
+                                     "the user's messages, temperature 1, top-k 40) and "
+                                     "grounded tasks over Python standard-library docstrings "
+                                     "and functions and Debian package descriptions; none of "
+                                     "specbench's chat and grounded prompts"}}
     with tqdm(total=train_settings.steps, desc="distilling", unit="step") as bar:
         postfix: dict[str, str] = {}
 
@@ -86,13 +109,32 @@ def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path)
     return 0
 
 
+def _feature_layers(spec: str, num_layers: int, auto: Any) -> tuple[int, ...]:
+    if spec == "auto":
+        return tuple(auto(num_layers))
+    if spec == "none":
+        return ()
+    try:
+        layers = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--feature-layers takes auto, none or layer numbers, not {spec!r}"
+                         ) from None
+    if any(not 0 <= i < num_layers for i in layers):
+        raise SystemExit(f"--feature-layers: the target has layers 0..{num_layers - 1}")
+    return layers
+
+
 def _check_work(work: Path, data: Any, training: Any, resume: bool) -> None:
     """A work directory belongs to one set of settings (token and step counts may grow)."""
     work.mkdir(parents=True, exist_ok=True)
     path = work / SETTINGS_NAME
-    fixed = {"data": {k: v for k, v in asdict(data).items() if k not in ("tokens", "streams")},
+    fixed = {"data": {k: v for k, v in asdict(data).items()
+                      if k not in ("tokens", "streams", "disk_gb")},
              "train": {k: v for k, v in asdict(training).items()
                        if k not in ("steps", "minutes", "eval_every")}}
+    for part, key, default in LATER_SETTINGS:  # at their defaults, earlier runs resume
+        if fixed[part].get(key) == default:
+            del fixed[part][key]
     fixed = json.loads(json.dumps(fixed))
     if path.exists():
         if not resume:

@@ -49,6 +49,8 @@ class FeatureTrainSettings:
     lr: float = 1e-3
     batch_tokens: int = 2048  # padded tokens per step
     vocab_top_k: int = 8192
+    vocab_coverage: float = 0.0  # >0: the head's tokens are the fewest that cover this share
+    # of the held-out answer tokens (vocab_top_k then unused)
     seed: int = 0
     ttt_steps: int = 3  # drafting steps unrolled in training (training-time test)
     max_len: int = 512
@@ -112,6 +114,39 @@ def choose_vocab(rows: Sequence[dict[str, Any]], k: int, vocab_size: int,
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def coverage(head_ids: torch.Tensor, rows: Sequence[dict[str, Any]]) -> float:
+    """The share of ``rows``' answer tokens among ``head_ids``."""
+    answers = torch.cat([r["answer_ids"].long() for r in rows]) if rows else torch.zeros(0)
+    if answers.numel() == 0:
+        return 0.0
+    return float(torch.isin(answers, head_ids).float().mean())
+
+
+def vocab_for_coverage(train_rows: Sequence[dict[str, Any]], held: Sequence[dict[str, Any]],
+                       share: float, vocab_size: int, always: Sequence[int]
+                       ) -> tuple[torch.Tensor, float]:
+    """The fewest of the training answers' most frequent tokens (``always`` first) that
+    cover ``share`` of the held-out answer tokens, and the coverage they reach (all the
+    training answers' tokens where even they fall short)."""
+    counts: Counter[int] = Counter()
+    for r in train_rows:
+        counts.update(r["answer_ids"].tolist())
+    ranked = list(dict.fromkeys([*always, *(t for t, _ in sorted(
+        counts.items(), key=lambda kv: (-kv[1], kv[0])))]))
+    held_counts: Counter[int] = Counter()
+    for r in held:
+        held_counts.update(r["answer_ids"].tolist())
+    total = max(1, sum(held_counts.values()))
+    covered, k = 0, len(ranked)
+    for i, token in enumerate(ranked):
+        covered += held_counts.get(token, 0)
+        if covered >= share * total:
+            k = i + 1
+            break
+    ids = torch.tensor(sorted(ranked[:max(k, 1)]), dtype=torch.long)
+    return ids, coverage(ids, held)
+
+
 def lr_share(progress: float, step: int) -> float:
     if step < WARMUP_STEPS:
         return (step + 1) / WARMUP_STEPS
@@ -120,14 +155,18 @@ def lr_share(progress: float, step: int) -> float:
 
 
 def build_draft(target: Any, train_rows: Sequence[dict[str, Any]], k: int,
-                head_ids: torch.Tensor | None = None) -> FeatureDraft:
-    """A fresh draft: the target's last layer and final norm, ``fc`` at random."""
+                head_ids: torch.Tensor | None = None, held: Sequence[dict[str, Any]] = (),
+                share: float = 0.0) -> FeatureDraft:
+    """A fresh draft: the target's last layer and final norm, ``fc`` at random; its head's
+    tokens the ``k`` most frequent, or with ``share`` the fewest covering that share of
+    ``held``'s answer tokens (``vocab_for_coverage``)."""
     embedding = feature_target.embedding_table(target)
     head = feature_target.head_table(target, embedding)
     vocab = int(embedding.shape[0])
     if head_ids is None:
         always = sorted(int(t) for t in target.eos_token_ids)
-        head_ids = choose_vocab(train_rows, min(k, vocab), vocab, always)
+        head_ids = (vocab_for_coverage(train_rows, held, share, vocab, always)[0] if share > 0
+                    else choose_vocab(train_rows, min(k, vocab), vocab, always))
     config = layer_config(feature_target.config_dict(target), vocab)
     draft = FeatureDraft(config, embedding, head_ids, head)
     draft.load_state_dict(feature_target.last_layer_weights(target), strict=False)
@@ -145,7 +184,9 @@ def train(target: Any, work: Path, out_dir: Path, settings: FeatureTrainSettings
     ckpt_path = work / CHECKPOINT_NAME
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     draft = build_draft(target, train_rows, settings.vocab_top_k,
-                        ckpt["head_ids"] if ckpt else None)
+                        ckpt["head_ids"] if ckpt else None, held, settings.vocab_coverage)
+    vocabulary = {"tokens": int(draft.head_ids.numel()),
+                  "held_out_coverage": round(coverage(draft.head_ids, held), 4)}
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, epoch, cursor, seconds, history = 0, 0, 0, 0.0, []
@@ -170,7 +211,7 @@ def train(target: Any, work: Path, out_dir: Path, settings: FeatureTrainSettings
                              "train_answer_tokens": sum(int(r["answer_ids"].numel())
                                                         for r in train_rows),
                              "held_out_sequences": len(held)},
-                "history": history, "evaluation": evaluation}
+                "vocabulary": vocabulary, "history": history, "evaluation": evaluation}
 
     draft.train()
     loss_avg = history[-1]["loss"] if history else None

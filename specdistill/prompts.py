@@ -290,6 +290,8 @@ class Pools:
     passages: list[str]  # docstring paragraphs
     chat: list[str] = field(default_factory=list)  # everyday subjects of chat requests
     # (empty in pools kept by earlier versions, which had none)
+    code: list[str] = field(default_factory=list)  # short standard-library functions'
+    # sources, for code edits (empty in pools kept by earlier versions)
     held_out_by: str = BY_SUBJECT  # see BY_SUBJECT, BY_ORDER
 
     def __post_init__(self) -> None:
@@ -354,18 +356,54 @@ def stdlib_docs() -> tuple[list[str], list[str]]:
     return sorted(names), sorted(passages)
 
 
+MIN_CODE_LINES = 4
+MAX_CODE_LINES = 24
+MAX_CODE_CHARS = 900
+
+
+def stdlib_functions() -> list[str]:
+    """The sources of short standard-library functions (methods too, dedented), for the
+    code-edit tasks."""
+    import textwrap
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    public = {m for m in sys.stdlib_module_names if not m.startswith("_")}
+    out: set[str] = set()
+    for path in sorted(root.glob("*.py")):
+        if path.stem not in public or path.stem in {"antigravity", "this"}:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("__"):
+                continue
+            source = ast.get_source_segment(text, node)
+            if source is None:
+                continue
+            source = textwrap.dedent(" " * node.col_offset + source)
+            lines = source.count("\n") + 1
+            if MIN_CODE_LINES <= lines <= MAX_CODE_LINES and len(source) <= MAX_CODE_CHARS:
+                out.add(source)
+    return sorted(out)
+
+
 def load_pools(seed: int) -> Pools:
     topics = debian_descriptions()
     everyday = list(EVERYDAY)
     python, passages = stdlib_docs()
     chat = list(CHAT_SUBJECTS)
     rng = random.Random(seed)
-    for pool in (topics, everyday, python, passages, chat):  # earlier pools shuffle as before
-        rng.shuffle(pool)
+    code = stdlib_functions()
+    for pool in (topics, everyday, python, passages, chat, code):  # earlier pools shuffle
+        rng.shuffle(pool)  # as before
     log.info("prompt pools: %d topics, %d everyday, %d python names, %d passages, "
-             "%d chat subjects", len(topics), len(everyday), len(python), len(passages),
-             len(chat))
-    return Pools(topics=topics, everyday=everyday, python=python, passages=passages, chat=chat)
+             "%d chat subjects, %d functions", len(topics), len(everyday), len(python),
+             len(passages), len(chat), len(code))
+    return Pools(topics=topics, everyday=everyday, python=python, passages=passages, chat=chat,
+                 code=code)
 
 
 def split(pool: list[str], held_out: bool, by: str = BY_SUBJECT) -> list[str]:

@@ -184,6 +184,53 @@ def test_a_pass_gives_final_hidden_states_and_starts_from_given_rows(
         target.release(state)
 
 
+def test_captured_layers_are_the_model_s_hidden_states_and_change_no_logit(
+        tiny_target_dir: object) -> None:
+    """``capture_layers``: each asked-for layer's output is the model's own hidden state
+    after that layer (transformers' ``hidden_states``), the same whether a sequence comes
+    in one pass or in steps, and the logits stay bitwise what they are without it."""
+    target = BatchedLM.load(str(tiny_target_dir), kernels="native")
+    last = len(target.model.model.layers) - 1
+    ids = [(7 * i + 3) % 400 + 5 for i in range(40)]
+
+    def run(pieces: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        state = target.new_state()
+        logits, feats, layers = [], [], []
+        for piece in pieces:
+            prepared = target.prepare_pass([BatchItem(state, piece, len(piece), features=True)])
+            logits += target.run_pass(prepared)
+            feats.append(prepared.features[0])
+            layers.append(prepared.layers[0] if prepared.layers else None)
+        target.release(state)
+        return (torch.cat(logits), torch.cat(feats),
+                None if layers[0] is None else torch.cat(layers))
+
+    plain_logits, plain_feats, none = run([ids])
+    assert none is None
+    target.capture_layers((0, last))
+    whole = run([ids])
+    steps = run([ids[i:i + 3] for i in range(0, len(ids), 3)])
+    assert torch.equal(whole[0], plain_logits) and torch.equal(whole[1], plain_feats)
+    assert whole[2] is not None and steps[2] is not None
+    assert whole[2].shape == (len(ids), 2 * target.hidden_size)
+    assert torch.equal(steps[2], whole[2]) and torch.equal(steps[0], whole[0])
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir),
+                                                     dtype=torch.float32)
+    with torch.no_grad():
+        states = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    h = target.hidden_size
+    torch.testing.assert_close(whole[2][:, :h], states[1][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(target.model.model.norm(whole[2][:, h:]), whole[1],
+                               rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(whole[2][:, :h], whole[2][:, h:], atol=1e-2)
+    target.capture_layers(())
+    assert torch.equal(run([ids])[0], plain_logits)
+    with pytest.raises(ValueError, match="captured layers"):
+        target.capture_layers((last + 1,))
+
+
 def test_release_keeps_the_other_rows_intact(tiny_target: BatchedLM) -> None:
     """Freeing a row moves the last row into the gap; the moved sequence continues
     exactly as before."""

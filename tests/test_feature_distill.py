@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from runtime.batched import BatchedLM
+from runtime.causal_lm import BatchItem
 from specdistill import feature_data, feature_train
 from specdistill.feature import (
     FORMAT,
@@ -19,6 +21,7 @@ from specdistill.feature import (
     ttt_mask,
 )
 from specdistill.feature_eval import evaluate
+from specdistill.prompts import Pools
 from specserve.cli import main
 
 
@@ -54,6 +57,8 @@ def test_a_run_writes_a_valid_feature_draft(feature_run: tuple[Path, Path]) -> N
     assert "model.embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors
     report = json.loads((out / "report.json").read_text())
     assert report["training"]["steps"] == 4
+    assert report["vocabulary"]["tokens"] == 512
+    assert 0 < report["vocabulary"]["held_out_coverage"] <= 1
     for name in ("held_out", "chat", "grounded"):
         result = report["evaluation"][name]
         assert 0 <= result["teacher_forced"] <= 1 and len(result["tau"]) == 5
@@ -72,7 +77,15 @@ def test_resume_continues_the_run(tmp_path: Path, tiny_target_dir: Path) -> None
     first = json.loads((tmp_path / "draft" / "report.json").read_text())
     with pytest.raises(SystemExit):  # an earlier run is there: not silently restarted
         _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", steps=6)
+    partial = tmp_path / "work" / "data" / "features-99999.pt.tmp"  # an interrupted write
+    partial.write_bytes(b"half a shard")
     _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", 6, "--resume")
+    assert not partial.exists()  # a resumed run deletes what it no longer needs
+    data_report = json.loads((tmp_path / "work" / "data" / "feature-data.json").read_text())
+    first_run, resumed = data_report["runs"]  # each run's figures, the rate among them
+    assert first_run["answer_tokens"] == data_report["answer_tokens"] >= 300
+    assert first_run["answer_tokens_per_second"] > 0 and resumed["answer_tokens"] == 0
+    assert sum(s["answer_tokens"] for s in data_report["shards"].values()) >= 300
     report = json.loads((tmp_path / "draft" / "report.json").read_text())
     assert report["training"]["steps"] == 6
     assert report["history"][0] == first["history"][0]  # continued, not restarted
@@ -146,3 +159,116 @@ def test_training_learns_a_tiny_set(feature_run: tuple[Path, Path],
     after_acc = evaluate(draft.eval(), rows, 512)["teacher_forced"]
     assert losses[-1] < 0.5 * losses[0]
     assert after_acc > before_acc + 0.2
+
+
+def _pools(passages: list[str]) -> Pools:
+    return Pools(topics=[f"a tool number {i} that converts files" for i in range(40)],
+                 everyday=[], python=[], passages=passages,
+                 code=[f"def f{i}(x):\n    y = x + {i}\n    z = y * 2\n    return z"
+                       for i in range(30)])
+
+
+def test_a_benchmark_passage_is_dropped_under_any_task_and_counted() -> None:
+    """A grounded task over a passage the benchmark quotes is dropped whatever our own
+    instruction around it (no prompt of ours equals or contains the benchmark's), and
+    every drop is counted."""
+    quoted = feature_data.bench_prompts("grounded")[0].split("\n\n", 1)[1]
+    ours = [f"Passage {i}: the module reads a file of records and checks each one before "
+            f"it writes the result {i} to disk." for i in range(300)]
+    items = feature_data.grounded_items(_pools([*ours, quoted]), seed=0)
+    with_quoted = [k for k, (_, _, text) in enumerate(items) if text == quoted]
+    assert len(with_quoted) == len(feature_data.PASSAGE_TASKS)
+    exclusion = feature_data.Exclusion()
+    kept: set[tuple[str, str, str]] = set()
+    rounds = -(-len(items) // feature_data.ROUND_GROUNDED)  # every item at least once
+    for index in range(rounds):
+        kept |= {item for _, item in feature_data.grounded_round(items, index, exclusion)}
+    assert quoted not in {text for _, _, text in kept}
+    assert kept == set(items) - {items[k] for k in with_quoted}  # nothing else dropped
+    offered = [items[p % len(items)] for p in range(rounds * feature_data.ROUND_GROUNDED)]
+    assert exclusion.dropped == sum(text == quoted for _, _, text in offered)  # each counted
+
+
+def test_held_out_follows_the_text_whatever_the_seed() -> None:
+    passages = [f"Passage {i}: the parser keeps every token of line {i} and stops at the "
+                f"first blank line it meets." for i in range(400)]
+    pools = _pools(passages)
+    splits = []
+    for seed in (0, 1, 7):
+        items = feature_data.grounded_items(pools, seed)
+        splits.append({prompt: feature_data.held_out(feature_data.split_key(prompt, text))
+                       for _, prompt, text in items})
+        by_text: dict[str, set[bool]] = {}
+        for _, prompt, text in items:
+            by_text.setdefault(text, set()).add(splits[-1][prompt])
+        assert all(len(s) == 1 for s in by_text.values())  # a text's tasks on one side
+    assert splits[0] == splits[1] == splits[2]
+    held = sum(feature_data.held_out(p) for p in passages)
+    assert 0.01 * len(passages) <= held <= 0.12 * len(passages)
+
+
+def test_the_head_s_vocabulary_is_the_fewest_tokens_covering_the_held_out_share() -> None:
+    """Zipf-like answers: the chosen tokens cover 97% of the held-out answer tokens, one
+    fewer of the same ranking would not, and the stop token is always in."""
+    gen = torch.Generator().manual_seed(0)
+    weights = 1.0 / torch.arange(1, 2001, dtype=torch.float) ** 1.1
+
+    def rows(n: int) -> list[dict[str, torch.Tensor]]:
+        return [{"answer_ids": torch.multinomial(weights, 64, replacement=True, generator=gen)
+                 + 10} for _ in range(n)]
+
+    train, held = rows(400), rows(40)
+    ids, covered = feature_train.vocab_for_coverage(train, held, 0.97, 5000, [2])
+    assert covered >= 0.97 and 2 in ids.tolist()
+    assert covered == feature_train.coverage(ids, held)
+    assert 50 < ids.numel() < 2001
+    counts = torch.bincount(torch.cat([r["answer_ids"] for r in train]), minlength=5000)
+    ranked = sorted(range(5000), key=lambda t: (-int(counts[t]), t))
+    chosen = set(ids.tolist()) - {2}
+    fewer = torch.tensor(sorted([2, *ranked[:len(chosen) - 1]]))
+    assert set(ranked[:len(chosen)]) == chosen  # the most frequent ones
+    assert feature_train.coverage(fewer, held) < 0.97
+
+
+def test_grown_answers_and_their_features_are_what_each_alone_gives(
+        tiny_target_dir: Path) -> None:
+    """Answers grown together (a prompt run once, its three answers forked from its KV
+    rows) are each what the target gives alone, greedy ones its plain greedy answer, and
+    the features kept along the way (and a captured layer's) are those of one pass over
+    prompt and answer; a record flattens to one row per answer."""
+    from specdistill.data import answer_all
+    from specdistill.feature_gen import Job, grow
+
+    target = BatchedLM.load(str(tiny_target_dir), dtype="float32", kernels="native")
+    target.capture_layers((0,))
+    prompts = [[5, 9, 300, 41, 7], [11, 12, 13], [400, 3, 8, 8, 20, 21, 22]]
+    jobs = [Job(p, (0.0, 0.2, 0.7), (i, i + 1, i + 2), 12, tag=i)
+            for i, p in enumerate(prompts)]
+    done: dict[int, Any] = {}
+    grow(target, jobs, 4, lambda d: done.__setitem__(d.job.tag, d) or [])
+    alone = answer_all(target, prompts, 12, 1, 1)
+    for i, p in enumerate(prompts):
+        d = done[i]
+        assert d.answers[0].tokens == alone[i].answer_ids.tolist()
+        for a in d.answers:
+            seq = p + a.tokens
+            state = target.new_state()
+            prepared = target.prepare_pass([BatchItem(state, seq, 1, features=True)])
+            target.run_pass(prepared)
+            target.release(state)
+            feats = torch.cat([d.prompt_features, *a.features]).float()
+            layers = torch.cat([d.prompt_layers, *a.layers]).float()
+            assert feats.shape == (len(seq), target.hidden_size)
+            torch.testing.assert_close(feats, prepared.features[0].half().float())
+            torch.testing.assert_close(layers, prepared.layers[0].half().float())
+    one = done[0]
+    record = {"kind": "rewrite", "text": "t", "held_out": False,
+              "prompt_ids": torch.tensor(prompts[0]), "features": one.prompt_features,
+              "layers": one.prompt_layers,
+              "answers": [{"temperature": a.temperature, "answer_ids": torch.tensor(a.tokens),
+                           "features": torch.cat(a.features), "layers": torch.cat(a.layers)}
+                          for a in one.answers]}
+    rows = feature_data.flatten(record)
+    assert [r["greedy"] for r in rows] == [True, False, False] and "layers" not in rows[0]
+    assert "layers" in feature_data.flatten(record, layers=True)[0]
+    target.capture_layers(())
