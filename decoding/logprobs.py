@@ -43,3 +43,25 @@ def prompt_token_logprobs(
         block = tokens[start : start + ROWS_PER_BLOCK]
         out.extend(token_logprobs(block, logits[start : start + len(block)], top_n))
     return tuple(out)
+
+
+class PromptLogprobs:
+    """A prompt's log-probabilities as its chunks are prefilled, handed out once."""
+
+    def __init__(self, prompt_ids: Sequence[int], top_n: int) -> None:
+        self.prompt_ids = prompt_ids
+        self.top_n = top_n
+        self._scored: list[TokenLogprob] = []
+
+    def add(self, prefilled: int, rows: int,
+            logits: torch.Tensor,  # [>= rows, vocab] the chunk's raw target logits
+            ) -> None:
+        """The chunk after ``prefilled`` prompt tokens, ``rows`` long: its rows predict
+        the prompt tokens one further on."""
+        scored = self.prompt_ids[prefilled + 1 : prefilled + 1 + rows]
+        self._scored.extend(prompt_token_logprobs(scored, logits, self.top_n))
+
+    def take(self) -> tuple[TokenLogprob, ...]:
+        """What was scored so far, once (for the first event)."""
+        taken, self._scored = tuple(self._scored), []
+        return taken

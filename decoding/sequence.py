@@ -19,7 +19,7 @@ from decoding.constrained import ConstrainedDecoding
 from decoding.drafters.base import DraftContext, Drafter, DraftProposal
 from decoding.drafting import Draft
 from decoding.features import FeatureRows
-from decoding.logprobs import prompt_token_logprobs, token_logprobs
+from decoding.logprobs import PromptLogprobs, token_logprobs
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.prefix_use import load_prefix, remember_continuation, store_prefix
@@ -32,7 +32,6 @@ from decoding.types import (
     PromptChunk,
     RoundEvent,
     RoundTiming,
-    TokenLogprob,
 )
 from decoding.verify import Verdict, verify
 from runtime.causal_lm import BatchItem
@@ -95,7 +94,7 @@ class SequenceDecoder:
         self._prefilled: int | None = None  # prompt tokens in the cache during round 0
         self._prefill_s = 0.0
         self._round_start = 0.0
-        self._prompt_logprobs: list[TokenLogprob] = []  # request.prompt_logprobs: so far
+        self._prompt_logprobs = PromptLogprobs(request.prompt_ids, request.top_logprobs)
         spec = request.speculation  # a grammar the output must match (decoding/constrained.py)
         self.grammar = None if request.grammar is None else ConstrainedDecoding(
             request.grammar, self.stop_ids, spec.enabled and spec.drafter != "none")
@@ -200,10 +199,7 @@ class SequenceDecoder:
         if self.features is not None and features is not None:
             self.features.add(self._prefilled, features)
         if self.request.prompt_logprobs:
-            start = self._prefilled + 1  # the prompt tokens this chunk's rows predict
-            scored = self.request.prompt_ids[start : start + len(chunk.tokens)]
-            self._prompt_logprobs.extend(prompt_token_logprobs(
-                scored, logits, self.request.top_logprobs))
+            self._prompt_logprobs.add(self._prefilled, len(chunk.tokens), logits)
         self._prefilled += len(chunk.tokens)
         self._prefill_s += forward_s
         if not chunk.final:
@@ -309,11 +305,6 @@ class SequenceDecoder:
             self.drafter.release(self.draft_state)
             self.draft_state = None
 
-    def _take_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
-        """The prompt's log-probabilities, once (for the first event)."""
-        taken, self._prompt_logprobs = tuple(self._prompt_logprobs), []
-        return taken
-
     def _store_prefix_now(self) -> None:
         self._store_prefix_pending = False
         assert self.prefix_cache is not None
@@ -395,7 +386,7 @@ class SequenceDecoder:
             prompt_tokens=len(self.request.prompt_ids),
             completion_tokens=len(self.output),
             cached_tokens=self.cached_tokens if self.rounds == 1 else 0,
-            prompt_logprobs=self._take_prompt_logprobs(),
+            prompt_logprobs=self._prompt_logprobs.take(),
             draft_source=(self.source or (self.drafter.name if self.drafter else "")
                           if drafted else ""),
         )
