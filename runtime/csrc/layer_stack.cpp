@@ -200,9 +200,10 @@ at::Tensor LayerStack::forward_native(const at::Tensor& embedded, const at::Tens
   as_team = at::get_num_threads() > 1 && !at::in_parallel_region() && tokens <= kTeamTokens;
   if (as_team) {
     SpinBarrier barrier;
+    std::atomic<int64_t> tickets{0};
 #pragma omp parallel
     {
-      team = Team{omp_get_thread_num(), omp_get_num_threads()};
+      team = Team{omp_get_thread_num(), omp_get_num_threads(), &tickets};
       int64_t passed = 0;
       layers([&] { barrier.wait(passed); });
       team = Team{};
