@@ -445,8 +445,8 @@ def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
                                                           threads: None, dtype: str,
                                                           quantize: str) -> None:
     """A stack pass of a few tokens runs as one team of threads (one parallel region,
-    spin barriers between kernel calls, each call's chunks claimed from the team's
-    counter): bit for bit its one-thread logits, whether the pass starts on the main
+    each call's chunks claimed from the team's counter, a wait for them before the next
+    call): bit for bit its one-thread logits, whether the pass starts on the main
     thread or on another (as the server's model thread does), and with more threads than
     cores (members preempted mid-pass, their chunks taken by the others), for a step,
     verify passes of 3 and 16 tokens beside another sequence and a prompt longer than a

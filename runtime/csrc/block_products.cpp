@@ -302,10 +302,10 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
     for (int64_t t = lo; t < hi; ++t)
       quantize_row(xp + t * k, k, cp + t * k, scale + t * blocks, sum + t * blocks);
   };
-  if (team.size > 0)
-    quantize(0, tokens);  // every member its own copy (a pass of a few tokens: < 1 us each)
-  else
-    split(0, tokens, kTokenGrain, quantize);
+  // in a team, every member that takes a chunk makes its own copy first (a pass of a few
+  // tokens: < 1 us each)
+  bool quantized = team.size == 0;
+  if (quantized) split(0, tokens, kTokenGrain, quantize);
   // tiles in groups whose results are written out a token's row at a time (rows of
   // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
   // most kBlockRows tokens a pass over the matrix, the passes evenly filled. Groups of at
@@ -321,6 +321,10 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   // one parallel region for all passes; each group's tiles (at most ~250 KB) stay in the
   // core's cache from one pass to the next
   split(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    if (!quantized) {
+      quantize(0, tokens);
+      quantized = true;
+    }
     alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
     constexpr int64_t ldo = kGroupTiles * kTile;
     for (int64_t g = lo; g < hi; ++g) {

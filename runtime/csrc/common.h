@@ -37,15 +37,16 @@ namespace specserve {
 constexpr int64_t kTokenGrain = 128;
 
 // The team of threads a whole-stack pass runs on (layer_stack.cpp), as this thread sees
-// it: its index, the team's size (size 0: no team) and the team's ticket counter. A pass
-// of a few tokens makes ~300 short kernel calls; as parallel regions each would wake the
+// it: its index, the team's size (size 0: no team) and the team's two counters. A pass of
+// a few tokens makes ~300 short kernel calls; as parallel regions each would wake the
 // workers (from sleep, off the main thread), so the stack starts one region and the
-// kernels share out each call's work in it, with a spin barrier between calls.
+// kernels share out each call's work in it; between calls a member waits until every
+// chunk of the calls so far is done (layer_stack.cpp), not for the other members.
 struct Team {
   int64_t index = 0, size = 0;
-  std::atomic<int64_t>* tickets = nullptr;  // shared by the team; only grows
-  int64_t seen = 0;   // the tickets of every split() call this thread has made
-  int64_t held = -1;  // a ticket it drew past its last call's end (a later call's chunk)
+  std::atomic<int64_t>* tickets = nullptr;  // chunks claimed, over the pass: only grows
+  std::atomic<int64_t>* done = nullptr;     // chunks finished, over the pass: only grows
+  int64_t seen = 0;  // the chunks of every split() call this thread has made
 };
 extern thread_local Team team;
 
@@ -55,10 +56,11 @@ constexpr int64_t kChunksPerThread = 4;
 
 // f(lo, hi) over [begin, end), cut into at most kChunksPerThread chunks a thread of at
 // least `grain` items each, which the threads claim one at a time: a team from its shared
-// ticket counter (every member makes the same calls in the same order, so the n-th call
-// owns the tickets after the earlier calls' chunks; a ticket drawn past a call's end is
-// kept for the call it belongs to), otherwise PyTorch's threads from a counter of the
-// call's own. Every item is computed the same whichever thread takes it.
+// counter (every member makes the same calls in the same order and waits for the earlier
+// calls' chunks before the next call, so the n-th call owns the tickets after the earlier
+// calls' chunks, and a ticket is only taken while it is this call's), otherwise
+// PyTorch's threads from a counter of the call's own. Every item is computed the same
+// whichever thread takes it.
 template <typename F>
 void split(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
@@ -74,16 +76,15 @@ void split(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (team.size > 0) {
     const int64_t first = team.seen, last = first + chunks;
     team.seen = last;
-    for (;;) {
-      const int64_t ticket =
-          team.held >= 0 ? team.held : team.tickets->fetch_add(1, std::memory_order_relaxed);
-      team.held = -1;
-      if (ticket >= last) {
-        team.held = ticket;
-        return;
-      }
+    int64_t ticket = team.tickets->load(std::memory_order_relaxed);
+    while (ticket < last) {
+      if (!team.tickets->compare_exchange_weak(ticket, ticket + 1, std::memory_order_relaxed))
+        continue;  // ticket now holds the counter's value
       run(ticket - first);
+      team.done->fetch_add(1, std::memory_order_release);
+      ticket = team.tickets->load(std::memory_order_relaxed);
     }
+    return;
   }
   if (chunks == 1 || threads == 1) return f(begin, end);
   std::atomic<int64_t> next{0};
