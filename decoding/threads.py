@@ -1,12 +1,12 @@
 """CPU threads per forward pass.
 
-A decoding pass (every running stream's round, no prompt chunk) is a few tokens: its
-products are small, and on a machine with few cores the HTTP server's event loop
-needs a core of its own while the model decodes. Such passes run on
-``decode_threads`` (by default one fewer than the process's threads); passes holding
-prompt chunks run on all of them. The thread count does not change any result
-(the kernels split work across outputs, never a reduction: tests/test_invariance.py).
-Figures: docs/performance.md, "Threads"."""
+Every pass runs on all of the process's intra-op threads by default: the kernels split a
+pass's work into more chunks than threads and let each thread claim the next chunk, so a
+thread the system lends to the HTTP event loop delays the pass by a chunk, not by its
+whole share (runtime/csrc/common.h, ``split``). ``decode_threads`` sets fewer for passes
+without prompt chunks. The thread count does not change any result (the kernels split
+work across outputs, never a reduction: tests/test_invariance.py). Figures:
+docs/performance.md, "Threads"."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 
 
 def default_decode_threads() -> int:
-    """One fewer than PyTorch's intra-op threads (at least one)."""
-    return max(1, torch.get_num_threads() - 1)
+    """PyTorch's intra-op threads: every core the process has."""
+    return max(1, torch.get_num_threads())
 
 
 @contextmanager

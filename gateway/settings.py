@@ -197,8 +197,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--threads", {"type": int, "help": "CPU threads for PyTorch (SPECSERVE_THREADS)"}),
     ("--decode-threads", {"type": int,
                           "help": "CPU threads of a decoding pass (no prompt in it): default "
-                                  "one fewer than --threads, leaving a core to the HTTP "
-                                  "server (SPECSERVE_DECODE_THREADS)"}),
+                                  "all of --threads (SPECSERVE_DECODE_THREADS)"}),
     ("--no-batch-invariance", {"dest": "batch_invariance", "action": "store_const",
                                "const": False,
                                "help": "cheaper attention blocks whose logits depend on the "

@@ -3,10 +3,14 @@ few tokens, per precision, the two paths interleaved on the same loaded weights.
 
     python -m specbench.kernels --json bench-results/kernels.json
 
-Prints a table (median ms a pass at a 300-token context, and how far the two paths'
-logits are apart) and writes JSON. With ``--products``, also each of the default model's
-matrix shapes as PyTorch's int4 product against the native block product with int8
-activations (``runtime.quantized.BlockMatrix``), the same codes, interleaved, beside
+Prints a table (median ms a pass at a 300-token context, each pass's ratio to the first
+token count's, how far the two paths' logits are apart, and the pass's two floors at the
+threads in use: reading its weights at the memory bandwidth measured here, and its
+multiply-adds at the MACs a core's cycle of the loaded level gives) and writes JSON.
+``--paths native`` times the native kernels alone. With ``--products``, also each of
+the default model's matrix shapes as PyTorch's int4 product against the native block
+product with int8 activations (``runtime.quantized.BlockMatrix``), the same codes,
+interleaved, beside
 the block product's two floors at the threads in use: reading its bytes at the memory
 bandwidth measured here, and its multiply-adds at the int8 MACs a core's cycle of the
 loaded instruction-set level gives (``INT8_MACS_PER_CYCLE``) and the clock in
@@ -56,39 +60,78 @@ def _pass_ms(target: BatchedLM, tokens: int, repeats: int) -> tuple[float, torch
         target.release(state)
 
 
+def step_macs(target: BatchedLM) -> int:
+    """Multiply-adds of one token's pass through the matrices: every layer's and the
+    head's (attention's are a few percent at this context)."""
+    config = target.model.config
+    hidden, inner = config.hidden_size, config.intermediate_size
+    attended = target.heads * target.head_dim
+    width = (target.heads + 2 * target.kv_heads) * target.head_dim
+    layer = hidden * width + attended * hidden + hidden * 2 * inner + inner * hidden
+    return config.num_hidden_layers * layer + hidden * config.vocab_size
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from runtime import kernels
+    from specbench.concurrency import measure_bandwidth
+    from specbench.quant import step_bytes
+
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    paths = args.paths.split(",")
+    level = kernels.capability()
+    ghz = args.ghz or clock_ghz()
+    bandwidth = measure_bandwidth()  # bytes a second
     rows = []
     for name in args.precisions.split(","):
         dtype, quantize = PRECISIONS[name]
         target = load_target("default", dtype, quantize=quantize)
         assert isinstance(target, BatchedLM)
+        read_ms = step_bytes(target) / bandwidth * MS
+        per_cycle = (INT8_MACS_PER_CYCLE if name == "gguf" else FLOAT_MACS_PER_CYCLE)[level]
+        macs_per_ms = per_cycle * threads * ghz * 1e6 if ghz else None
+        first: float | None = None
         for tokens in (int(t) for t in args.tokens.split(",")):
-            times: dict[str, list[float]] = {p: [] for p in PATHS}
+            times: dict[str, list[float]] = {p: [] for p in paths}
             logits: dict[str, torch.Tensor] = {}
             for _ in range(args.rounds):  # interleaved: machine noise hits both alike
-                for path in PATHS:
+                for path in paths:
                     target.use_kernels(path)
                     ms, logits[path] = _pass_ms(target, tokens, args.repeats)
                     times[path].append(ms)
-            torch_ms, native_ms = (statistics.median(times[p]) for p in PATHS)
-            rows.append({"precision": name, "tokens": tokens, "torch_ms": round(torch_ms, 2),
-                         "native_ms": round(native_ms, 2),
-                         "speedup": round(torch_ms / native_ms, 2),
-                         "max_abs_logit_diff": round(float(
-                             (logits["torch"] - logits["native"]).abs().max()), 4),
-                         "same_argmax": bool(torch.equal(logits["torch"].argmax(-1),
-                                                         logits["native"].argmax(-1)))})
+            ms_of = {p: statistics.median(times[p]) for p in paths}
+            native_ms = ms_of.get("native", ms_of[paths[-1]])
+            first = first or native_ms
+            row: dict[str, Any] = {
+                "precision": name, "tokens": tokens,
+                "torch_ms": round(ms_of["torch"], 2) if "torch" in ms_of else None,
+                "native_ms": round(native_ms, 2),
+                "native_min_ms": round(min(times.get("native", times[paths[-1]])), 2),
+                "ratio_to_first": round(native_ms / first, 2),
+                "read_floor_ms": round(read_ms, 2),
+                "compute_floor_ms": None if macs_per_ms is None
+                else round(step_macs(target) * tokens / macs_per_ms, 2)}
+            if len(paths) == 2:
+                row |= {"speedup": round(ms_of["torch"] / native_ms, 2),
+                        "max_abs_logit_diff": round(float(
+                            (logits["torch"] - logits["native"]).abs().max()), 4),
+                        "same_argmax": bool(torch.equal(logits["torch"].argmax(-1),
+                                                        logits["native"].argmax(-1)))}
+            rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         del target
-    return {"context": CONTEXT, "threads": torch.get_num_threads(), "rows": rows}
+    return {"context": CONTEXT, "threads": threads, "level": level,
+            "ghz": round(ghz, 2) if ghz else None,
+            "bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}
 
 
 # int8 multiply-adds a core's cycle gives in the block product at each level, one vector
 # multiply a cycle: avx512_vnni's vpdpbusd (64 on 512 bits); avx512 and avx2 build the
 # 256-bit pair vpmaddubsw + vpmaddwd (32 per two multiplies); default is scalar
 INT8_MACS_PER_CYCLE = {"avx512_vnni": 64, "avx512": 16, "avx2": 16, "default": 1}
+# float32 multiply-adds a core's cycle gives in the dense products, one vector FMA a cycle
+FLOAT_MACS_PER_CYCLE = {"avx512_vnni": 16, "avx512": 16, "avx2": 8, "default": 1}
 
 
 def clock_ghz() -> float | None:
@@ -156,12 +199,20 @@ def products(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = ["precision | tokens | torch ms | native ms | speed-up | max abs logit diff | "
-             "same argmax", "---|---|---|---|---|---|---"]
-    lines += [f"{r['precision']} | {r['tokens']} | {r['torch_ms']} | {r['native_ms']} | "
-              f"{r['speedup']}x | {r['max_abs_logit_diff']} | {r['same_argmax']}"
+    def cell(row: dict[str, Any], key: str, suffix: str = "") -> str:
+        return "-" if row.get(key) is None else f"{row[key]}{suffix}"
+
+    lines = ["precision | tokens | torch ms | native ms | native min ms | / first | "
+             "read floor ms | compute floor ms | speed-up | max abs logit diff | same argmax",
+             "---|---|---|---|---|---|---|---|---|---|---"]
+    lines += [f"{r['precision']} | {r['tokens']} | {cell(r, 'torch_ms')} | {r['native_ms']} | "
+              f"{r['native_min_ms']} | {r['ratio_to_first']}x | {r['read_floor_ms']} | "
+              f"{cell(r, 'compute_floor_ms')} | {cell(r, 'speedup', 'x')} | "
+              f"{cell(r, 'max_abs_logit_diff')} | {cell(r, 'same_argmax')}"
               for r in report["rows"]]
-    lines.append(f"context {report['context']} tokens, {report['threads']} threads")
+    lines.append(f"context {report['context']} tokens, {report['threads']} threads, "
+                 f"{report['level']}; floors: {report['bandwidth_gb_s']} GB/s read, "
+                 f"{report['ghz']} GHz")
     if report.get("products"):
         first = report["products"][0]
         lines += ["", "matrix | tokens | PyTorch int4 us | block us | speed-up | "
@@ -183,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per path")
     parser.add_argument("--repeats", type=int, default=10, help="passes timed per round")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--paths", default="torch,native",
+                        help="the paths timed: torch,native (interleaved) or native")
     parser.add_argument("--products", action="store_true",
                         help="also PyTorch's int4 product against the block product per "
                              "matrix shape")
@@ -193,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.precisions.split(",")) - set(PRECISIONS)
     if unknown:
         parser.error(f"unknown precisions {sorted(unknown)}; choose from {sorted(PRECISIONS)}")
+    if args.paths not in ("torch,native", "native"):
+        parser.error("--paths is torch,native or native")
     path = json_output(args.json)
     report = run(args)
     if args.products:

@@ -106,7 +106,7 @@ def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) ->
         torch.set_num_threads(n)
         results.append(m(x))
     assert torch.equal(results[0], results[1])
-    for size in (1, 2, 5, 8, 9):
+    for size in (1, 2, 5, 8, 9, 16):
         for start in range(0, 19 - size + 1, size):
             assert torch.equal(m(x[start : start + size]), results[0][start : start + size])
 
@@ -265,16 +265,20 @@ def test_a_gguf_target_runs_its_blocks_with_int8_activations(
     assert agree >= 0.7 and cosine.mean() >= 0.95, (agree, cosine.mean())
 
 
+PASSES = (1, 2, 5, 8, 9, 16, 17)  # tokens a product takes in the cross-level checks
+
+
 @pytest.mark.parametrize("level", lower_levels())
 def test_every_level_computes_the_same_products(native: Any, tmp_path: Path, level: str) -> None:
     """Another level's build (VNNI's vpdpbusd, AVX2's vpmaddubsw and vpmaddwd, or a
     loop) sums the same integers and takes the same float steps per output row: bitwise
-    the same products, 4- and 8-bit, for passes of 1 to 9 tokens."""
+    the same products, 4- and 8-bit, for passes of 1 to 17 tokens (one to three passes
+    over the matrix)."""
     scale, low = torch.rand(53, 3) / 20, -torch.rand(53, 3) / 10
     cases = {"four": (torch.randint(0, 16, (53, 96), dtype=torch.uint8), scale, low, 4),
              "eight": (torch.randint(0, 256, (40, 64), dtype=torch.uint8), torch.rand(40, 2) / 50,
                        -torch.rand(40, 2), 8)}
-    inputs = {name: torch.randn(9, case[0].shape[1]).bfloat16() for name, case in cases.items()}
+    inputs = {name: torch.randn(17, case[0].shape[1]).bfloat16() for name, case in cases.items()}
     torch.save({"cases": cases, "inputs": inputs}, tmp_path / "cases.pt")
     at_level(level, (
         "import torch\n"
@@ -287,13 +291,13 @@ def test_every_level_computes_the_same_products(native: Any, tmp_path: Path, lev
         "for name, (codes, scale, low, bits) in data['cases'].items():\n"
         "    m = BlockMatrix(native, codes, scale, low, bits)\n"
         "    x = data['inputs'][name]\n"
-        "    out[name] = [m(x[:n]) for n in (1, 2, 5, 9)] + [m(x[:n].float()) for n in (1, 9)]\n"
+        f"    out[name] = [m(x[:n]) for n in {PASSES}] + [m(x[:n].float()) for n in (1, 9)]\n"
         f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"))
     other = torch.load(tmp_path / "out.pt")
     for name, (codes, scale, low, bits) in cases.items():
         m = BlockMatrix(native, codes, scale, low, bits)
         x = inputs[name]
-        mine = [m(x[:n]) for n in (1, 2, 5, 9)] + [m(x[:n].float()) for n in (1, 9)]
+        mine = [m(x[:n]) for n in PASSES] + [m(x[:n].float()) for n in (1, 9)]
         for index, (got, expected) in enumerate(zip(other[name], mine, strict=True)):
             assert torch.equal(got, expected), (name, index)
 

@@ -445,9 +445,12 @@ def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
                                                           threads: None, dtype: str,
                                                           quantize: str) -> None:
     """A stack pass of a few tokens runs as one team of threads (one parallel region,
-    spin barriers between kernel calls): bit for bit its one-thread logits, whether the
-    pass starts on the main thread or on another (as the server's model thread does), for
-    a step, a verify pass beside another sequence and a prompt longer than a team takes."""
+    each call's chunks claimed from the team's counter, a wait for them before the next
+    call): bit for bit its one-thread logits, whether the pass starts on the main
+    thread or on another (as the server's model thread does), and with more threads than
+    cores (members preempted mid-pass, their chunks taken by the others), for a step,
+    verify passes of 3 and 16 tokens beside another sequence and a prompt longer than a
+    team takes."""
     import threading
 
     runner = BatchedLM.load(str(tiny_target_dir), dtype=dtype, quantize=quantize)
@@ -460,6 +463,8 @@ def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
         out += runner.forward_batch([BatchItem(b, list(range(5, 12)), 1)])
         out += runner.forward_batch([BatchItem(a, [7], 1)])
         out += runner.forward_batch([BatchItem(a, [8, 9, 10], 3), BatchItem(b, [11], 1)])
+        out += runner.forward_batch([BatchItem(a, list(range(40, 56)), 16),
+                                     BatchItem(b, [12, 13], 2)])
         runner.release(a)
         runner.release(b)
         return out
@@ -468,6 +473,7 @@ def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
     with torch.inference_mode():
         results["one"] = passes(1)
         results["two"] = passes(2)
+        results["more than the cores"] = passes(2 * (os.cpu_count() or 1) + 1)
 
     def elsewhere() -> None:
         with torch.inference_mode():
@@ -476,8 +482,8 @@ def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
     worker = threading.Thread(target=elsewhere)
     worker.start()
     worker.join()
-    for name in ("two", "two, another thread"):
-        assert len(results[name]) == len(results["one"]) == 5
+    for name in ("two", "more than the cores", "two, another thread"):
+        assert len(results[name]) == len(results["one"]) == 7
         for got, want in zip(results[name], results["one"], strict=True):
             assert torch.equal(got, want), name
 

@@ -163,20 +163,27 @@ void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* ro
                  int64_t kv_heads, int64_t dim, int64_t capacity, float scale) {
   const int64_t group = heads / kv_heads;
   const bool chunked = dim % 16 == 0 && dim / 16 <= kMaxChunks;
-  split(0, tokens * kv_heads, 1, [&](int64_t lo, int64_t hi) {
+  // a task: a token's query heads of one key/value head, or an even part of them where
+  // that makes kChunksPerThread tasks a thread (one token's 3 tasks left one of two
+  // threads idle a third of the time); each query head's result is the same either way
+  const int64_t wanted = split_threads() * kChunksPerThread;
+  int64_t parts = std::min(group, (wanted + tokens * kv_heads - 1) / (tokens * kv_heads));
+  parts = std::max(parts, (group + kMaxGroup - 1) / kMaxGroup);
+  const int64_t part = (group + parts - 1) / parts;
+  parts = (group + part - 1) / part;
+  split(0, tokens * kv_heads * parts, 1, [&](int64_t lo, int64_t hi) {
     thread_local std::vector<float> scores;
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t t = task / kv_heads, h = task % kv_heads;
+      const int64_t t = task / (kv_heads * parts), h = task / parts % kv_heads;
+      const int64_t g0 = task % parts * part, size = std::min(part, group - g0);
       const int64_t base = (row[t] * kv_heads + h) * capacity * dim;
-      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-        const int64_t at = (t * heads + h * group + g0) * dim, size = std::min(kMaxGroup, group - g0);
-        if (chunked)
-          attend_task<T>(qp + at, kp + base, vp + base, op + at, limit[t], extra[t], size, dim,
-                         scale, scores);
-        else
-          attend_task_any<T>(qp + at, kp + base, vp + base, op + at, limit[t], extra[t], size,
-                             dim, scale, scores);
-      }
+      const int64_t at = (t * heads + h * group + g0) * dim;
+      if (chunked)
+        attend_task<T>(qp + at, kp + base, vp + base, op + at, limit[t], extra[t], size, dim,
+                       scale, scores);
+      else
+        attend_task_any<T>(qp + at, kp + base, vp + base, op + at, limit[t], extra[t], size,
+                           dim, scale, scores);
     }
   });
 }

@@ -112,57 +112,53 @@ void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum
     const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
     // saturated to int8 (as the vector conversions do), then converted: exact integers
     const F16 least = splat(-128.0f), most = splat(127.0f);
-    float q[kBlock];
-    store(q, min(max(round_even(mul(lo, splat(inv))), least), most));
-    store(q + 16, min(max(round_even(mul(hi, splat(inv))), least), most));
-    int total = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int c = static_cast<int>(q[i]);
-      codes[b * kBlock + i] = static_cast<int8_t>(c);
-      total += c;
-    }
+    const int total =
+        store_int8(codes + b * kBlock, min(max(round_even(mul(lo, splat(inv))), least), most)) +
+        store_int8(codes + b * kBlock + 16, min(max(round_even(mul(hi, splat(inv))), least), most));
     scale[b] = d;
     sum[b] = d * static_cast<float>(total);
   }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// R rows (tokens) against one tile of 16 output rows: [R, 16] float32 into out (rows ldo apart)
+// R rows (tokens) against one tile of 16 output rows: [R, 16] float32 into out (rows ldo apart).
+// Each 64-byte group of a block's codes is loaded once and multiplied into every row's
+// sums, so the R rows' chains of vpdpbusd run side by side
 template <int R, int BITS>
 inline void block_tile(const uint8_t* w, int64_t blocks, const int8_t* codes, const float* scale,
                        const float* sum, int64_t k, float* out, int64_t ldo) {
   constexpr int64_t size = (BITS == 4 ? 256 : 512) + 64;
+  // few rows leave the core waiting on one chain of sums: C chains a row, added at the end
+  // (integer sums: the same result in any order)
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b, w += size) {
     prefetch_row(w + kPrefetchBytes, size);
-    __m512i group[8];
-    if (BITS == 4) {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i bytes = _mm512_loadu_si512(w + 64 * j);
-        group[j] = _mm512_and_si512(bytes, nibble);
-        group[j + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    const int8_t* a = codes + b * kBlock;
+    __m512i dots[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dots[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i group;
+      if (BITS == 4) {
+        const __m512i bytes = _mm512_loadu_si512(w + 64 * (j % 4));
+        group = _mm512_and_si512(j < 4 ? bytes : _mm512_srli_epi16(bytes, 4), nibble);
+      } else {
+        group = _mm512_loadu_si512(w + 64 * j);
       }
-    } else {
-      for (int j = 0; j < 8; ++j) group[j] = _mm512_loadu_si512(w + 64 * j);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, a + r * k + 4 * j, 4);
+        dots[r][j % C] = _mm512_dpbusd_epi32(dots[r][j % C], group, _mm512_set1_epi32(four));
+      }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + size - 64)));
     const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + size - 32)));
     for (int r = 0; r < R; ++r) {
-      const int8_t* a = codes + r * k + b * kBlock;
-      // few rows leave the core waiting on one chain of sums: C chains, added at the end
-      // (integer sums: the same result in any order)
-      constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
-      __m512i dots[C];
-      for (int c = 0; c < C; ++c) dots[c] = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        int32_t four;
-        std::memcpy(&four, a + 4 * j, 4);
-        dots[j % C] = _mm512_dpbusd_epi32(dots[j % C], group[j], _mm512_set1_epi32(four));
-      }
-      __m512i dot = dots[0];
-      for (int c = 1; c < C; ++c) dot = _mm512_add_epi32(dot, dots[c]);
+      __m512i dot = dots[r][0];
+      for (int c = 1; c < C; ++c) dot = _mm512_add_epi32(dot, dots[r][c]);
       const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(scale[r * blocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, acc[r]);
       acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(sum[r * blocks + b]), acc[r]);
@@ -171,7 +167,7 @@ inline void block_tile(const uint8_t* w, int64_t blocks, const int8_t* codes, co
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-constexpr int kBlockRows = 6;  // the most tokens a pass over the matrix serves
+constexpr int kBlockRows = 8;  // the most tokens a pass over the matrix serves: 8 x 2 sums and a group in registers
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // With AVX2: vpmaddubsw and vpmaddwd sum the same four code x activation products per
 // int32 lane as vpdpbusd (8-bit codes as two nibbles, so no 16-bit sum saturates), half a
@@ -269,14 +265,14 @@ constexpr int kBlockRows = 4;
 template <int BITS>
 void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* codes,
                      const float* scale, const float* sum, int64_t k, float* out, int64_t ldo) {
-  static_assert(kBlockRows <= 6, "a case per row count");
+  static_assert(kBlockRows <= 8, "a case per row count");
   switch (rows) {
 #define SPECSERVE_ROWS(R)      \
   case R:                     \
     if constexpr (R <= kBlockRows) \
       return block_tile<R, BITS>(w, blocks, codes, scale, sum, k, out, ldo);
     SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
-    SPECSERVE_ROWS(5) SPECSERVE_ROWS(6)
+    SPECSERVE_ROWS(5) SPECSERVE_ROWS(6) SPECSERVE_ROWS(7) SPECSERVE_ROWS(8)
 #undef SPECSERVE_ROWS
   }
   TORCH_CHECK(false, "block_tile_rows: ", rows, " rows");
@@ -306,19 +302,18 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
     for (int64_t t = lo; t < hi; ++t)
       quantize_row(xp + t * k, k, cp + t * k, scale + t * blocks, sum + t * blocks);
   };
-  if (team.size > 0)
-    quantize(0, tokens);  // every member its own copy (a pass of a few tokens: < 1 us each)
-  else
-    at::parallel_for(0, tokens, kTokenGrain, quantize);
+  // in a team, every member that takes a chunk makes its own copy first (a pass of a few
+  // tokens: < 1 us each)
+  bool quantized = team.size == 0;
+  if (quantized) split(0, tokens, kTokenGrain, quantize);
   // tiles in groups whose results are written out a token's row at a time (rows of
   // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
-  // most kBlockRows tokens a pass over the matrix, the passes evenly filled (7 or 8
-  // tokens in one pass measured 2-3x two passes of 4 for the 49152-row head). Groups of
-  // at most kGroupTiles tiles, as many as fill the threads evenly (a layer's 36-tile
-  // matrix in groups of 16, 16 and 4 left one of two threads idle most of it)
+  // most kBlockRows tokens a pass over the matrix, the passes evenly filled. Groups of at
+  // most kGroupTiles tiles, and at least kChunksPerThread a thread where the matrix has
+  // the tiles, which the threads claim one at a time (split)
   const int64_t threads = split_threads();
-  int64_t groups = (tiles + kGroupTiles - 1) / kGroupTiles;
-  if (groups < 8 * threads) groups = std::min(tiles, (groups + threads - 1) / threads * threads);
+  int64_t groups = std::max((tiles + kGroupTiles - 1) / kGroupTiles,
+                            std::min(tiles, threads * kChunksPerThread));
   const int64_t group_tiles = (tiles + groups - 1) / groups;
   groups = (tiles + group_tiles - 1) / group_tiles;
   const int64_t passes = (tokens + kBlockRows - 1) / kBlockRows;
@@ -326,6 +321,10 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   // one parallel region for all passes; each group's tiles (at most ~250 KB) stay in the
   // core's cache from one pass to the next
   split(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    if (!quantized) {
+      quantize(0, tokens);
+      quantized = true;
+    }
     alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
     constexpr int64_t ldo = kGroupTiles * kTile;
     for (int64_t g = lo; g < hi; ++g) {
@@ -344,9 +343,8 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
                                sum + r * blocks, k, out, ldo);
         }
         for (int i = 0; i < rows; ++i)
-          for (int64_t c = 0; c < width; ++c)
-            store(yp + (r + i) * n + col, c,
-                  bp != nullptr ? buffer[i * ldo + c] + bp[col + c] : buffer[i * ldo + c]);
+          store_row(yp + (r + i) * n + col, buffer + i * ldo, bp != nullptr ? bp + col : nullptr,
+                    width);
       }
     }
   });

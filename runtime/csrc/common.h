@@ -37,26 +37,62 @@ namespace specserve {
 constexpr int64_t kTokenGrain = 128;
 
 // The team of threads a whole-stack pass runs on (layer_stack.cpp), as this thread sees
-// it: its index and the team's size (size 0: no team, kernels split their work by
-// at::parallel_for). A pass of a few tokens makes ~300 short kernel calls; as parallel
-// regions each would wake the workers (from sleep, off the main thread), so the stack
-// starts one region and the kernels take their share of each call in it, with a spin
-// barrier between calls.
+// it: its index, the team's size (size 0: no team) and the team's two counters. A pass of
+// a few tokens makes ~300 short kernel calls; as parallel regions each would wake the
+// workers (from sleep, off the main thread), so the stack starts one region and the
+// kernels share out each call's work in it; between calls a member waits until every
+// chunk of the calls so far is done (layer_stack.cpp), not for the other members.
 struct Team {
   int64_t index = 0, size = 0;
+  std::atomic<int64_t>* tickets = nullptr;  // chunks claimed, over the pass: only grows
+  std::atomic<int64_t>* done = nullptr;     // chunks finished, over the pass: only grows
+  int64_t seen = 0;  // the chunks of every split() call this thread has made
 };
 extern thread_local Team team;
 
-// f(lo, hi) over [begin, end) in chunks of at least `grain`: this thread's share in a team,
-// else at::parallel_for's split. Every item is computed the same either way.
+// Chunks a call's work is cut into, per thread at most: a thread the system preempts (to
+// run the HTTP event loop) holds up one chunk, while the others claim the rest
+constexpr int64_t kChunksPerThread = 4;
+
+// f(lo, hi) over [begin, end), cut into at most kChunksPerThread chunks a thread of at
+// least `grain` items each, which the threads claim one at a time: a team from its shared
+// counter (every member makes the same calls in the same order and waits for the earlier
+// calls' chunks before the next call, so the n-th call owns the tickets after the earlier
+// calls' chunks, and a ticket is only taken while it is this call's), otherwise
+// PyTorch's threads from a counter of the call's own. Every item is computed the same
+// whichever thread takes it.
 template <typename F>
 void split(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  if (team.size == 0) return at::parallel_for(begin, end, grain, f);
   if (begin >= end) return;
-  const int64_t chunks = std::min(team.size, (end - begin + grain - 1) / grain);
-  const int64_t chunk = (end - begin + chunks - 1) / chunks;
-  const int64_t lo = begin + team.index * chunk;
-  if (team.index < chunks && lo < end) f(lo, std::min(end, lo + chunk));
+  const int64_t threads =
+      team.size > 0 ? team.size : at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t items = end - begin;
+  const int64_t chunks = std::min((items + grain - 1) / grain, threads * kChunksPerThread);
+  const int64_t chunk = (items + chunks - 1) / chunks;
+  auto run = [&](int64_t i) {
+    const int64_t lo = begin + i * chunk;
+    if (lo < end) f(lo, std::min(end, lo + chunk));
+  };
+  if (team.size > 0) {
+    const int64_t first = team.seen, last = first + chunks;
+    team.seen = last;
+    int64_t ticket = team.tickets->load(std::memory_order_relaxed);
+    while (ticket < last) {
+      if (!team.tickets->compare_exchange_weak(ticket, ticket + 1, std::memory_order_relaxed))
+        continue;  // ticket now holds the counter's value
+      run(ticket - first);
+      team.done->fetch_add(1, std::memory_order_release);
+      ticket = team.tickets->load(std::memory_order_relaxed);
+    }
+    return;
+  }
+  if (chunks == 1 || threads == 1) return f(begin, end);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < chunks;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      run(i);
+  });
 }
 
 // A product streams its matrix once; prefetching this many bytes ahead of the part it
@@ -73,6 +109,15 @@ inline float load(const c10::BFloat16* p, int64_t i) {
 }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
+
+// y[c] = out[c] (+ bias[c], float32, or null) for c < width, rounded once to T
+template <typename T>
+inline void store_row(T* y, const float* out, const float* bias, int64_t width) {
+  int64_t c = 0;
+  for (; c + 16 <= width; c += 16)
+    store(y + c, bias != nullptr ? add(load(out + c), load(bias + c)) : load(out + c));
+  for (; c < width; ++c) store(y, c, bias != nullptr ? out[c] + bias[c] : out[c]);
+}
 
 // Bring a row's bytes toward the core ahead of use (a prefetch never faults: a row past
 // the end of a buffer is harmless).

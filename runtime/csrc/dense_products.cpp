@@ -104,10 +104,8 @@ void dense_product_rows(const X* xs, int64_t tokens, int64_t k, const W* wp, int
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
         dense_group_rows(rows, w, k, xs + r * k, k, buffer);
         for (int i = 0; i < rows; ++i)
-          for (int64_t c = 0; c < width; ++c)
-            store(yp + (r + i) * n + col, c,
-                  bp != nullptr ? buffer[i * kDenseRows + c] + bp[col + c]
-                                : buffer[i * kDenseRows + c]);
+          store_row(yp + (r + i) * n + col, buffer + i * kDenseRows,
+                    bp != nullptr ? bp + col : nullptr, width);
       }
     }
   });

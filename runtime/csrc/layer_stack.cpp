@@ -22,28 +22,20 @@ namespace {
 // the most tokens a stack pass runs as one team (more: each kernel call splits on its own)
 constexpr int64_t kTeamTokens = 64;
 
-// All of a team waits here until every member has arrived: a counter that only grows (the
-// n-th barrier opens at n * size), spinning, then yielding the core (a member the system
-// has descheduled, as when the HTTP loop takes a core, needs one to arrive)
-class SpinBarrier {
- public:
-  void wait(int64_t& passed) {
-    const int64_t open = ++passed * team.size;
-    arrived_.fetch_add(1, std::memory_order_acq_rel);
-    for (int spins = 0; arrived_.load(std::memory_order_acquire) < open; ++spins) {
-      if (spins < 4096) {
+// A team member waits here until every chunk of the calls it has made is done (split()
+// counts them), spinning, then yielding the core: a member the system has descheduled
+// holds the others up only while it holds a chunk, and catches up without work
+inline void wait_for_chunks() {
+  for (int spins = 0; team.done->load(std::memory_order_acquire) < team.seen; ++spins) {
+    if (spins < 4096) {
 #if defined(__x86_64__) || defined(__i386__)
-        _mm_pause();
+      _mm_pause();
 #endif
-      } else {
-        std::this_thread::yield();
-      }
+    } else {
+      std::this_thread::yield();
     }
   }
-
- private:
-  std::atomic<int64_t> arrived_{0};
-};
+}
 
 }  // namespace
 
@@ -199,12 +191,11 @@ at::Tensor LayerStack::forward_native(const at::Tensor& embedded, const at::Tens
   // of long prompt chunks do not come here)
   as_team = at::get_num_threads() > 1 && !at::in_parallel_region() && tokens <= kTeamTokens;
   if (as_team) {
-    SpinBarrier barrier;
+    std::atomic<int64_t> tickets{0}, done{0};
 #pragma omp parallel
     {
-      team = Team{omp_get_thread_num(), omp_get_num_threads()};
-      int64_t passed = 0;
-      layers([&] { barrier.wait(passed); });
+      team = Team{omp_get_thread_num(), omp_get_num_threads(), &tickets, &done};
+      layers([] { wait_for_chunks(); });
       team = Team{};
     }
   }

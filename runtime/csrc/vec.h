@@ -211,6 +211,35 @@ inline void load_pairs(const c10::BFloat16* p, F16& odd, F16& even) {
 #undef SPECSERVE_LANES
 #endif
 
+// Lanes that hold whole numbers in [-128, 127] stored as 16 int8s; returns their sum
+// (integers: exact in any order)
+inline int32_t store_int8(int8_t* p, F16 a) {
+#if defined(SPECSERVE_VEC_AVX512)
+  const __m512i i = _mm512_cvtps_epi32(a.v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(i));
+  return _mm512_reduce_add_epi32(i);
+#elif defined(SPECSERVE_VEC_AVX2)
+  const __m256i lo = _mm256_cvtps_epi32(a.lo), hi = _mm256_cvtps_epi32(a.hi);
+  // int16s in lane order lo 0-3, hi 0-3, lo 4-7, hi 4-7; then in order; then bytes
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+  int32_t lanes[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(lo, hi));
+  int32_t total = 0;
+  for (int i = 0; i < 8; ++i) total += lanes[i];
+  return total;
+#else
+  int32_t total = 0;
+  for (int i = 0; i < 16; ++i) {
+    const int c = static_cast<int>(a.x[i]);
+    p[i] = static_cast<int8_t>(c);
+    total += c;
+  }
+  return total;
+#endif
+}
+
 // e^x, for the x a softmax (after its maximum) and silu take: 2^n e^r with
 // n = round(x / ln 2) and a degree-6 polynomial for e^r on [-ln2/2, ln2/2] (Cephes'
 // expf coefficients), a few ulp from expf; x clamped to [-87, 88]
