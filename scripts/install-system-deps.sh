@@ -87,27 +87,31 @@ if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     exit 1
 fi
 
+# apt-get install, quietly, once the package lists are fresh
+apt_install() {
+    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# fail, naming what $2 (a command) still finds missing after apt-get ran
+check_installed() {
+    local what=$1 left
+    left=$($2 | xargs)
+    if [ -n "$left" ]; then
+        echo "error: apt-get ran but $left still provide no $what" >&2
+        exit 1
+    fi
+}
+
 echo "installing ${missing[*]} (apt-get)" >&2
 export DEBIAN_FRONTEND=noninteractive
 apt-get -o DPkg::Lock::Timeout=300 update -qq
-apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing[@]}" \
-    >/dev/null
-
-mapfile -t still < <(missing_packages)
-if [ "${#still[@]}" -gt 0 ]; then
-    echo "error: apt-get ran but ${still[*]} still provide no program on PATH" >&2
-    exit 1
-fi
+apt_install "${missing[@]}"
+check_installed "program on PATH" missing_packages
 # podman itself may have come in just now: its backend's DNS plugin is known only then
 mapfile -t dns < <(dns_plugin_package)
 if [ "${#dns[@]}" -gt 0 ]; then
     echo "installing ${dns[*]} (apt-get): container names on podman networks" >&2
-    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${dns[@]}" \
-        >/dev/null
+    apt_install "${dns[@]}"
 fi
-mapfile -t dns < <(dns_plugin_package)
-if [ "${#dns[@]}" -gt 0 ]; then
-    echo "error: apt-get ran but ${dns[*]} installed no DNS plugin for podman" >&2
-    exit 1
-fi
+check_installed "DNS plugin for podman" dns_plugin_package
 configure_podman

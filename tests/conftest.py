@@ -173,6 +173,16 @@ class RedisServer:
             self.process = None
 
 
+def stop_process(process: subprocess.Popen[Any], grace: float = 20) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``grace`` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now."""
     with socket.socket() as s:

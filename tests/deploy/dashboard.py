@@ -26,7 +26,7 @@ from typing import Any
 import openai
 import yaml
 
-from tests.conftest import RedisServer, free_port, require_program
+from tests.conftest import RedisServer, free_port, require_program, stop_process
 from tests.reliability.support import ServeProcess, serve
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "specserve"
@@ -218,12 +218,7 @@ def prometheus(scrape_target: str, rule_files: Sequence[Path], workdir: Path
             raise RuntimeError("Prometheus did not scrape the server")
         yield prom
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        stop_process(process, 20)
 
 
 # -- traffic ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.conftest import free_port, http_status
+from tests.conftest import free_port, http_status, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 ANSWER_SECONDS = 180  # a streamed answer of the default model on a small CPU
@@ -59,12 +59,7 @@ def serve(args: Sequence[str], timeout: float = 900) -> Iterator[str]:
                 time.sleep(0.2)
             yield url
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            stop_process(process, 30)
 
 
 def chromium(width: int = 1280, height: int = 900) -> WebDriver:
