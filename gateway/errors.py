@@ -160,10 +160,11 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> InvalidReques
     """The first pydantic error as one 400 naming the offending field."""
     if not errors:
         return InvalidRequestError("The request is invalid.")
-    # A union reports one error per member; the deepest one is the informative one.
+    # A union reports one error per member; the deepest one is the informative one
+    # (``depth``: its location's length before union tags were taken out of it).
     head = tuple(errors[0].get("loc", ()))[:1]
     first = max((e for e in errors if tuple(e.get("loc", ()))[:1] == head),
-                key=lambda e: len(e.get("loc", ())))
+                key=lambda e: e.get("depth", len(e.get("loc", ()))))
     others = len({tuple(e.get("loc", ()))[:1] for e in errors}) - 1
     loc = [p for p in first.get("loc", ()) if p != "body"]
     param = format_location(loc) or (first.get("ctx") or {}).get("param")

@@ -110,7 +110,26 @@ def parse_body(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from exc
+        errors = [{**e, "loc": payload_location(payload, e.get("loc", ())),
+                   "depth": len(e.get("loc", ()))} for e in exc.errors()]
+        raise from_validation_errors(errors) from exc
+
+
+def payload_location(payload: Any, loc: Sequence[int | str]) -> tuple[int | str, ...]:
+    """``loc`` without the parts that name no key of the request on the way down: a
+    discriminated union puts its member's tag there (``tools[0].function.parameters`` for
+    a Responses tool, which has no ``function`` field). The last part stays (a missing
+    field is named by it)."""
+    out: list[int | str] = []
+    node = payload
+    for i, part in enumerate(loc):
+        is_key = isinstance(part, str) and isinstance(node, dict) and part in node
+        if isinstance(part, str) and isinstance(node, dict) and not is_key and i < len(loc) - 1:
+            continue
+        out.append(part)
+        is_index = isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node)
+        node = node[part] if is_key or is_index else None
+    return tuple(out)
 
 
 def load_json(body: bytes) -> Any:

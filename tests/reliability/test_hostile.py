@@ -211,7 +211,7 @@ CASES.update({
                          "invalid_schema", "response_format"),
     "schema not an object": bad(CHAT_PATH, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "s", "schema": [1]}}),
-        param="response_format.json_schema.json_schema.schema"),
+        param="response_format.json_schema.schema"),
     "bad tool parameters": bad(CHAT_PATH, tool_chat({"type": "bogus"}), "invalid_schema",
                                "tools"),
     "named tool that is not offered": bad(CHAT_PATH, tool_chat(
@@ -249,7 +249,7 @@ CASES.update({
     "response_format of an unknown type": bad(CHAT_PATH, chat(response_format={"type": "xml"}),
                                               param="response_format"),
     "json_schema without its schema object": bad(CHAT_PATH, chat(response_format={
-        "type": "json_schema"}), param="response_format.json_schema.json_schema"),
+        "type": "json_schema"}), param="response_format.json_schema"),
     "response_format a string": bad(CHAT_PATH, chat(response_format="json"),
                                     param="response_format"),
     "schema nested 300 deep": bad(CHAT_PATH, schema_chat(json.loads(
