@@ -210,9 +210,6 @@ class RedisStore:
 
     # -- health --------------------------------------------------------------------
 
-    def ping(self) -> bool:
-        return self.check().reachable
-
     def check(self) -> RedisHealth:
         """Ping Redis now (bounded by ``timeout_s``) and remember the outcome."""
         error: str | None = None
