@@ -29,10 +29,11 @@ from decoding.types import FinishReason, SamplingParams
 from gateway.errors import APIError, error_type_of, from_validation_errors
 from gateway.formats import Job
 from gateway.generation import ChoiceTotals, Ended, interleave, usage_of
+from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import responses_route
 from gateway.params import chat_prompt, generation_requests, request_tools
 from gateway.responses_protocol import ResponsesRequest
-from gateway.routes import _parse, gateway_state, request_trace, require_api_key, submit_traced
+from gateway.routes import request_trace, submit_traced
 from gateway.streaming import ResponseRun
 from gateway.structured import request_grammar
 from gateway.tool_calls import CallParser
@@ -268,7 +269,7 @@ def responses_params() -> Iterator[None]:
 async def create_response(request: Request) -> Response:
     """Stateless Responses API (``store`` and ``previous_response_id`` are refused)."""
     state = gateway_state(request)
-    api = await _parse(request, state, ResponsesRequest)
+    api = await parse_request(request, state, ResponsesRequest)
     engine = state.require_engine()
     hosted = api.hosted_tools()
     if hosted:
