@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from decoding.types import FinishReason, SamplingParams
 from gateway.errors import APIError, error_type_of, from_validation_errors
 from gateway.formats import Job
-from gateway.generation import ChoiceTotals, Ended, interleave, usage_of
+from gateway.generation import interleave
 from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import responses_route
 from gateway.params import chat_prompt, generation_requests, request_tools
@@ -38,6 +38,7 @@ from gateway.streaming import ResponseRun
 from gateway.structured import request_grammar
 from gateway.tool_calls import CallParser
 from gateway.tools import ToolPlan
+from gateway.totals import ChoiceTotals, Ended, usage_of
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])

@@ -25,17 +25,10 @@ from decoding.engine import RequestStream
 from decoding.types import RoundEvent
 from gateway.errors import CLIENT_CLOSED_STATUS, error_type_of
 from gateway.formats import Format, Job
-from gateway.generation import (
-    ChoiceTotals,
-    Ended,
-    interleave,
-    unless_disconnected,
-    usage_of,
-    wait_for_disconnect,
-)
+from gateway.generation import interleave, unless_disconnected, wait_for_disconnect
 from gateway.params import AnyRequest, include_usage
-from gateway.responses import SpeculationStats
 from gateway.state import GatewayState
+from gateway.totals import ChoiceTotals, Ended, speculation_of, usage_of
 from observability.telemetry import RequestTelemetry
 
 log = logging.getLogger(__name__)
@@ -189,7 +182,7 @@ class ResponseRun:
             log.info("request %s: client disconnected; cancelled %d choice(s)",
                      self.job.id, len(self.streams))
         usage = usage_of(self.totals, self.job.per_prompt)
-        stats = SpeculationStats.total([t.stats() for t in self.totals])
+        stats = speculation_of(self.totals)
         log.info(
             "request %s %s (user %s): %s in %.3f s, %d prompt + %d completion tokens, "
             "%d rounds, %d drafted, %d accepted",

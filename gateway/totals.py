@@ -1,0 +1,99 @@
+"""Per-choice accounting: what each choice of a request has produced so far, and what
+the API reports of it (usage, finish reason, speculation statistics, the error a final
+round event stands for). The formats and the request's run read it; it runs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from decoding.types import FinishReason, RoundEvent
+from gateway.errors import (
+    APIError,
+    GenerationTimeoutError,
+    InternalError,
+    ServiceUnavailableError,
+)
+from gateway.responses import PromptTokensDetails, SpeculationStats, Usage
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A choice's stream closed; ``finished`` says whether it saw its final event."""
+
+    finished: bool
+
+
+@dataclass
+class ChoiceTotals:
+    """What one choice has produced so far."""
+
+    drafter: str | None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    finish_reason: FinishReason | None = None
+    error: APIError | None = None
+    text: list[str] = field(default_factory=list)
+
+    def add(self, event: RoundEvent) -> None:
+        self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+        self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
+        if event.token_ids:
+            self.rounds += 1
+        self.drafted += event.draft_tokens
+        self.accepted += event.accepted_tokens
+        self.text.append(event.text)
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            self.error = event_error(event)
+
+    def end(self, ended: Ended) -> None:
+        if not ended.finished and self.error is None:
+            self.error = ServiceUnavailableError(
+                "The request was cancelled because the server is shutting down.",
+                code="shutting_down")
+
+    def stats(self) -> SpeculationStats:
+        return SpeculationStats.of(self.drafter, self.rounds, self.drafted, self.accepted)
+
+
+def event_error(event: RoundEvent) -> APIError | None:
+    """The API error a final event stands for, if any."""
+    reason = event.finish_reason
+    if reason is FinishReason.TIMEOUT:
+        return GenerationTimeoutError("The request ran past the server's time limit.")
+    if reason is FinishReason.ERROR:
+        return InternalError(event.error or "The model failed on this request.",
+                             code="generation_error")
+    if reason is FinishReason.CANCELLED:
+        return ServiceUnavailableError(
+            "The request was cancelled because the server is shutting down.",
+            code="shutting_down")
+    return None
+
+
+def finish_reason_text(reason: FinishReason | None) -> str | None:
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return reason.value
+    return None
+
+
+def usage_of(totals: Sequence[ChoiceTotals], per_prompt: int) -> Usage:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI does."""
+    prompt = sum(t.prompt_tokens for t in totals[::per_prompt])
+    cached = sum(t.cached_tokens for t in totals[::per_prompt])
+    completion = sum(t.completion_tokens for t in totals)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def speculation_of(totals: Sequence[ChoiceTotals]) -> SpeculationStats:
+    """The request's speculation statistics, over all its choices."""
+    return SpeculationStats.total([t.stats() for t in totals])
