@@ -45,6 +45,7 @@ class Job:
     logprobs: bool
     echo: bool = False
     seed: int | None = None  # a sampled request's seed, reported in every body and chunk
+    usage: bool = False  # stream_options.include_usage: the stream ends with a usage chunk
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.per_prompt]

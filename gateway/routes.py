@@ -6,18 +6,15 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from decoding.constraints import Grammar
-from decoding.engine import Engine, RequestStream
-from decoding.types import GenerationRequest
-from gateway.errors import error_type_of, model_not_found
+from decoding.engine import Engine
+from gateway.errors import model_not_found
 from gateway.formats import ChatFormat, CompletionFormat, Format, Job
-from gateway.generation import submit_all
 from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import MODEL_ERRORS, completion_route, error_responses
 from gateway.params import (
@@ -27,9 +24,9 @@ from gateway.params import (
     choices_per_prompt,
     completion_prompts,
     generation_requests,
+    include_usage,
     logprob_options,
     request_seed,
-    request_tools,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import (
@@ -44,11 +41,10 @@ from gateway.responses import (
     Readiness,
 )
 from gateway.state import GatewayState
-from gateway.streaming import ResponseRun
+from gateway.streaming import ResponseRun, request_trace
 from gateway.structured import request_grammar
 from gateway.tool_calls import ToolChatFormat
-from gateway.tools import ToolPlan
-from observability.telemetry import RequestTelemetry
+from gateway.tools import ToolPlan, request_tools
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +79,15 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
                prompts: list[Prompt], prefix: str, grammar: Grammar | None = None,
                tools: ToolPlan | None = None) -> Response:
     job_id = f"{prefix}-{uuid.uuid4().hex}"
+    limits = state.limits()
     seed = request_seed(api_request)
-    requests = generation_requests(api_request, prompts, state.limits(), job_id, grammar,
-                                   seed)
+    requests = generation_requests(api_request, prompts, limits, job_id, grammar, seed)
     job = Job(
         id=job_id, created=int(time.time()), model=state.settings.model_name, prompts=prompts,
         per_prompt=choices_per_prompt(api_request), logprobs=logprob_options(api_request)[0],
         echo=bool(getattr(api_request, "echo", False)),
         seed=None if requests[0].sampling.greedy else seed,
+        usage=include_usage(api_request),
     )
     hidden = engine.target.eos_token_ids
     fmt: Format = (ChatFormat(job, state.token_texts(), hidden)
@@ -99,42 +96,12 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
     if tools is not None:
         fmt = ToolChatFormat(job, state.token_texts(), hidden, tools)
     trace = request_trace(state, request, job_id, requests, api_request)
-    streams = submit_traced(engine, requests, trace)
-    run = ResponseRun(state, job, fmt, streams, endpoint=request.url.path,
+    run = ResponseRun(state, job, fmt, engine, requests, endpoint=request.url.path,
                       user=api_request.user, trace=trace,
                       tool_choice=tools.mode if tools is not None else None)
     if api_request.stream:
-        return run.streaming_response(api_request)
+        return run.streaming_response()
     return await run.whole_response(request.receive)
-
-
-def request_trace(state: GatewayState, request: Request, job_id: str,
-                  requests: Sequence[GenerationRequest], api_request: AnyRequest
-                  ) -> RequestTelemetry | None:
-    """The request's span and metrics (None when the server has no telemetry)."""
-    if state.telemetry is None:
-        return None
-    return state.telemetry.request(
-        request.url.path, job_id, request.headers, arrived=request.state.arrived,
-        attributes={
-            "gen_ai.request.max_tokens": requests[0].max_new_tokens,
-            "gen_ai.request.temperature": api_request.temperature,
-            "gen_ai.request.top_p": api_request.top_p,
-            "gen_ai.request.seed": api_request.seed,
-            "gen_ai.request.choice.count": len(requests),
-        })
-
-
-def submit_traced(engine: Engine, requests: Sequence[GenerationRequest],
-                  trace: RequestTelemetry | None) -> list[RequestStream]:
-    """``submit_all``; a refusal still ends the request's span."""
-    try:
-        return submit_all(engine, requests)
-    except Exception as exc:
-        if trace is not None:
-            status = getattr(exc, "status_code", 500)
-            trace.finish(status, error_type_of(status), count_error=False)  # the middleware counts
-        raise
 
 
 def _card(state: GatewayState) -> ModelCard:
