@@ -237,7 +237,6 @@ class ResponsesRun(ResponseRun):
         yield fmt.event(f"response.{status}", response=fmt.body(status, totals))
 
 
-
 # Chat fields a refusal may name, as the Responses request spells them.
 RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                     "response_format": "text.format"}

@@ -60,7 +60,6 @@ def request_trace(state: GatewayState, request: Request, job_id: str,
         })
 
 
-
 def submit_traced(engine: Engine, requests: Sequence[GenerationRequest],
                   trace: RequestTelemetry | None) -> list[RequestStream]:
     """``submit_all``; a refusal still ends the request's span."""
@@ -71,7 +70,6 @@ def submit_traced(engine: Engine, requests: Sequence[GenerationRequest],
             status = getattr(exc, "status_code", 500)
             trace.finish(status, error_type_of(status), count_error=False)  # the middleware counts
         raise
-
 
 
 def submit_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[RequestStream]:
@@ -86,7 +84,6 @@ def submit_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[Re
             stream.cancel()
         raise
     return streams
-
 
 
 async def interleave(streams: Sequence[RequestStream]
