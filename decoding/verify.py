@@ -50,7 +50,7 @@ class Verdict:
 def verify(
     draft_tokens: Sequence[int],  # [k]
     draft_probs: torch.Tensor | None,  # [k, vocab]; None for a deterministic drafter
-    target_probs: torch.Tensor,  # [k + 1, vocab]; [k + 2, vocab] with an alternative
+    target_probs: torch.Tensor,  # [k + 1, vocab], with or without an alternative
     generator: Randomness | None,
     position: int = 0,  # the absolute position of target_probs[0]'s token (keyed only)
     alternative: int | None = None,  # greedy only: a second candidate for draft[0]

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from decoding.types import RoundEvent, TokenLogprob
-from gateway.generation import ChoiceTotals, finish_reason_text, usage_of
 from gateway.params import Prompt
 from gateway.responses import (
     ChatChoice,
@@ -26,12 +25,12 @@ from gateway.responses import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
-    SpeculationStats,
     StreamSpeculation,
     Usage,
 )
 from gateway.rounds import PROMPT, TextOrigins, source_kind, stream_speculation
 from gateway.tokens import LegacyLogprobs, TokenTexts, chat_logprobs, merge_legacy, visible
+from gateway.totals import ChoiceTotals, finish_reason_text, speculation_of, usage_of
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,7 @@ class Job:
     logprobs: bool
     echo: bool = False
     seed: int | None = None  # a sampled request's seed, reported in every body and chunk
+    usage: bool = False  # stream_options.include_usage: the stream ends with a usage chunk
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.per_prompt]
@@ -67,10 +67,6 @@ class Format(Protocol):
     def tool_calls(self) -> int:
         """Tool calls the answers have made so far."""
         ...
-
-
-def _stats(totals: Sequence[ChoiceTotals]) -> SpeculationStats:
-    return SpeculationStats.total([t.stats() for t in totals])
 
 
 class _ChoiceFormat:
@@ -134,7 +130,7 @@ class ChatFormat(_ChoiceFormat):
     def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[],
-            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals),
+            usage=usage_of(totals, self.job.per_prompt), speculation=speculation_of(totals),
             seed=self.job.seed)
 
     def response(self, totals: Sequence[ChoiceTotals]) -> ChatCompletion:
@@ -150,7 +146,7 @@ class ChatFormat(_ChoiceFormat):
         ]
         return ChatCompletion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
-            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals),
+            usage=usage_of(totals, self.job.per_prompt), speculation=speculation_of(totals),
             seed=self.job.seed)
 
 
@@ -207,7 +203,7 @@ class CompletionFormat(_ChoiceFormat):
     def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> Completion:
         return Completion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=[],
-            usage=usage_of(totals, self.job.per_prompt), speculation=_stats(totals),
+            usage=usage_of(totals, self.job.per_prompt), speculation=speculation_of(totals),
             seed=self.job.seed)
 
     def response(self, totals: Sequence[ChoiceTotals]) -> Completion:
@@ -222,4 +218,4 @@ class CompletionFormat(_ChoiceFormat):
         usage: Usage = usage_of(totals, self.job.per_prompt)
         return Completion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
-            seed=self.job.seed, usage=usage, speculation=_stats(totals))
+            seed=self.job.seed, usage=usage, speculation=speculation_of(totals))

@@ -22,7 +22,7 @@ from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from gateway.errors import InvalidRequestError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.settings import sampling_problems
-from gateway.tools import ToolPlan, render_messages, tool_plan
+from gateway.tools import render_messages, request_tools
 from runtime import model_store
 
 log = logging.getLogger(__name__)
@@ -155,10 +155,6 @@ def logprob_options(request: AnyRequest) -> tuple[bool, int]:
 
 
 # -- prompts --------------------------------------------------------------------------
-
-
-def request_tools(request: ChatCompletionRequest) -> ToolPlan | None:
-    return tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
 
 
 def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> Prompt:

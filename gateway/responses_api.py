@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -28,15 +28,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from decoding.types import FinishReason, SamplingParams
 from gateway.errors import APIError, error_type_of, from_validation_errors
 from gateway.formats import Job
-from gateway.generation import ChoiceTotals, Ended, interleave, usage_of
+from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import responses_route
-from gateway.params import chat_prompt, generation_requests, request_tools
+from gateway.params import chat_prompt, generation_requests
 from gateway.responses_protocol import ResponsesRequest
-from gateway.routes import _parse, gateway_state, request_trace, require_api_key, submit_traced
-from gateway.streaming import ResponseRun
+from gateway.streaming import ResponseRun, interleave, request_trace
 from gateway.structured import request_grammar
 from gateway.tool_calls import CallParser
-from gateway.tools import ToolPlan
+from gateway.tools import ToolPlan, request_tools
+from gateway.totals import ChoiceTotals, Ended, usage_of
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -207,15 +207,8 @@ def _status(totals: ChoiceTotals) -> str:
 class ResponsesRun(ResponseRun):
     """One /v1/responses request on the engine, as a body or as typed events."""
 
-    def streaming_response(self, api_request: Any) -> Response:
-        from gateway.streaming import _EventStream
-
-        events = cast(AsyncIterator[str], self._typed_events())  # sse-starlette takes dicts too
-        return _EventStream(events, on_close=self._close,
-                            ping=self.state.settings.sse_ping_interval, sep="\n",
-                            headers={"X-Request-Id": self.job.id})
-
-    async def _typed_events(self) -> AsyncIterator[dict[str, str]]:
+    async def events(self) -> AsyncIterator[str | dict[str, str]]:
+        """The typed Responses events (sse-starlette sends each dict as one event)."""
         fmt = self.fmt
         assert isinstance(fmt, ResponsesFormat)
         totals = self.totals[0]
@@ -244,7 +237,6 @@ class ResponsesRun(ResponseRun):
         yield fmt.event(f"response.{status}", response=fmt.body(status, totals))
 
 
-
 # Chat fields a refusal may name, as the Responses request spells them.
 RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                     "response_format": "text.format"}
@@ -268,7 +260,7 @@ def responses_params() -> Iterator[None]:
 async def create_response(request: Request) -> Response:
     """Stateless Responses API (``store`` and ``previous_response_id`` are refused)."""
     state = gateway_state(request)
-    api = await _parse(request, state, ResponsesRequest)
+    api = await parse_request(request, state, ResponsesRequest)
     engine = state.require_engine()
     hosted = api.hosted_tools()
     if hosted:
@@ -289,9 +281,9 @@ async def create_response(request: Request) -> Response:
               prompts=[prompt], per_prompt=1, logprobs=False)
     fmt = ResponsesFormat(job, api, plan, requests[0].sampling)
     trace = request_trace(state, request, job_id, requests, chat)
-    streams = submit_traced(engine, requests, trace)
-    run = ResponsesRun(state, job, fmt, streams, endpoint=request.url.path, user=api.user,
-                       trace=trace, tool_choice=plan.mode if plan is not None else None)
+    run = ResponsesRun(state, job, fmt, engine, requests, endpoint=request.url.path,
+                       user=api.user, trace=trace,
+                       tool_choice=plan.mode if plan is not None else None)
     if api.stream:
-        return run.streaming_response(chat)
+        return run.streaming_response()
     return await run.whole_response(request.receive)

@@ -22,16 +22,16 @@ from pydantic_core import PydanticCustomError
 
 from gateway.protocol import ChatCompletionRequest, OptionalInt, SpeculationOptions, refuse
 from gateway.schema_rules import RESPONSES_TOOL_CHOICE_RULE
-from gateway.tool_protocol import NAME_PATTERN, _Strict
+from gateway.tool_protocol import NAME_PATTERN, StrictModel
 
 
-class InputText(_Strict):
+class InputText(StrictModel):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: Annotated[Any, refuse([])] = None
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
@@ -44,7 +44,7 @@ class MessageItem(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -54,12 +54,12 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class OutputTextPart(_Strict):
+class OutputTextPart(StrictModel):
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[OutputTextPart]
@@ -76,7 +76,7 @@ InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem,
                       Field(discriminator="type")]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     type: Literal["function"]
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
@@ -84,7 +84,7 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class NamespaceTool(_Strict):
+class NamespaceTool(StrictModel):
     """Functions grouped under a name: the model sees each as ``<namespace>__<name>``,
     and its calls come back as ``name`` and ``namespace``."""
 
@@ -140,7 +140,7 @@ class FunctionNames:
         return name if namespace is None else flat_name(namespace, name)
 
 
-class ReasoningOptions(_Strict):
+class ReasoningOptions(StrictModel):
     """Accepted; the served models do not reason apart from their answer, so there are
     no reasoning items and no reasoning tokens."""
 
@@ -158,12 +158,12 @@ INCLUDABLE = ("reasoning.encrypted_content", "web_search_call.action.sources",
               "message.input_image.image_url")
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormatSpec(_Strict):
+class TextFormatSpec(StrictModel):
     # ``ResponsesRequest._check``'s rule, for /openapi.json
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, json_schema_extra={
         "allOf": [{"if": {"properties": {"type": {"const": "json_schema"}},
@@ -179,7 +179,7 @@ class TextFormatSpec(_Strict):
     strict: bool | None = None
 
 
-class TextOptions(_Strict):
+class TextOptions(StrictModel):
     format: TextFormatSpec | None = None
     verbosity: Annotated[Any, refuse("medium")] = None
 
@@ -200,7 +200,7 @@ def _input_value(value: Any) -> Any:
                               "non-empty array of input items")
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     """``POST /v1/responses``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True,

@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
-import re
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
 
 from decoding.constraints import Grammar
-from decoding.engine import Engine, RequestStream
-from decoding.types import GenerationRequest
-from gateway.errors import (
-    AuthenticationError,
-    InvalidRequestError,
-    PayloadTooLargeError,
-    error_type_of,
-    from_validation_errors,
-    model_not_found,
-)
+from decoding.engine import Engine
+from gateway.errors import model_not_found
 from gateway.formats import ChatFormat, CompletionFormat, Format, Job
-from gateway.generation import submit_all
+from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import MODEL_ERRORS, completion_route, error_responses
 from gateway.params import (
     AnyRequest,
@@ -37,9 +24,9 @@ from gateway.params import (
     choices_per_prompt,
     completion_prompts,
     generation_requests,
+    include_usage,
     logprob_options,
     request_seed,
-    request_tools,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import (
@@ -54,134 +41,12 @@ from gateway.responses import (
     Readiness,
 )
 from gateway.state import GatewayState
-from gateway.streaming import ResponseRun
+from gateway.streaming import ResponseRun, request_trace
 from gateway.structured import request_grammar
 from gateway.tool_calls import ToolChatFormat
-from gateway.tools import ToolPlan
-from observability.telemetry import RequestTelemetry
+from gateway.tools import ToolPlan, request_tools
 
 log = logging.getLogger(__name__)
-
-M = TypeVar("M", bound=BaseModel)
-_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800 to \udfff, as JSON writes them
-
-
-def gateway_state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
-
-
-async def require_api_key(request: Request) -> None:
-    """Bearer-key check when keys are configured (constant-time comparison)."""
-    keys = gateway_state(request).settings.api_keys
-    if not keys:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise AuthenticationError(
-            "Missing API key: send it as 'Authorization: Bearer <key>'.")
-    given = token.strip().encode()
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(given, key.encode())
-    if not matched:
-        raise AuthenticationError("Incorrect API key provided.")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 as soon as it is known to exceed ``limit``."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"The request body is larger than {limit} bytes.")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"The request body is larger than {limit} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_body(model: type[M], body: bytes) -> M:
-    payload = load_json(body)
-    if not isinstance(payload, dict):
-        raise InvalidRequestError("The request body must be a JSON object.",
-                                  code="invalid_json")
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        errors = [{**e, "loc": payload_location(payload, e.get("loc", ())),
-                   "depth": len(e.get("loc", ()))} for e in exc.errors()]
-        raise from_validation_errors(errors) from exc
-
-
-def payload_location(payload: Any, loc: Sequence[int | str]) -> tuple[int | str, ...]:
-    """``loc`` without the parts that name no key of the request on the way down: a
-    discriminated union puts its member's tag there (``tools[0].function.parameters`` for
-    a Responses tool, which has no ``function`` field). The last part stays (a missing
-    field is named by it)."""
-    out: list[int | str] = []
-    node = payload
-    for i, part in enumerate(loc):
-        is_key = isinstance(part, str) and isinstance(node, dict) and part in node
-        if isinstance(part, str) and isinstance(node, dict) and not is_key and i < len(loc) - 1:
-            continue
-        out.append(part)
-        is_index = isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node)
-        node = node[part] if is_key or is_index else None
-    return tuple(out)
-
-
-def load_json(body: bytes) -> Any:
-    """The body as JSON: UTF-8 text whose strings are all valid Unicode."""
-    try:
-        text = body.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError("The request body is not valid UTF-8.",
-                                  code="invalid_json") from exc
-    try:
-        payload = json.loads(text)
-    except RecursionError as exc:
-        raise InvalidRequestError("The request body is nested too deeply.",
-                                  code="invalid_json") from exc
-    except ValueError as exc:
-        raise InvalidRequestError("The request body is not valid JSON.",
-                                  code="invalid_json") from exc
-    if _ESCAPED_SURROGATE.search(text) is not None and _has_lone_surrogate(payload):
-        raise InvalidRequestError(
-            "The request body contains an unpaired UTF-16 surrogate escape (\\ud800 to "
-            "\\udfff); strings must be valid Unicode.", code="invalid_json")
-    return payload
-
-
-def _has_lone_surrogate(payload: Any) -> bool:
-    """Whether a string in ``payload`` (a key or a value, at any depth) cannot be
-    encoded as UTF-8; walked without recursion, however deep the JSON."""
-    stack = [payload]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
-async def _parse(request: Request, state: GatewayState, model: type[M]) -> M:
-    state.require_engine()
-    body = await read_body(request, state.settings.max_body_bytes)
-    parsed = parse_body(model, body)
-    name = getattr(parsed, "model", "")
-    if name not in state.aliases:
-        raise model_not_found(name)
-    return parsed
-
 
 router = APIRouter()
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -191,7 +56,7 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
          **completion_route(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk))
 async def chat_completions(request: Request) -> Response:
     state = gateway_state(request)
-    api_request = await _parse(request, state, ChatCompletionRequest)
+    api_request = await parse_request(request, state, ChatCompletionRequest)
     engine = state.require_engine()
     prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, api_request)
     plan = request_tools(api_request)
@@ -202,7 +67,7 @@ async def chat_completions(request: Request) -> Response:
 @v1.post("/completions", **completion_route(CompletionRequest, Completion, Completion))
 async def completions(request: Request) -> Response:
     state = gateway_state(request)
-    api_request = await _parse(request, state, CompletionRequest)
+    api_request = await parse_request(request, state, CompletionRequest)
     engine = state.require_engine()
     prompts = await asyncio.to_thread(completion_prompts, engine.target.tokenizer, api_request,
                                       engine.target.vocab_size)
@@ -214,14 +79,15 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
                prompts: list[Prompt], prefix: str, grammar: Grammar | None = None,
                tools: ToolPlan | None = None) -> Response:
     job_id = f"{prefix}-{uuid.uuid4().hex}"
+    limits = state.limits()
     seed = request_seed(api_request)
-    requests = generation_requests(api_request, prompts, state.limits(), job_id, grammar,
-                                   seed)
+    requests = generation_requests(api_request, prompts, limits, job_id, grammar, seed)
     job = Job(
         id=job_id, created=int(time.time()), model=state.settings.model_name, prompts=prompts,
         per_prompt=choices_per_prompt(api_request), logprobs=logprob_options(api_request)[0],
         echo=bool(getattr(api_request, "echo", False)),
         seed=None if requests[0].sampling.greedy else seed,
+        usage=include_usage(api_request),
     )
     hidden = engine.target.eos_token_ids
     fmt: Format = (ChatFormat(job, state.token_texts(), hidden)
@@ -230,42 +96,12 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
     if tools is not None:
         fmt = ToolChatFormat(job, state.token_texts(), hidden, tools)
     trace = request_trace(state, request, job_id, requests, api_request)
-    streams = submit_traced(engine, requests, trace)
-    run = ResponseRun(state, job, fmt, streams, endpoint=request.url.path,
+    run = ResponseRun(state, job, fmt, engine, requests, endpoint=request.url.path,
                       user=api_request.user, trace=trace,
                       tool_choice=tools.mode if tools is not None else None)
     if api_request.stream:
-        return run.streaming_response(api_request)
+        return run.streaming_response()
     return await run.whole_response(request.receive)
-
-
-def request_trace(state: GatewayState, request: Request, job_id: str,
-                  requests: Sequence[GenerationRequest], api_request: AnyRequest
-                  ) -> RequestTelemetry | None:
-    """The request's span and metrics (None when the server has no telemetry)."""
-    if state.telemetry is None:
-        return None
-    return state.telemetry.request(
-        request.url.path, job_id, request.headers, arrived=request.state.arrived,
-        attributes={
-            "gen_ai.request.max_tokens": requests[0].max_new_tokens,
-            "gen_ai.request.temperature": api_request.temperature,
-            "gen_ai.request.top_p": api_request.top_p,
-            "gen_ai.request.seed": api_request.seed,
-            "gen_ai.request.choice.count": len(requests),
-        })
-
-
-def submit_traced(engine: Engine, requests: Sequence[GenerationRequest],
-                  trace: RequestTelemetry | None) -> list[RequestStream]:
-    """``submit_all``; a refusal still ends the request's span."""
-    try:
-        return submit_all(engine, requests)
-    except Exception as exc:
-        if trace is not None:
-            status = getattr(exc, "status_code", 500)
-            trace.finish(status, error_type_of(status), count_error=False)  # the middleware counts
-        raise
 
 
 def _card(state: GatewayState) -> ModelCard:

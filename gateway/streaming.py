@@ -1,5 +1,7 @@
-"""Delivering one request's choices: as an SSE stream (one event per engine
-round) or as one JSON body, cancelling the engine work if the client leaves.
+"""Running one API request end to end on the engine: its span and metrics, its
+choices submitted (all or none), their round events interleaved and counted, and
+delivered as an SSE stream (one event per engine round) or as one JSON body; the
+engine work is cancelled if the client leaves.
 
 Stream framing: ``data: {chunk}`` per round of any choice (interleaved, each
 with its ``index``), the usage chunk (``choices: []``) when
@@ -10,38 +12,111 @@ the stream began (timeout, model error, shutdown) is sent as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
-from fastapi import Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from decoding.engine import RequestStream
-from decoding.types import RoundEvent
-from gateway.errors import CLIENT_CLOSED_STATUS, error_type_of
+from decoding.engine import Engine, RequestStream
+from decoding.types import GenerationRequest, RoundEvent
+from gateway.errors import CLIENT_CLOSED_STATUS, APIError, engine_errors, error_type_of
 from gateway.formats import Format, Job
-from gateway.generation import (
-    ChoiceTotals,
-    Ended,
-    interleave,
-    unless_disconnected,
-    usage_of,
-    wait_for_disconnect,
-)
-from gateway.params import AnyRequest, include_usage
-from gateway.responses import SpeculationStats
+from gateway.params import AnyRequest
 from gateway.state import GatewayState
+from gateway.totals import ChoiceTotals, Ended, speculation_of, usage_of
 from observability.telemetry import RequestTelemetry
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 DONE = "[DONE]"
 _DROP_WHEN_NONE = ("usage", "speculation", "seed")
+
+
+# -- on the engine ----------------------------------------------------------------------
+
+
+def request_trace(state: GatewayState, request: Request, job_id: str,
+                  requests: Sequence[GenerationRequest], api_request: AnyRequest
+                  ) -> RequestTelemetry | None:
+    """The request's span and metrics (None when the server has no telemetry)."""
+    if state.telemetry is None:
+        return None
+    return state.telemetry.request(
+        request.url.path, job_id, request.headers, arrived=request.state.arrived,
+        attributes={
+            "gen_ai.request.max_tokens": requests[0].max_new_tokens,
+            "gen_ai.request.temperature": api_request.temperature,
+            "gen_ai.request.top_p": api_request.top_p,
+            "gen_ai.request.seed": api_request.seed,
+            "gen_ai.request.choice.count": len(requests),
+        })
+
+
+def submit_traced(engine: Engine, requests: Sequence[GenerationRequest],
+                  trace: RequestTelemetry | None) -> list[RequestStream]:
+    """``submit_all``; a refusal still ends the request's span."""
+    try:
+        return submit_all(engine, requests)
+    except Exception as exc:
+        if trace is not None:
+            status = getattr(exc, "status_code", 500)
+            trace.finish(status, error_type_of(status), count_error=False)  # the middleware counts
+        raise
+
+
+def submit_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[RequestStream]:
+    """Submit every choice, or none: a refusal cancels those already queued."""
+    streams: list[RequestStream] = []
+    try:
+        with engine_errors():
+            for request in requests:
+                streams.append(engine.submit(request))
+    except APIError:
+        for stream in streams:
+            stream.cancel()
+        raise
+    return streams
+
+
+async def interleave(streams: Sequence[RequestStream]
+                     ) -> AsyncIterator[tuple[int, RoundEvent | Ended]]:
+    """Events of all choices as they arrive, tagged with the choice index; each
+    choice ends with one ``Ended``. Closing the iterator cancels every choice."""
+    queue: asyncio.Queue[tuple[int, RoundEvent | Ended]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        finished = False
+        try:
+            async for event in stream:
+                finished = finished or event.finished
+                queue.put_nowait((index, event))
+        finally:  # always, so the consumer never waits for a choice that is gone
+            queue.put_nowait((index, Ended(finished)))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            index, item = await queue.get()
+            if isinstance(item, Ended):
+                open_streams -= 1
+            yield index, item
+    finally:
+        for stream in streams:
+            stream.cancel()  # a no-op for finished streams; frees the others
+        for task in tasks:
+            task.cancel()
+
+
+# -- to the client ----------------------------------------------------------------------
 
 
 def chunk_json(chunk: Any) -> str:
@@ -60,7 +135,8 @@ def chunk_json(chunk: Any) -> str:
 class _EventStream(EventSourceResponse):
     """An SSE response that runs ``on_close`` however the response ends."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+    def __init__(self, content: AsyncIterator[str | dict[str, str]],
+                 on_close: Callable[[], None],
                  **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
@@ -73,41 +149,42 @@ class _EventStream(EventSourceResponse):
 
 
 class ResponseRun:
-    """One API request's choices on the engine, and their delivery."""
+    """One API request's choices on the engine, and their delivery. Made, it has
+    submitted every choice (or, refused, none) and counts as in flight until closed."""
 
-    def __init__(self, state: GatewayState, job: Job, fmt: Format,
-                 streams: list[RequestStream], endpoint: str, user: str | None = None,
-                 trace: RequestTelemetry | None = None, tool_choice: str | None = None
-                 ) -> None:
+    def __init__(self, state: GatewayState, job: Job, fmt: Format, engine: Engine,
+                 requests: Sequence[GenerationRequest], endpoint: str,
+                 user: str | None = None, trace: RequestTelemetry | None = None,
+                 tool_choice: str | None = None) -> None:
         self.state = state
         self.job = job
         self.fmt = fmt
-        self.streams = streams
         self.endpoint = endpoint
         self.user = user  # the client's end-user id, for the request log only
-        self.totals = [ChoiceTotals(drafter=s.drafter) for s in streams]
-        self.started = time.monotonic()
         self.outcome = "disconnected"
         self.trace = trace
         self.tool_choice = tool_choice  # the tool plan's mode, when tools may be called
         self.stream_error: str | None = None  # error type of a failure after streaming began
         self.status = 200
         self.error_code: str | None = None
-        state.begin(streams)
+        self.streams = submit_traced(engine, requests, trace)
+        self.totals = [ChoiceTotals(drafter=s.drafter) for s in self.streams]
+        state.begin(self.streams)
+        self.started = time.monotonic()
 
     # -- streaming ------------------------------------------------------------------------
 
-    def streaming_response(self, api_request: AnyRequest) -> Response:
-        settings = self.state.settings
+    def streaming_response(self) -> Response:
         return _EventStream(
-            self._events(include_usage(api_request)),
+            self.events(),
             on_close=self._close,
-            ping=settings.sse_ping_interval,
+            ping=self.state.settings.sse_ping_interval,
             sep="\n",
             headers={"X-Request-Id": self.job.id},
         )
 
-    async def _events(self, usage: bool) -> AsyncIterator[str]:
+    async def events(self) -> AsyncIterator[str | dict[str, str]]:
+        """The stream's events: OpenAI chunks as JSON, each one round of one choice."""
         async for index, item in interleave(self.streams):
             totals = self.totals[index]
             if isinstance(item, Ended):
@@ -123,7 +200,7 @@ class ResponseRun:
                 self.stream_error = error_type_of(totals.error.status_code, totals.error.code)
                 yield json.dumps(totals.error.body())
                 return
-        if usage:
+        if self.job.usage:
             yield chunk_json(self.fmt.usage_chunk(self.totals))
         self.outcome = "ok"
         yield DONE
@@ -189,7 +266,7 @@ class ResponseRun:
             log.info("request %s: client disconnected; cancelled %d choice(s)",
                      self.job.id, len(self.streams))
         usage = usage_of(self.totals, self.job.per_prompt)
-        stats = SpeculationStats.total([t.stats() for t in self.totals])
+        stats = speculation_of(self.totals)
         log.info(
             "request %s %s (user %s): %s in %.3f s, %d prompt + %d completion tokens, "
             "%d rounds, %d drafted, %d accepted",
@@ -198,3 +275,34 @@ class ResponseRun:
             usage.prompt_tokens, usage.completion_tokens, stats.rounds, stats.draft_tokens,
             stats.accepted_tokens,
         )
+
+
+# -- the client leaving ---------------------------------------------------------------
+
+
+async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, object]]]) -> None:
+    """Return once the client has gone (the request body must be fully read)."""
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+async def unless_disconnected(
+    work: Awaitable[T], disconnected: Awaitable[None], on_disconnect: Callable[[], None]
+) -> T | None:
+    """Run ``work``; if the client disconnects first, call ``on_disconnect``, abandon
+    the work and return None."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(disconnected)
+    try:
+        await asyncio.wait([work_task, watch_task], return_when=asyncio.FIRST_COMPLETED)
+        if work_task.done():
+            return work_task.result()
+        on_disconnect()
+        work_task.cancel()
+        return None
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()

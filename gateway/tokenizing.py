@@ -16,8 +16,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
 from gateway.errors import InvalidRequestError, model_not_found
+from gateway.intake import gateway_state, load_json, parse_body, read_body, require_api_key
 from gateway.openapi import MODEL_ERRORS, error_responses, ref
-from gateway.routes import gateway_state, load_json, parse_body, read_body, require_api_key
 from gateway.state import GatewayState
 from gateway.tokenize_protocol import (
     DetokenizeRequest,

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from decoding.types import FinishReason, RoundEvent
 from gateway.formats import ChatFormat, Job
-from gateway.generation import ChoiceTotals, finish_reason_text, usage_of
 from gateway.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -25,12 +24,12 @@ from gateway.responses import (
     ChatMessageOut,
     FunctionCallOut,
     FunctionDelta,
-    SpeculationStats,
     ToolCallDelta,
     ToolCallOut,
 )
 from gateway.tokens import TokenTexts
 from gateway.tools import HEAD, MID, OPEN, TAIL, ToolPlan
+from gateway.totals import ChoiceTotals, finish_reason_text, speculation_of, usage_of
 
 
 def call_id() -> str:
@@ -207,4 +206,4 @@ class ToolChatFormat(ChatFormat):
         return ChatCompletion(
             id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
             usage=usage_of(totals, self.job.per_prompt),
-            speculation=SpeculationStats.total([t.stats() for t in totals]))
+            speculation=speculation_of(totals))

@@ -12,27 +12,29 @@ NAME_PATTERN = r"^[a-zA-Z0-9_.\-]{1,64}$"
 MAX_TOOLS = 128
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request model that refuses unknown fields and values of another JSON type."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
                               populate_by_name=True)
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Strict):
+class JsonObjectFormat(StrictModel):
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(StrictModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -41,23 +43,23 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
                            Field(discriminator="type")]
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(_Strict):
+class ChatTool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
@@ -65,12 +67,12 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """A tool call an assistant message carries back from an earlier response."""
 
     id: str

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.protocol import ChatCompletionRequest
 from gateway.tool_protocol import ChatTool, NamedToolChoice, ToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -65,6 +66,11 @@ def tool_plan(tools: Sequence[ChatTool] | None, choice: ToolChoice | None,
     # the prompt lists every tool whatever the choice, so that it stays the same from turn
     # to turn (and its KV in the prefix cache); the grammar forces the named one
     return ToolPlan(tuple(tools), mode, parallel is not False, named)
+
+
+def request_tools(request: ChatCompletionRequest) -> ToolPlan | None:
+    """A chat request's tool plan."""
+    return tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
 
 
 # -- the prompt ---------------------------------------------------------------------

@@ -12,9 +12,9 @@ import torch
 
 from decoding.types import FinishReason, RoundEvent, TokenLogprob
 from gateway.formats import CompletionFormat, Job
-from gateway.generation import ChoiceTotals
 from gateway.params import Prompt
 from gateway.tokens import TokenTexts
+from gateway.totals import ChoiceTotals
 from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import TINY, openai_client
 

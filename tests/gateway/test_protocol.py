@@ -12,6 +12,7 @@ import pytest
 
 from decoding.types import SpeculationParams
 from gateway.errors import InvalidRequestError
+from gateway.intake import parse_body
 from gateway.openapi import REQUEST_MODELS
 from gateway.params import (
     Limits,
@@ -22,7 +23,6 @@ from gateway.params import (
     sampling_params,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.routes import parse_body
 from gateway.server import create_app
 from tests.gateway.conftest import tiny_settings
 

@@ -19,10 +19,11 @@ from schemathesis.generation.modes import GenerationMode
 
 from decoding.engine import Engine
 from gateway.errors import InvalidRequestError
+from gateway.intake import parse_body
 from gateway.openapi import COMPLETION_ERRORS, bound_token_ids
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses_protocol import ResponsesRequest
-from gateway.routes import parse_body, router, v1
+from gateway.routes import router, v1
 from gateway.server import create_app
 from gateway.tokenizing import router as tokenizing_router
 from tests.gateway.conftest import TINY, in_process, tiny_settings
