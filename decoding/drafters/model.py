@@ -14,6 +14,7 @@ import torch
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
+from runtime.batched import BatchedLM
 from runtime.causal_lm import BatchItem, CausalLM, check_same_vocabulary
 
 
@@ -45,6 +46,8 @@ class ModelDraftState:
 
 
 class ModelDrafter(BaseDrafter):
+    native_chain = True  # greedy rounds in one native call where the model offers it
+
     def __init__(self, model: DraftModel, target: CausalLM | None = None,
                  tokenizer: Any = None, name: str = "draft") -> None:
         tokenizer = tokenizer if tokenizer is not None else model.tokenizer
@@ -53,6 +56,11 @@ class ModelDrafter(BaseDrafter):
         self.model = model
         self.name = name
         self.target_vocab = target.vocab_size if target is not None else model.vocab_size
+
+    def can_chain(self) -> bool:
+        """Whether greedy rounds draft in one native call (``BatchedLM.draft_chain``)."""
+        return (self.native_chain and isinstance(self.model, BatchedLM)
+                and self.model.chain(self.target_vocab) is not None)
 
     def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
         return ModelDraftState(cache=self.model.new_state())
@@ -68,10 +76,52 @@ class ModelDrafter(BaseDrafter):
     @torch.inference_mode()
     def propose_many(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
                      ks: Sequence[int]) -> list[DraftProposal]:
-        """Draft for several sequences: draft step ``i`` of every sequence that wants an
-        ``i``-th token is one batch (one forward pass on a batched model)."""
+        """Draft for several sequences: greedy ones in one native call where the model
+        has one (``can_chain``), the others step by step, draft step ``i`` of every
+        sequence that wants an ``i``-th token as one batch (one forward pass on a
+        batched model)."""
         feeds = [self._catch_up(state, context) if k > 0 else []
                  for state, context, k in zip(states, contexts, ks, strict=True)]
+        chained = ([i for i, (feed, context) in enumerate(zip(feeds, contexts, strict=True))
+                    if feed and context.generator is None] if self.can_chain() else [])
+        out = self._stepped(states, contexts, [[] if i in chained else feed
+                                               for i, feed in enumerate(feeds)], ks)
+        if chained:
+            proposals = self._chained([states[i] for i in chained],
+                                      [contexts[i] for i in chained],
+                                      [feeds[i] for i in chained], [ks[i] for i in chained])
+            for i, proposal in zip(chained, proposals, strict=True):
+                out[i] = proposal
+        return out
+
+    def _chained(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
+                 feeds: list[list[int]], ks: Sequence[int]) -> list[DraftProposal]:
+        """Greedy drafts of all k tokens in one native call; the judge then cuts each
+        where the step loop would have stopped (it reads only the confidences so far)."""
+        assert isinstance(self.model, BatchedLM)
+        drafted = self.model.draft_chain([s.cache for s in states], feeds, ks,
+                                         self.target_vocab)
+        out = []
+        for state, context, feed, k, steps in zip(states, contexts, feeds, ks, drafted,
+                                                  strict=True):
+            state.fed.extend(feed)
+            state.fed.extend(steps.tokens[: k - 1])  # fed back within the call
+            judge = context.judge
+            proposed: list[int] = []
+            sure: list[float] = []
+            for token, confidence in zip(steps.tokens, steps.confidences, strict=True):
+                sure.append(confidence)
+                if judge is not None and not judge.worth_proposing(sure):
+                    break  # withheld
+                proposed.append(token)
+                if len(proposed) == k or (judge is not None and not judge.worth_continuing(sure)):
+                    break
+            out.append(self._proposal(proposed, [], sure, steps.runner_up, judge))
+        return out
+
+    def _stepped(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
+                 feeds: list[list[int]], ks: Sequence[int]) -> list[DraftProposal]:
+        """Drafts one step a pass, for the sequences with something to feed."""
         proposed: list[list[int]] = [[] for _ in states]
         rows: list[list[torch.Tensor]] = [[] for _ in states]
         sure: list[list[float]] = [[] for _ in states]
