@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -193,6 +194,17 @@ def test_sampled_rounds_keep_the_step_loop_beside_a_native_chain(
     assert states[0].cache.length == 2 + 2 and states[1].cache.length == 2 + 2
     for state in states:
         drafter.release(state)
+
+
+def test_a_drafter_with_steps_of_its_own_never_chains(tiny_target: BatchedLM) -> None:
+    """A subclass that feeds its own rows each step (a feature head) keeps its steps."""
+
+    class OwnSteps(ModelDrafter):
+        def _step(self, states: Any, feeds: Any) -> Any:
+            return super()._step(states, feeds)
+
+    assert ModelDrafter(tiny_target, tiny_target).can_chain()
+    assert not OwnSteps(tiny_target, tiny_target).can_chain()
 
 
 @pytest.mark.real_model

@@ -58,8 +58,12 @@ class ModelDrafter(BaseDrafter):
         self.target_vocab = target.vocab_size if target is not None else model.vocab_size
 
     def can_chain(self) -> bool:
-        """Whether greedy rounds draft in one native call (``BatchedLM.draft_chain``)."""
-        return (self.native_chain and isinstance(self.model, BatchedLM)
+        """Whether greedy rounds draft in one native call (``BatchedLM.draft_chain``): a
+        plain draft model's steps only (a subclass that feeds its own input rows, as a
+        feature head does, drafts by its own steps)."""
+        own_steps = (type(self)._step is ModelDrafter._step
+                     and type(self)._catch_up is ModelDrafter._catch_up)
+        return (self.native_chain and own_steps and isinstance(self.model, BatchedLM)
                 and self.model.chain(self.target_vocab) is not None)
 
     def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
