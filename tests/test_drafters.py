@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
 from decoding.drafters.base import BaseDrafter, DraftProposal
 from decoding.drafters.combined import CombinedDrafter
+from decoding.drafters.model import CHAIN_STEPS
 from decoding.prompting import encode_text
 from decoding.round import decode, step
 from decoding.sequence import SequenceDecoder
@@ -101,7 +102,7 @@ def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_say
         tiny_target: BatchedLM, tiny_reference: CausalLM, chain: bool) -> None:
     """By the step loop or the native chain: the same drafts, cut where the judge says.
     The loop stops feeding where the judge stops it; the chain feeds back all but the
-    last of its k tokens."""
+    last of the tokens its call drafted (``CHAIN_STEPS`` at most)."""
     import torch
 
     drafter = ModelDrafter(tiny_target, tiny_target)
@@ -121,13 +122,13 @@ def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_say
     judged = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(keep=2)), 5)
     assert judged.tokens == free.tokens[:2]  # the third was drafted, then withheld
     assert judged.confidence == pytest.approx(free.confidence[:3], rel=1e-3)
-    assert state.cache.length == len(tokens) + (4 if chain else 2)
+    assert state.cache.length == len(tokens) + (CHAIN_STEPS - 1 if chain else 2)
     drafter.release(state)
 
     state = drafter.begin(tokens)  # told not to go on: no step beyond the first token
     short = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(5, False)), 5)
     assert short.tokens == free.tokens[:1] and len(short.confidence) == 1
-    assert state.cache.length == len(tokens) + (4 if chain else 0)
+    assert state.cache.length == len(tokens) + (CHAIN_STEPS - 1 if chain else 0)
     drafter.release(state)
     assert tiny_target.rows_in_use == 0
     assert free.alternative is None and short.alternative is None  # no judge / judge says no
@@ -410,3 +411,28 @@ def test_a_draft_runs_in_bfloat16_beside_a_float32_target_where_the_cpu_has_it(
     assert loading.torch_draft_dtype("float32", "cpu", "bfloat16") == "bfloat16"  # as asked
     with pytest.raises(ValueError, match="draft dtype"):
         loading.torch_draft_dtype("float32", "cpu", "float8")
+
+
+@pytest.mark.real_model
+def test_the_draft_steps_benchmark_writes_its_table_and_json(
+        default_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import torch
+
+    from specbench import draft_steps
+
+    out = tmp_path / "draft-steps.json"
+    before = torch.get_num_threads()
+    try:
+        assert draft_steps.main(["--k", "3", "--streams", "2", "--rounds", "1",
+                                 "--repeats", "2", "--threads", "1", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    report = json.loads(out.read_text())
+    assert {(r["path"], r["streams"]) for r in report["rows"]} == {
+        ("python", 1), ("native", 1), ("python", 2), ("native", 2)}
+    assert all(r["ms_per_drafted_token"] > 0 for r in report["rows"])
+    assert report["target_step_ms"] > 0
+    assert "native | 2 | 3 |" in capsys.readouterr().out
+

@@ -14,8 +14,13 @@ import torch
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
-from runtime.batched import BatchedLM
+from runtime.batched import BatchedLM, DraftSteps
 from runtime.causal_lm import BatchItem, CausalLM, check_same_vocabulary
+
+# The most greedy draft steps one native call makes: the chain drafts every step it is
+# given before the judge sees any, so a longer call wastes the steps after the judge's
+# stop; a shorter one pays a Python call more (not yet fitted: docs/performance.md)
+CHAIN_STEPS = 4
 
 
 class DraftModel(Protocol):
@@ -100,28 +105,46 @@ class ModelDrafter(BaseDrafter):
 
     def _chained(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
                  feeds: list[list[int]], ks: Sequence[int]) -> list[DraftProposal]:
-        """Greedy drafts of all k tokens in one native call; the judge then cuts each
-        where the step loop would have stopped (it reads only the confidences so far)."""
+        """Greedy drafts in native calls of up to ``CHAIN_STEPS`` steps for every sequence
+        at once; the judge cuts each call's tokens where the step loop would have
+        stopped (it reads only the confidences so far), and a sequence it lets go on past
+        a call's last token drafts on in the next call."""
         assert isinstance(self.model, BatchedLM)
-        drafted = self.model.draft_chain([s.cache for s in states], feeds, ks,
-                                         self.target_vocab)
-        out = []
-        for state, context, feed, k, steps in zip(states, contexts, feeds, ks, drafted,
-                                                  strict=True):
-            state.fed.extend(feed)
-            state.fed.extend(steps.tokens[: k - 1])  # fed back within the call
-            judge = context.judge
-            proposed: list[int] = []
-            sure: list[float] = []
-            for token, confidence in zip(steps.tokens, steps.confidences, strict=True):
-                sure.append(confidence)
-                if judge is not None and not judge.worth_proposing(sure):
-                    break  # withheld
-                proposed.append(token)
-                if len(proposed) == k or (judge is not None and not judge.worth_continuing(sure)):
-                    break
-            out.append(self._proposal(proposed, [], sure, steps.runner_up, judge))
-        return out
+        proposed: list[list[int]] = [[] for _ in states]
+        sure: list[list[float]] = [[] for _ in states]
+        second: list[tuple[int, float] | None] = [None for _ in states]
+        active = list(range(len(states)))
+        while active:
+            steps = [min(ks[i] - len(proposed[i]), CHAIN_STEPS) for i in active]
+            drafted = self.model.draft_chain([states[i].cache for i in active],
+                                             [feeds[i] for i in active], steps,
+                                             self.target_vocab)
+            still = []
+            for i, n, got in zip(active, steps, drafted, strict=True):
+                states[i].fed.extend(feeds[i])
+                states[i].fed.extend(got.tokens[: n - 1])  # fed back within the call
+                if second[i] is None:
+                    second[i] = got.runner_up
+                if self._judged(got, contexts[i].judge, ks[i], proposed[i], sure[i]):
+                    feeds[i] = [got.tokens[-1]]
+                    still.append(i)
+            active = still
+        return [self._proposal(p, [], c, s, context.judge)
+                for p, c, s, context in zip(proposed, sure, second, contexts, strict=True)]
+
+    @staticmethod
+    def _judged(drafted: DraftSteps, judge: DraftJudge | None, k: int, proposed: list[int],
+                sure: list[float]) -> bool:
+        """Take ``drafted``'s tokens into ``proposed`` (their confidences into ``sure``) as
+        far as the judge lets them; whether the sequence drafts on after the last."""
+        for token, confidence in zip(drafted.tokens, drafted.confidences, strict=True):
+            sure.append(confidence)
+            if judge is not None and not judge.worth_proposing(sure):
+                return False  # withheld
+            proposed.append(token)
+            if len(proposed) == k or (judge is not None and not judge.worth_continuing(sure)):
+                return False
+        return True
 
     def _stepped(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
                  feeds: list[list[int]], ks: Sequence[int]) -> list[DraftProposal]:
