@@ -68,7 +68,9 @@ class ModelDrafter(BaseDrafter):
         feature head does, drafts by its own steps)."""
         own_steps = (type(self)._step is ModelDrafter._step
                      and type(self)._catch_up is ModelDrafter._catch_up)
+        # (without batch invariance a long catch-up takes the bulk products: not the chain's)
         return (self.native_chain and own_steps and isinstance(self.model, BatchedLM)
+                and self.model.batch_invariant
                 and self.model.chain(self.target_vocab) is not None)
 
     def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
