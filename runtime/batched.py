@@ -58,6 +58,15 @@ _INITIAL_ROWS = 1  # grown as requests are admitted (Engine._fit_kv)
 _CAPACITY_ALIGN = SPAN_ALIGN  # an attention span never passes the capacity
 
 
+@dataclass(frozen=True)
+class DraftSteps:
+    """What ``BatchedLM.draft_chain`` drafted for one sequence."""
+
+    tokens: tuple[int, ...]  # [k] the first of the largest logits at each step
+    confidences: tuple[float, ...]  # [k] the probability of each (softmax over the head)
+    runner_up: tuple[int, float]  # the first step's second choice and its probability
+
+
 @dataclass(eq=False)
 class BatchedState:
     """One sequence: its row in the KV buffers and how many positions it holds."""
@@ -108,6 +117,7 @@ class BatchedLM(CausalLM):
         self._norms: list[fused.Norm] = []
         self._captured: tuple[int, ...] = ()  # see capture_layers
         self._segments: list[tuple[range, Any]] | None = None
+        self._chains: dict[int, Any] = {}  # DraftChain by the vocabulary it drafts from
         self.use_kernels(kernels)
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
         self.weights_format = weights_format or (quantize if quantize != "none" else dtype_name)
@@ -193,6 +203,7 @@ class BatchedLM(CausalLM):
             self._norms = fused.norm_weights(self.model, self.dtype)
         self._stack = (fused.layer_stack(self._kernels, self._norms, self)
                        if self._kernels is not None else None)
+        self._chains = {}
         self.capture_layers(self._captured)
 
     def capture_layers(self, layers: Sequence[int]) -> None:
@@ -202,6 +213,7 @@ class BatchedLM(CausalLM):
         only; the logits stay bitwise the same."""
         self._captured = tuple(sorted({int(i) for i in layers}))
         self._segments = None
+        self._chains = {}
         if not self._captured:
             return
         if self._kernels is None:
@@ -395,6 +407,53 @@ class BatchedLM(CausalLM):
         full = rows.new_full((rows.shape[0], self.vocab_size), torch.finfo(rows.dtype).min)
         full[:, self._head_ids] = rows
         return full
+
+    # -- a draft's greedy steps in one call ----------------------------------------------
+
+    def chain(self, vocab: int) -> Any | None:
+        """The native ``DraftChain`` over this model (``fused.draft_chain``; tokens from
+        ``vocab`` on never drafted), or None where it cannot run."""
+        if self._kernels is None:
+            return None
+        if vocab not in self._chains:
+            self._chains[vocab] = fused.draft_chain(self._kernels, self, vocab)
+        return self._chains[vocab]
+
+    @torch.inference_mode()
+    def draft_chain(self, states: Sequence[BatchedState], feeds: Sequence[Sequence[int]],
+                    steps: Sequence[int], vocab: int) -> list[DraftSteps]:
+        """Greedy drafting in one native call: each sequence's ``feeds`` appended to its
+        cache, then ``steps`` tokens each the first of the largest logits after the one
+        before (every token but the last fed back). Bitwise the tokens of the same steps
+        through ``forward_batch`` and an argmax over the first ``vocab`` logits; each
+        cache grows by its feed and its steps less one."""
+        chain = self.chain(vocab)
+        if chain is None:
+            raise ValueError(f"{self.name}: no native draft chain here")
+        if any(k < 1 for k in steps):
+            raise ValueError("every sequence drafts at least one token")
+        # the checks of a pass holding the feeds and every token the steps feed back
+        check_items([BatchItem(s, [*f, *[0] * (k - 1)], 1)
+                     for s, f, k in zip(states, feeds, steps, strict=True)],
+                    self.max_context, self.hidden_size)
+        items = [BatchItem(s, f, 1) for s, f in zip(states, feeds, strict=True)]
+        reach = max(s.length + len(f) + k - 1 for s, f, k in zip(states, feeds, steps,
+                                                                  strict=True))
+        self._ensure_capacity(reach)
+        batch = Layout.build(items, self.device, self.batch_invariant, native=True)
+        tables = self._rotary.tables(reach, self._keys[0])
+        assert tables is not None  # (a chain is built only for tables of positions)
+        last = torch.tensor([o + len(f) - 1 for o, f in zip(batch.offsets, feeds, strict=True)])
+        tokens, sure, second, second_sure, _ = chain.run(
+            batch.ids, batch.positions, batch.cache_rows, batch.cache_slots, batch.limits,
+            batch.extras, last, torch.tensor(list(steps)), *tables, self._keys, self._values,
+            None)
+        out = []
+        for i, (state, feed, k) in enumerate(zip(states, feeds, steps, strict=True)):
+            state.length += len(feed) + k - 1
+            out.append(DraftSteps(tuple(tokens[i, :k].tolist()), tuple(sure[i, :k].tolist()),
+                                  (int(second[i]), float(second_sure[i]))))
+        return out
 
     # -- buffers ------------------------------------------------------------------------
 

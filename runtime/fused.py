@@ -16,7 +16,8 @@ import torch
 from runtime import kernels
 from runtime.causal_lm import GEMMA_FAMILIES, activation
 from runtime.layout import Layout
-from runtime.quantized import ACTIVATIONS, BlockMatrix, Int4Matrix
+from runtime.quantized import ACTIVATIONS, BlockEmbedding, BlockMatrix, Int4Matrix
+from runtime.skeleton import ConvertedEmbedding
 from runtime.weights import Matrix, Product, multiply, norm_heads
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
@@ -51,6 +52,17 @@ class Rotary:
             self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
         assert self._sin is not None
         return self._cos[positions], self._sin[positions]
+
+    def tables(self, needed: int, like: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole cos/sin tables, ``[P, D]`` each with ``P >= needed``, rows by
+        position (``like``: a tensor of the activations' dtype and device); None where
+        they depend on more than the position."""
+        if not self.static:
+            return None
+        self(like[:1], torch.tensor([needed - 1], device=like.device))
+        assert self._cos is not None and self._sin is not None
+        return self._cos, self._sin
 
 
 def unsupported(model: Any) -> str | None:
@@ -154,6 +166,41 @@ def layer_segments(native: Any, norms: list[Norm], runner: Any, capture: Sequenc
             return None
         out.append((range(start, stop), stack))
     return out
+
+
+def embedding_source(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
+    """What ``DraftChain`` reads an input embedding from, where a lookup of ``module`` in a
+    model of ``dtype`` is a row of a table or of a block matrix, rounded once to
+    ``dtype``: (the table, 0) or (the packed matrix, its bits); else None."""
+    allowed = {dtype}
+    if isinstance(module, ConvertedEmbedding):  # another's rows, converted to dtype
+        if module.weight.dtype != dtype:
+            return None
+        module, allowed = module.source[0], {torch.float32, dtype}
+    if isinstance(module, BlockEmbedding) and module.dtype in allowed:
+        return module.matrix.packed, module.matrix.bits
+    if (isinstance(module, torch.nn.Embedding) and getattr(module, "rows", None) is None
+            and module.weight.dim() == 2 and module.weight.dtype in allowed):
+        return module.weight.detach().contiguous(), 0  # (a table, not rows read elsewhere)
+    return None
+
+
+def draft_chain(native: Any, runner: Any, vocab: int) -> Any | None:
+    """The kernels' ``DraftChain`` over ``runner``'s stack, input embedding and head
+    (tokens from ``vocab`` on never drafted), where all of them run natively and the
+    rotary tables depend on the position alone; else None."""
+    stack = runner._stack
+    if stack is None or runner._captured or not runner._rotary.static:
+        return None
+    source = embedding_source(runner.model.model.embed_tokens, runner.dtype)
+    head = runner._head
+    kind = stack_kind(head, runner.dtype)
+    if source is None or not kind:
+        return None
+    return native.DraftChain(stack, source[0], source[1],
+                             head.packed if isinstance(head, BlockMatrix) else head.dense,
+                             kind, head.out_features, head.bias, runner._head_ids, vocab,
+                             None, 0.0, None, 0, 0, None)
 
 
 def stack_kind(m: Product, dtype: torch.dtype) -> int:

@@ -9,7 +9,8 @@ thread and event loop are timed with ``time.perf_counter`` around a few function
 the prompts one at a time from this process (the openai-style chat endpoint, greedy), stops
 the server, and prints per token:
 
-- the model thread: the layers (the native stack's one call), the head, handing events to
+- the model thread: the layers (the native stack's one call), the head (a draft model's
+  steps included), a draft model's greedy steps in one native call, handing events to
   the event loop, the rest of the round (drafting, layout, verify, commit, detokenizing,
   stop strings), and its time between rounds;
 - the event loop: building each chunk and its JSON, the request's metrics, and the rest of
@@ -108,6 +109,7 @@ def _instrument(clock: _Clock) -> None:
     engine_module.speculative_round = classified
     clock.wrap(fused, "forward", "layers")
     clock.wrap(BatchedLM, "_logits", "head")
+    clock.wrap(BatchedLM, "draft_chain", "draft_chain")
     clock.wrap(Outbox, "hand_over", "hand_over")
     clock.wrap(streaming, "chunk_json", "chunk_json")
     clock.wrap(ChatFormat, "chunk", "chunk")
@@ -185,15 +187,17 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 def summarise(child: dict[str, Any], tokens: int, gaps: list[float],
               args: argparse.Namespace) -> dict[str, Any]:
     s: dict[str, float] = defaultdict(float, child["seconds"])
-    per = {name: seconds / tokens * MS for name, seconds in s.items()}
+    per: dict[str, float] = defaultdict(float, {name: seconds / tokens * MS
+                                              for name, seconds in s.items()})
     window = child["window_s"] / tokens * MS
     prefill = per["prefill_round"]
     model = {
         "layers (native stack)": per["layers"],
         "head": per["head"],
         "hand-over to the event loop": per["hand_over"],
+        "draft chain (native)": per["draft_chain"],
         "rest of the round (Python)": per["round"] - per["layers"] - per["head"]
-        - per["hand_over"] - prefill,
+        - per["draft_chain"] - per["hand_over"] - prefill,
         "prompt passes (prefill)": prefill,
         "between rounds": window - per["round"],
     }

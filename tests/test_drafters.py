@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -9,6 +10,7 @@ from transformers import AutoTokenizer
 from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
 from decoding.drafters.base import BaseDrafter, DraftProposal
 from decoding.drafters.combined import CombinedDrafter
+from decoding.drafters.model import CHAIN_STEPS
 from decoding.prompting import encode_text
 from decoding.round import decode, step
 from decoding.sequence import SequenceDecoder
@@ -95,11 +97,17 @@ class _Judge:
         return self.alternative
 
 
+@pytest.mark.parametrize("chain", [False, True], ids=["steps", "native-chain"])
 def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_says(
-        tiny_target: BatchedLM, tiny_reference: CausalLM) -> None:
+        tiny_target: BatchedLM, tiny_reference: CausalLM, chain: bool) -> None:
+    """By the step loop or the native chain: the same drafts, cut where the judge says.
+    The loop stops feeding where the judge stops it; the chain feeds back all but the
+    last of the tokens its call drafted (``CHAIN_STEPS`` at most)."""
     import torch
 
     drafter = ModelDrafter(tiny_target, tiny_target)
+    drafter.native_chain = chain
+    assert drafter.can_chain() == chain
     tokens = [10, 11, 12, 13]
     state = drafter.begin(tokens)
     free = drafter.propose(state, DraftContext(tokens, GREEDY, None), 5)
@@ -114,16 +122,112 @@ def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_say
     judged = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(keep=2)), 5)
     assert judged.tokens == free.tokens[:2]  # the third was drafted, then withheld
     assert judged.confidence == pytest.approx(free.confidence[:3], rel=1e-3)
-    assert state.cache.length == len(tokens) + 2
+    assert state.cache.length == len(tokens) + (CHAIN_STEPS - 1 if chain else 2)
     drafter.release(state)
 
     state = drafter.begin(tokens)  # told not to go on: no step beyond the first token
     short = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(5, False)), 5)
     assert short.tokens == free.tokens[:1] and len(short.confidence) == 1
-    assert state.cache.length == len(tokens)
+    assert state.cache.length == len(tokens) + (CHAIN_STEPS - 1 if chain else 0)
     drafter.release(state)
     assert tiny_target.rows_in_use == 0
     assert free.alternative is None and short.alternative is None  # no judge / judge says no
+
+
+CHAIN_MODELS = {"dense-float32": ("float32", "none"), "blocks-bfloat16": ("bfloat16", "int4")}
+
+
+@pytest.mark.parametrize("model", list(CHAIN_MODELS))
+def test_the_native_chain_drafts_the_step_loop_s_tokens(tiny_target_dir: Path,
+                                                        model: str) -> None:
+    """Several sequences at once, each with its own catch-up and draft length, over
+    rounds whose committed tokens partly differ from the drafts: the chain's proposals
+    (tokens, second choice) are the step loop's, their confidences equal to a few ulp,
+    and a sequence that switches path mid-way keeps drafting the same."""
+    dtype, quantize = CHAIN_MODELS[model]
+    runner = BatchedLM.load(str(tiny_target_dir), dtype=dtype, quantize=quantize)
+    assert isinstance(runner, BatchedLM)
+    drafter = ModelDrafter(runner, runner)
+    judge = _Judge(keep=9, alternative=True)
+    assert drafter.can_chain()
+
+    def rounds(paths: list[bool]) -> list[list[DraftProposal]]:
+        prompts = [[10, 11, 12, 13], list(range(40, 75)), [7]]
+        states = [drafter.begin(p) for p in prompts]
+        out = []
+        for chain in paths:
+            drafter.native_chain = chain
+            contexts = [DraftContext(p, GREEDY, None, judge) for p in prompts]
+            proposals = drafter.propose_many(states, contexts, [5, 3, 1])
+            out.append(proposals)
+            # the first draft token accepted, then a token of the target's own
+            prompts = [[*p, *q.tokens[:1], 500 + len(p)] for p, q in zip(prompts, proposals,
+                                                                          strict=True)]
+        for state in states:
+            drafter.release(state)
+        return out
+
+    steps, chained, mixed = rounds([False] * 4), rounds([True] * 4), rounds([True, False] * 2)
+    assert runner.rows_in_use == 0
+    for a, b, c in zip(steps, chained, mixed, strict=True):
+        for x, y, z in zip(a, b, c, strict=True):
+            assert x.tokens == y.tokens == z.tokens and len(x.tokens) >= 1
+            assert x.alternative == y.alternative == z.alternative is not None
+            assert y.confidence == pytest.approx(x.confidence, rel=1e-5)
+            assert y.alternative_confidence == pytest.approx(x.alternative_confidence, rel=1e-5)
+
+
+def test_sampled_rounds_keep_the_step_loop_beside_a_native_chain(
+        tiny_target: BatchedLM) -> None:
+    """A sampled sequence drafts by the step loop (its distribution comes back), a greedy
+    one beside it in the same call by the chain."""
+    import torch
+
+    drafter = ModelDrafter(tiny_target, tiny_target)
+    assert drafter.can_chain()
+    states = [drafter.begin([1, 2]), drafter.begin([3, 4])]
+    sampled = DraftContext([1, 2], SamplingParams(temperature=0.8),
+                           torch.Generator().manual_seed(0))
+    greedy = DraftContext([3, 4], GREEDY, None)
+    proposals = drafter.propose_many(states, [sampled, greedy], [3, 3])
+    assert proposals[0].probs is not None and proposals[0].probs.shape[0] == 3
+    assert proposals[1].probs is None and len(proposals[1].tokens) == 3
+    assert states[0].cache.length == 2 + 2 and states[1].cache.length == 2 + 2
+    for state in states:
+        drafter.release(state)
+
+
+def test_a_drafter_with_steps_of_its_own_never_chains(tiny_target: BatchedLM) -> None:
+    """A subclass that feeds its own rows each step (a feature head) keeps its steps."""
+
+    class OwnSteps(ModelDrafter):
+        def _step(self, states: Any, feeds: Any) -> Any:
+            return super()._step(states, feeds)
+
+    assert ModelDrafter(tiny_target, tiny_target).can_chain()
+    assert not OwnSteps(tiny_target, tiny_target).can_chain()
+
+
+@pytest.mark.real_model
+def test_the_shipped_draft_chains_natively_and_drafts_its_step_loop_s_tokens(
+        default_model_dir: Path) -> None:
+    """The shipped draft beside the served target (its head over part of the vocabulary,
+    the target's 4-bit embedding rows): the chain runs, with the step loop's tokens."""
+    from decoding.factory import load_model_drafter
+    from runtime.loading import load_target
+
+    target = load_target("default", "bfloat16", quantize="auto")
+    drafter = load_model_drafter("default-draft", target, "bfloat16")
+    assert isinstance(drafter, ModelDrafter) and drafter.can_chain()
+    prompt = encode_text(target.tokenizer, "The three primary colours are")
+    drafted = {}
+    for chain in (False, True):
+        drafter.native_chain = chain
+        state = drafter.begin(prompt)
+        drafted[chain] = drafter.propose(state, DraftContext(prompt, GREEDY, None), 6)
+        drafter.release(state)
+    assert drafted[True].tokens == drafted[False].tokens and len(drafted[True].tokens) == 6
+    assert drafted[True].confidence == pytest.approx(drafted[False].confidence, rel=1e-5)
 
 
 def test_model_drafter_offers_its_second_choice_for_the_first_token(
@@ -307,3 +411,28 @@ def test_a_draft_runs_in_bfloat16_beside_a_float32_target_where_the_cpu_has_it(
     assert loading.torch_draft_dtype("float32", "cpu", "bfloat16") == "bfloat16"  # as asked
     with pytest.raises(ValueError, match="draft dtype"):
         loading.torch_draft_dtype("float32", "cpu", "float8")
+
+
+@pytest.mark.real_model
+def test_the_draft_steps_benchmark_writes_its_table_and_json(
+        default_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import torch
+
+    from specbench import draft_steps
+
+    out = tmp_path / "draft-steps.json"
+    before = torch.get_num_threads()
+    try:
+        assert draft_steps.main(["--k", "3", "--streams", "2", "--rounds", "1",
+                                 "--repeats", "2", "--threads", "1", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    report = json.loads(out.read_text())
+    assert {(r["path"], r["streams"]) for r in report["rows"]} == {
+        ("python", 1), ("native", 1), ("python", 2), ("native", 2)}
+    assert all(r["ms_per_drafted_token"] > 0 for r in report["rows"])
+    assert report["target_step_ms"] > 0
+    assert "native | 2 | 3 |" in capsys.readouterr().out
+

@@ -355,6 +355,44 @@ def test_every_level_gives_the_same_logits_and_text(tiny_target_dir: Any, tmp_pa
             assert torch.equal(a, b), name
 
 
+def chain_drafts(model_dir: str) -> dict[str, Any]:
+    """The native draft chain over the tiny model as a float32 dense and a bfloat16
+    4-bit block model: three sequences' drafts (tokens, confidences, second choices)
+    and the keys their caches hold after it."""
+    out: dict[str, Any] = {}
+    for dtype, quantize in (("float32", "none"), ("bfloat16", "int4")):
+        runner = BatchedLM.load(model_dir, dtype=dtype, quantize=quantize)
+        assert isinstance(runner, BatchedLM) and runner.chain(runner.vocab_size) is not None
+        states = [runner.new_state() for _ in range(3)]
+        feeds = [[10, 11, 12, 13], list(range(40, 75)), [7]]
+        drafts = runner.draft_chain(states, feeds, [5, 3, 1], runner.vocab_size)
+        drafts += runner.draft_chain(states, [[d.tokens[-1]] for d in drafts], [4, 4, 2],
+                                     runner.vocab_size)
+        keys = [runner._keys[0][s.row, :, : s.length].clone() for s in states]
+        out[f"{dtype}-{quantize}"] = ([(d.tokens, d.confidences, d.runner_up) for d in drafts],
+                                      keys)
+        for state in states:
+            runner.release(state)
+    return out
+
+
+@pytest.mark.parametrize("level", lower_levels())
+def test_every_level_drafts_the_same_native_chain(tiny_target_dir: Any, tmp_path: Path,
+                                                  level: str) -> None:
+    """The native draft chain on another level's kernels: bitwise this level's tokens,
+    confidences, second choices and cache contents."""
+    out = tmp_path / "chain.pt"
+    at_level(level, "import torch\nfrom runtime import kernels\n"
+                    "from tests.test_kernels import chain_drafts\n"
+                    f"assert kernels.native().capability() == {level!r}\n"
+                    f"torch.save(chain_drafts({str(tiny_target_dir)!r}), {str(out)!r})\n")
+    mine, other = chain_drafts(str(tiny_target_dir)), torch.load(out)
+    assert list(mine) == list(other)
+    for name, (drafts, keys) in mine.items():
+        assert other[name][0] == drafts, name  # floats compared exactly
+        assert all(torch.equal(a, b) for a, b in zip(keys, other[name][1], strict=True)), name
+
+
 @pytest.mark.real_model
 def test_the_kernels_benchmark_writes_its_table_and_json(
         default_model_dir: object, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,13 @@ import torch
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
+from runtime.batched import BatchedLM, DraftSteps
 from runtime.causal_lm import BatchItem, CausalLM, check_same_vocabulary
+
+# The most greedy draft steps one native call makes: the chain drafts every step it is
+# given before the judge sees any, so a longer call wastes the steps after the judge's
+# stop; a shorter one pays a Python call more (not yet fitted: docs/performance.md)
+CHAIN_STEPS = 4
 
 
 class DraftModel(Protocol):
@@ -45,6 +51,8 @@ class ModelDraftState:
 
 
 class ModelDrafter(BaseDrafter):
+    native_chain = True  # greedy rounds in one native call where the model offers it
+
     def __init__(self, model: DraftModel, target: CausalLM | None = None,
                  tokenizer: Any = None, name: str = "draft") -> None:
         tokenizer = tokenizer if tokenizer is not None else model.tokenizer
@@ -53,6 +61,17 @@ class ModelDrafter(BaseDrafter):
         self.model = model
         self.name = name
         self.target_vocab = target.vocab_size if target is not None else model.vocab_size
+
+    def can_chain(self) -> bool:
+        """Whether greedy rounds draft in one native call (``BatchedLM.draft_chain``): a
+        plain draft model's steps only (a subclass that feeds its own input rows, as a
+        feature head does, drafts by its own steps)."""
+        own_steps = (type(self)._step is ModelDrafter._step
+                     and type(self)._catch_up is ModelDrafter._catch_up)
+        # (without batch invariance a long catch-up takes the bulk products: not the chain's)
+        return (self.native_chain and own_steps and isinstance(self.model, BatchedLM)
+                and self.model.batch_invariant
+                and self.model.chain(self.target_vocab) is not None)
 
     def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
         return ModelDraftState(cache=self.model.new_state())
@@ -68,10 +87,70 @@ class ModelDrafter(BaseDrafter):
     @torch.inference_mode()
     def propose_many(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
                      ks: Sequence[int]) -> list[DraftProposal]:
-        """Draft for several sequences: draft step ``i`` of every sequence that wants an
-        ``i``-th token is one batch (one forward pass on a batched model)."""
+        """Draft for several sequences: greedy ones in one native call where the model
+        has one (``can_chain``), the others step by step, draft step ``i`` of every
+        sequence that wants an ``i``-th token as one batch (one forward pass on a
+        batched model)."""
         feeds = [self._catch_up(state, context) if k > 0 else []
                  for state, context, k in zip(states, contexts, ks, strict=True)]
+        chained = ([i for i, (feed, context) in enumerate(zip(feeds, contexts, strict=True))
+                    if feed and context.generator is None] if self.can_chain() else [])
+        out = self._stepped(states, contexts, [[] if i in chained else feed
+                                               for i, feed in enumerate(feeds)], ks)
+        if chained:
+            proposals = self._chained([states[i] for i in chained],
+                                      [contexts[i] for i in chained],
+                                      [feeds[i] for i in chained], [ks[i] for i in chained])
+            for i, proposal in zip(chained, proposals, strict=True):
+                out[i] = proposal
+        return out
+
+    def _chained(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
+                 feeds: list[list[int]], ks: Sequence[int]) -> list[DraftProposal]:
+        """Greedy drafts in native calls of up to ``CHAIN_STEPS`` steps for every sequence
+        at once; the judge cuts each call's tokens where the step loop would have
+        stopped (it reads only the confidences so far), and a sequence it lets go on past
+        a call's last token drafts on in the next call."""
+        assert isinstance(self.model, BatchedLM)
+        proposed: list[list[int]] = [[] for _ in states]
+        sure: list[list[float]] = [[] for _ in states]
+        second: list[tuple[int, float] | None] = [None for _ in states]
+        active = list(range(len(states)))
+        while active:
+            steps = [min(ks[i] - len(proposed[i]), CHAIN_STEPS) for i in active]
+            drafted = self.model.draft_chain([states[i].cache for i in active],
+                                             [feeds[i] for i in active], steps,
+                                             self.target_vocab)
+            still = []
+            for i, n, got in zip(active, steps, drafted, strict=True):
+                states[i].fed.extend(feeds[i])
+                states[i].fed.extend(got.tokens[: n - 1])  # fed back within the call
+                if second[i] is None:
+                    second[i] = got.runner_up
+                if self._judged(got, contexts[i].judge, ks[i], proposed[i], sure[i]):
+                    feeds[i] = [got.tokens[-1]]
+                    still.append(i)
+            active = still
+        return [self._proposal(p, [], c, s, context.judge)
+                for p, c, s, context in zip(proposed, sure, second, contexts, strict=True)]
+
+    @staticmethod
+    def _judged(drafted: DraftSteps, judge: DraftJudge | None, k: int, proposed: list[int],
+                sure: list[float]) -> bool:
+        """Take ``drafted``'s tokens into ``proposed`` (their confidences into ``sure``) as
+        far as the judge lets them; whether the sequence drafts on after the last."""
+        for token, confidence in zip(drafted.tokens, drafted.confidences, strict=True):
+            sure.append(confidence)
+            if judge is not None and not judge.worth_proposing(sure):
+                return False  # withheld
+            proposed.append(token)
+            if len(proposed) == k or (judge is not None and not judge.worth_continuing(sure)):
+                return False
+        return True
+
+    def _stepped(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
+                 feeds: list[list[int]], ks: Sequence[int]) -> list[DraftProposal]:
+        """Drafts one step a pass, for the sequences with something to feed."""
         proposed: list[list[int]] = [[] for _ in states]
         rows: list[list[torch.Tensor]] = [[] for _ in states]
         sure: list[list[float]] = [[] for _ in states]

@@ -40,4 +40,49 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<double>, int64_t, int64_t, int64_t, double,
                     std::vector<int64_t>>())
       .def("forward", &LayerStack::forward, release());
+  py::class_<DraftChain>(m, "DraftChain", py::module_local(), R"(
+A draft model's greedy steps for every sequence of a round in one call.
+
+DraftChain(stack, embedding, embedding_kind, head, head_kind, head_out, head_bias, head_ids,
+           vocab, head_norm, head_eps, fuse, fuse_kind, fuse_in, fuse_bias)
+  stack: the draft's LayerStack of native matrices (its last norm: the final norm, or a
+    pass-through one where the head brings its own norm).
+  embedding, embedding_kind: the input embedding: kind 0, a [vocab, hidden] table in float32
+    or the model's dtype (rows rounded to the model's dtype); 4 or 8, a block_pack-ed
+    [vocab, hidden] matrix (rows dequantized in float32, then rounded).
+  head, head_kind, head_out, head_bias: the output head [head_out, hidden]: a 4- or 8-bit
+    block matrix (bfloat16 activations, as quantized.BlockMatrix) or a dense one packed for
+    dense_product in the model's dtype (kind 16 bfloat16, 32 float32); bias float or None.
+  head_ids: [head_out] int64, the vocabulary id of each head row (None: row j is token j).
+  vocab: tokens from this id on are never drafted.
+  head_norm, head_eps: an RMS norm applied to the stack's output before the head (None: none).
+  fuse, fuse_kind, fuse_in, fuse_bias: an optional input fusion [hidden, fuse_in] (a matrix of
+    the stack's kinds) applied to [token embedding | carried hidden] before the stack, the
+    carried hidden being [fuse_in - hidden] wide: the caller's rows at step 0, then each
+    sequence's stack output of the step before (None: the embedding enters the stack).
+
+run(ids, positions, rows, slots, limits, extras, last, steps, cos, sin, keys, values, carried)
+  Step 0 is one stack pass over the round's fed tokens, packed as runtime.layout.Layout packs
+  them (ids [T] and its int64 [T] positions, cache rows, cache slots, limits, extras); last
+  [n]: the index in that pass of each sequence's last fed token; steps [n] (>= 1): how many
+  tokens each sequence drafts. Each step takes each sequence's logits after its last token,
+  picks the first of the largest (the lowest id among ties) and, while the sequence drafts
+  more, feeds that token at the next position and slot of its cache row (limit + 1, no
+  extra). cos/sin: the rotary tables [positions, dim] by position (runtime.fused.Rotary's),
+  covering every position the steps reach. keys/values: the stack's cache per layer,
+  [rows, kv_heads, capacity, dim], with room for the fed tokens and steps - 1 more; the cache
+  grows by them. carried: [T, fuse_in - hidden] in the model's dtype with an input fusion,
+  else None.
+  Returns (tokens [n, max steps] int64, -1 past a sequence's steps; their probabilities
+  [n, max steps] float32, each the softmax's largest over the head's tokens below vocab;
+  the first step's runner-up [n] int64 and its probability [n] float32; the stack's output
+  at each sequence's last step [n, hidden], the hidden state a fusion would carry on).
+  Every level computes the same bits; each step's tokens are a Python step's (the stack's
+  call, the head's product, the argmax over the whole vocabulary).
+)")
+      .def(py::init<const LayerStack&, at::Tensor, int64_t, at::Tensor, int64_t, int64_t,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
+                    c10::optional<at::Tensor>, double, c10::optional<at::Tensor>, int64_t,
+                    int64_t, c10::optional<at::Tensor>>())
+      .def("run", &DraftChain::run, release());
 }

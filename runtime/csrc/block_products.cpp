@@ -58,6 +58,26 @@ at::Tensor block_pack(const at::Tensor& codes, const at::Tensor& scale, const at
   return out;
 }
 
+// Row ``id`` of a block_pack-ed matrix of ``blocks`` blocks a row, dequantized into dst
+// [blocks * 32]: code * scale + low in float32
+void block_row(const uint8_t* p, int64_t id, int64_t blocks, int64_t bits, float* dst) {
+  const int64_t size = block_bytes(bits), tile = id / kTile, r = id % kTile;
+  for (int64_t b = 0; b < blocks; ++b, dst += kBlock) {
+    const uint8_t* src = p + (tile * blocks + b) * size;
+    c10::Half d, low;
+    std::memcpy(&d, src + size - 64 + 2 * r, 2);
+    std::memcpy(&low, src + size - 32 + 2 * r, 2);
+    const float scale = static_cast<float>(d), minimum = static_cast<float>(low);
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t k = 0; k < 4; ++k) {
+        const uint8_t byte = src[(bits == 4 ? j % 4 : j) * 64 + 4 * r + k];
+        const int code = bits == 4 ? (j < 4 ? byte & 15 : byte >> 4) : byte;
+        // the product is exact (8 by 11 bits), so this rounds once, fused or not
+        dst[4 * j + k] = static_cast<float>(code) * scale + minimum;
+      }
+  }
+}
+
 // Rows ``ids`` [n] (int64) of a block_pack-ed [out, in] matrix, dequantized: code * scale + low
 // in float32, then cast to ``dtype`` (an input embedding read from a tied head's blocks)
 at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t out_features,
@@ -78,24 +98,7 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t o
   at::Tensor out = at::empty({n, in_features}, packed.options().dtype(at::kFloat));
   const uint8_t* p = packed.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t tile = id[i] / kTile, r = id[i] % kTile;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* src = p + (tile * blocks + b) * size;
-      c10::Half d, low;
-      std::memcpy(&d, src + size - 64 + 2 * r, 2);
-      std::memcpy(&low, src + size - 32 + 2 * r, 2);
-      const float scale = static_cast<float>(d), minimum = static_cast<float>(low);
-      float* dst = o + i * in_features + b * kBlock;
-      for (int64_t j = 0; j < 8; ++j)
-        for (int64_t k = 0; k < 4; ++k) {
-          const uint8_t byte = src[(bits == 4 ? j % 4 : j) * 64 + 4 * r + k];
-          const int code = bits == 4 ? (j < 4 ? byte & 15 : byte >> 4) : byte;
-          // the product is exact (8 by 11 bits), so this rounds once, fused or not
-          dst[4 * j + k] = static_cast<float>(code) * scale + minimum;
-        }
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) block_row(p, id[i], blocks, bits, o + i * in_features);
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 

@@ -57,6 +57,7 @@ at::Tensor block_pack(const at::Tensor& codes, const at::Tensor& scale, const at
                       int64_t bits);
 at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t out_features,
                       int64_t in_features, int64_t bits, at::ScalarType dtype);
+void block_row(const uint8_t* p, int64_t id, int64_t blocks, int64_t bits, float* dst);
 at::Tensor block_product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          int64_t bits, const c10::optional<at::Tensor>& bias);
 template <typename T>
@@ -101,6 +102,11 @@ class LayerStack {
                      const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& limits,
                      const at::Tensor& extras) const;
 
+  int64_t layers() const { return static_cast<int64_t>(packed_.size() / 4); }
+  int64_t hidden() const { return norms_[0].numel(); }
+  bool native() const { return native_; }
+  at::ScalarType dtype() const { return dtype_; }
+
  private:
   template <typename T>
   at::Tensor forward_native(const at::Tensor& embedded, const at::Tensor& cos,
@@ -121,6 +127,51 @@ class LayerStack {
   std::vector<int64_t> kinds_;  // each matrix's kind (kTorchInt4, 4, 8, kDenseBf16, kDenseF32)
   bool native_ = false;          // native matrices (forward_native), else PyTorch's int4
   at::ScalarType dtype_;         // the activations', norms' and cache's dtype
+};
+
+// --- draft_chain.cpp: a draft model's greedy steps for a round's sequences in one call
+
+// A product of one of LayerStack's matrix kinds (4, 8: block; kDenseBf16, kDenseF32: dense
+// in the model's dtype) with its float32 bias (undefined: none): x [tokens, k] -> y [tokens, out]
+struct ChainMatrix {
+  at::Tensor packed;
+  int64_t kind = 0, out = 0, in = 0;
+  at::Tensor bias32;
+};
+
+// The contract is DraftChain.run's docstring in bindings.cpp (what Python sees).
+class DraftChain {
+ public:
+  DraftChain(const LayerStack& stack, at::Tensor embedding, int64_t embedding_kind,
+             at::Tensor head, int64_t head_kind, int64_t head_out,
+             c10::optional<at::Tensor> head_bias, c10::optional<at::Tensor> head_ids,
+             int64_t vocab, c10::optional<at::Tensor> head_norm, double head_eps,
+             c10::optional<at::Tensor> fuse, int64_t fuse_kind, int64_t fuse_in,
+             c10::optional<at::Tensor> fuse_bias);
+
+  std::vector<at::Tensor> run(const at::Tensor& ids, const at::Tensor& positions,
+                              const at::Tensor& rows, const at::Tensor& slots,
+                              const at::Tensor& limits, const at::Tensor& extras,
+                              const at::Tensor& last, const at::Tensor& steps,
+                              const at::Tensor& cos, const at::Tensor& sin,
+                              std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                              const c10::optional<at::Tensor>& carried) const;
+
+ private:
+  at::Tensor embed(const at::Tensor& ids) const;
+  at::Tensor head_logits(const at::Tensor& hidden) const;
+  void pick(const at::Tensor& logits, int64_t row, bool second, int64_t* token, float* sure,
+            int64_t* runner_up, float* runner_up_sure) const;
+
+  LayerStack stack_;
+  at::Tensor embedding_;
+  int64_t embedding_kind_;  // 0: a [vocab, hidden] table (float32 or the model's dtype), 4, 8
+  ChainMatrix head_, fuse_;  // fuse_.kind 0: none
+  at::Tensor head_ids_;      // [K] the vocabulary id of each head row (undefined: row j is j)
+  int64_t vocab_;            // ids from here on are never drafted
+  at::Tensor head_norm_;     // undefined: none
+  double head_eps_;
+  std::vector<int64_t> valid_;  // the head rows whose id is below vocab_, in order
 };
 
 }  // namespace specserve
