@@ -1,11 +1,11 @@
 """The engine: one model thread serving many requests, round by round.
 
-Requests wait in a bounded queue; up to ``max_active`` of them are decoded at once. Every
-iteration runs one forward pass holding the next chunk of waiting prompts (at most
-``prefill_chunk`` tokens, so a long prompt does not stall running streams) and one
-speculation round for every running stream, with draft lengths chosen for the batch as a
-whole (``plan_batch``: speculation shrinks as the batch grows and stops where plain batched
-decoding is faster). Requests join and leave at round boundaries. A round's events reach
+Requests wait in a bounded queue; the scheduler (``decoding.scheduler``) decides which
+join, up to ``max_active`` within the KV budget, and each stream's draft length, chosen for
+the batch as a whole. Every iteration runs one forward pass holding the next chunk of
+waiting prompts (at most ``prefill_chunk`` tokens, so a long prompt does not stall running
+streams) and one speculation round for every running stream. Requests join and leave at
+round boundaries. A round's events reach
 their streams once the next pass is prepared, before its long native call
 (``decoding.handoff``), or once the engine has nothing more to run. A cancelled request
 (client gone) is dropped before its next round and its KV caches are freed; a request past
