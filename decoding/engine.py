@@ -1,11 +1,11 @@
 """The engine: one model thread serving many requests, round by round.
 
-Requests wait in a bounded queue; up to ``max_active`` of them are decoded at once. Every
-iteration runs one forward pass holding the next chunk of waiting prompts (at most
-``prefill_chunk`` tokens, so a long prompt does not stall running streams) and one
-speculation round for every running stream, with draft lengths chosen for the batch as a
-whole (``plan_batch``: speculation shrinks as the batch grows and stops where plain batched
-decoding is faster). Requests join and leave at round boundaries. A round's events reach
+Requests wait in a bounded queue; the scheduler (``decoding.scheduler``) decides which
+join, up to ``max_active`` within the KV budget, and each stream's draft length, chosen for
+the batch as a whole. Every iteration runs one forward pass holding the next chunk of
+waiting prompts (at most ``prefill_chunk`` tokens, so a long prompt does not stall running
+streams) and one speculation round for every running stream. Requests join and leave at
+round boundaries. A round's events reach
 their streams once the next pass is prepared, before its long native call
 (``decoding.handoff``), or once the engine has nothing more to run. A cancelled request
 (client gone) is dropped before its next round and its KV caches are freed; a request past
@@ -28,9 +28,9 @@ from decoding.drafters.base import Drafter
 from decoding.handoff import Outbox
 from decoding.invariance import InvarianceCheck
 from decoding.kv_budget import KvBudget
-from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
 from decoding.prefix_cache import PrefixCache
 from decoding.round import RoundResult, speculative_round, warm_up
+from decoding.scheduler import Drafting, Scheduler
 from decoding.sequence import ContextOverflowError, SequenceDecoder
 from decoding.streams import (
     END,
@@ -79,17 +79,14 @@ class Engine:
             raise ValueError("prefill_chunk must be at least 1")
         self.target = target
         self.prefill_chunk = prefill_chunk
-        # True: draft lengths chosen for the whole batch by expected goodput; False:
-        # every sequence drafts as its own policy says, whatever the batch size.
-        self.batch_planning = batch_planning
-        # admission stops while the KV for one more request would pass max_kv_bytes
-        self.kv_budget = KvBudget(target, max_kv_bytes)
+        # which requests join, and each stream's draft length (batch_planning: chosen
+        # for the whole batch); admission stops while the KV for one more request would
+        # pass max_kv_bytes
+        self.scheduler = Scheduler(KvBudget(target, max_kv_bytes), max_active, batch_planning,
+                                   target.capabilities.batched, clock)
         self.decode_threads = decode_threads  # CPU threads of a pass without prompts
         self.invariance_check = invariance_check  # decoding.invariance (debugging; None: off)
         self.clock = clock  # what request deadlines and queue times are measured by
-        self.step_cost = StepCost()
-        # per drafter and draft source, from finished requests
-        self._priors: dict[tuple[str, str], SpeculationPrior] = {}
         self.forward_passes = 0
         self.prefix_cache = prefix_cache
         self.info = dict(info or {})  # descriptive facts for clients (e.g. the draft backend)
@@ -98,7 +95,6 @@ class Engine:
             raise UnknownDrafterError(f"default drafter {default_drafter!r} is not loaded")
         self.default_drafter = default_drafter
         self.max_queue = max_queue
-        self.max_active = max_active
         self._waiting: deque[RequestStream] = deque()
         self._active: list[_Active] = []
         self._lock = threading.Condition()
@@ -152,7 +148,7 @@ class Engine:
     @property
     def kv_bytes_reserved(self) -> int:
         """The KV the running requests may hold at their longest, as admission counts it."""
-        return self.kv_budget.reserved([a.positions for a in list(self._active)])
+        return self.scheduler.kv_budget.reserved([a.positions for a in list(self._active)])
 
     # -- requests ------------------------------------------------------------------
 
@@ -255,7 +251,7 @@ class Engine:
         finally:
             self._outbox.hand_over()  # whatever the round did not hand over
         if result.passes == 1 and not prompts:  # the step-cost fit describes decoding passes
-            self.step_cost.observe(result.pass_tokens, result.pass_s)
+            self.scheduler.step_cost.observe(result.pass_tokens, result.pass_s)
         self._deliver(by_decoder, result)
 
     def _deliver(self, by_decoder: dict[int, _Active], result: RoundResult) -> None:
@@ -267,8 +263,9 @@ class Engine:
             if event is None:
                 continue
             draft = outcome.draft
-            if self.batch_planning and draft is not None and draft.expected is not None:
-                self._source_prior(active).record(draft.expected, event.accepted_tokens)
+            if draft is not None and draft.expected is not None:
+                self.scheduler.drafted(active.stream.drafter, active.decoder.source,
+                                       draft.expected, event.accepted_tokens)
             if event.finished:
                 self._finish(active, event)
             else:
@@ -298,62 +295,41 @@ class Engine:
             return False
 
     def _draft_lengths(self, decoding: list[_Active]) -> list[int]:
-        """Per sequence: its own policy's k, or (batch planning) k chosen for the batch."""
-        decoders = [a.decoder for a in decoding]
-        if (not self.batch_planning or not self.target.capabilities.batched
-                or all(d.drafter is None for d in decoders)):  # nothing to plan
-            return [d.draft_length() for d in decoders]
-        policies = [d.policy if d.drafter is not None else None for d in decoders]
-        limits = [d.max_new - len(d.output) - 1 for d in decoders]
-        draft_s = [d.policy.draft_s_per_token for d in decoders]
-        calibration = [self._source_prior(a).calibration if a.decoder.drafter is not None
-                       else 1.0 for a in decoding]
-        ks = plan_batch(policies, limits, self.step_cost, draft_s, calibration)
-        return [d.draft_length(k) for d, k in zip(decoders, ks, strict=True)]
+        """Per sequence: the draft length the scheduler plans, or its own policy's."""
+        plan = self.scheduler.plan([Drafting(
+            a.stream.drafter, a.decoder.source,
+            a.decoder.policy if a.decoder.drafter is not None else None,
+            a.decoder.max_new - len(a.decoder.output) - 1) for a in decoding])
+        return [a.decoder.draft_length(k) for a, k in zip(decoding, plan, strict=True)]
 
     def _expire_waiting(self) -> None:
         """A request whose deadline passes while it waits ends with ``timeout``."""
-        now = self.clock()
-        for stream in [s for s in self._waiting if s.request.timeout_s is not None
-                       and now > s.submitted_at + s.request.timeout_s]:
+        for stream in self.scheduler.expired(self._waiting):
             self._waiting.remove(stream)
             self._end(stream, FinishReason.TIMEOUT)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.max_active:
-            stream = self._waiting[0]
-            positions = self.kv_budget.positions(stream.request)
-            if not stream.cancelled and not self.kv_budget.room(
-                    [a.positions for a in self._active], positions):
-                break  # it waits (first in line) until running requests free their KV
-            self._waiting.popleft()
-            if stream.cancelled:
-                self._outbox.send(stream, END)
-                continue
-            try:
-                drafter = self.drafters[stream.drafter] if stream.drafter else None
-                decoder = SequenceDecoder(self.target, drafter, stream.request,
-                                          prefix_cache=self.prefix_cache,
-                                          new_policy=partial(self._new_policy, stream.drafter))
-            except Exception as exc:  # invalid for this model: fail this request only
-                log.exception("request %s could not start", stream.request.request_id)
-                self._end(stream, FinishReason.ERROR, str(exc))
-                continue
-            timeout = stream.request.timeout_s
-            deadline = stream.submitted_at + timeout if timeout else None
-            self._active.append(_Active(stream, decoder, deadline, positions))
-            self._fit_kv()
-
-    def _prior(self, drafter: str, source: str) -> SpeculationPrior:
-        return self._priors.setdefault((drafter, source), SpeculationPrior())
-
-    def _source_prior(self, active: _Active) -> SpeculationPrior:
-        """The prior of the request's drafter and of the source drafting its round."""
-        return self._prior(active.stream.drafter or "", active.decoder.source)
-
-    def _new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:
-        """A new request's policy for a source of its drafter, from earlier requests."""
-        return self._prior(drafter or "", source).new_policy()
+        """Start the requests the scheduler lets join (and ask again when one could not
+        start: its room is free)."""
+        while joining := self.scheduler.admit(self._waiting, [a.positions for a in self._active]):
+            for admission in joining:
+                stream = self._waiting.popleft()  # admission.stream
+                if stream.cancelled:
+                    self._outbox.send(stream, END)
+                    continue
+                try:
+                    drafter = self.drafters[stream.drafter] if stream.drafter else None
+                    decoder = SequenceDecoder(self.target, drafter, stream.request,
+                                              prefix_cache=self.prefix_cache,
+                                              new_policy=partial(self.scheduler.new_policy,
+                                                                 stream.drafter))
+                except Exception as exc:  # invalid for this model: fail this request only
+                    log.exception("request %s could not start", stream.request.request_id)
+                    self._end(stream, FinishReason.ERROR, str(exc))
+                    continue
+                self._active.append(_Active(stream, decoder, admission.deadline,
+                                            admission.positions))
+                self._fit_kv()
 
     def _fit_kv(self) -> None:
         """Size the target's KV storage for the requests now running."""
@@ -365,9 +341,7 @@ class Engine:
 
     def _finish(self, active: _Active, last: RoundEvent | None) -> None:
         active.decoder.close()
-        if active.stream.drafter is not None:
-            for source, policy in active.decoder.policies.items():
-                self._prior(active.stream.drafter, source).observe(policy)
+        self.scheduler.finished(active.stream.drafter, active.decoder.policies)
         with self._lock:  # free the slot before the client can see the end
             if active in self._active:
                 self._active.remove(active)

@@ -1,19 +1,29 @@
 """Admission under a KV budget: the most KV a request can need, what the running requests
 hold at their longest, and whether one more fits. A plain object over the target's KV
-sizes, so the engine's admission and the KV gauge count the same bytes."""
+sizes, so the scheduler's admission and the KV gauge count the same bytes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from decoding.target import Target
 from decoding.types import GenerationRequest
+
+
+class KvSizes(Protocol):
+    """What the budget reads of a target (``decoding.target.Target``): its context and
+    the size of its KV buffers."""
+
+    @property
+    def max_context(self) -> int: ...
+
+    def kv_bytes(self, rows: int, positions: int) -> int: ...
 
 
 @dataclass(frozen=True)
 class KvBudget:
-    target: Target
+    target: KvSizes
     max_bytes: int | None  # None: no bound
 
     def positions(self, request: GenerationRequest) -> int:

@@ -56,8 +56,9 @@ class GatewayState:
         if self.telemetry is not None:
             metrics = self.telemetry.metrics
             metrics.track_engine(lambda: engine.num_running, lambda: engine.num_waiting)
-            metrics.track_capacity(engine.max_queue, engine.max_active,
-                                   engine.kv_budget.max_bytes, lambda: engine.kv_bytes_reserved)
+            metrics.track_capacity(engine.max_queue, engine.scheduler.max_active,
+                                   engine.scheduler.kv_budget.max_bytes,
+                                   lambda: engine.kv_bytes_reserved)
             if engine.prefix_cache is not None:
                 kind = "redis" if self.settings.redis_url else "in-process"
                 metrics.track_cache(engine.prefix_cache.stats.counts, kind)

@@ -162,7 +162,7 @@ def _run(target: CausalLM, drafter: Drafter | None, prompts: Sequence[Sequence[i
             thread.join()
         wall = time.perf_counter() - start
         passes = engine.forward_passes
-        fixed, per_token = engine.step_cost.line()
+        fixed, per_token = engine.scheduler.step_cost.line()
     finally:
         engine.shutdown()
     return _summary(results, wall, n, mode, reference, passes, fixed, per_token)

@@ -170,9 +170,9 @@ def test_a_fault_in_the_engine_s_own_planning_ends_the_batch_not_the_engine(
     """A fault outside any request's own work (here the batch planner, injected: it cannot
     be caused from outside) ends the running requests with an error, frees their slots,
     and the engine serves the next request."""
-    import decoding.engine as engine_module
+    import decoding.scheduler as scheduler_module
 
-    real = engine_module.plan_batch
+    real = scheduler_module.plan_batch
     faults = iter([True])
 
     def plan_batch(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -180,7 +180,7 @@ def test_a_fault_in_the_engine_s_own_planning_ends_the_batch_not_the_engine(
             raise RuntimeError("injected fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "plan_batch", plan_batch)
+    monkeypatch.setattr(scheduler_module, "plan_batch", plan_batch)
     engine = _engine(tiny_target, {"ngram": NgramDrafter()})
     try:
         streams = [engine.submit(r) for r in _greedy(tiny_target, PROMPTS[:2], 12)]
@@ -235,7 +235,7 @@ def test_the_engine_calibrates_each_drafter_from_its_rounds(tiny_target: CausalL
             accepted += sum(e.accepted_tokens for e in stream)
     finally:
         engine.shutdown()
-    prior = engine._prior("self", "")
+    prior = engine.scheduler.prior("self", "")
     assert prior._expected > 0  # drafted rounds were recorded, with what they accepted
     assert accepted > 0  # (older rounds weigh less)
     assert 0 < prior._accepted <= accepted
@@ -255,7 +255,7 @@ def test_the_engine_learns_its_step_cost(fresh_engine: Engine, tiny_target: Caus
         for p in PROMPTS[:4]]
     for stream in streams:
         list(stream)
-    fixed, per_token = fresh_engine.step_cost.line()
+    fixed, per_token = fresh_engine.scheduler.step_cost.line()
     assert fixed > 0 and per_token >= 0
 
 

@@ -20,6 +20,7 @@ from decoding.engine import Engine
 from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation, FixedSpeculation
 from decoding.prompting import encode_chat
+from decoding.scheduler import Scheduler
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.causal_lm import BatchItem, CausalLM, PreparedPass
 from runtime.layout import Layout
@@ -99,19 +100,21 @@ PROMPTS = ["Explain how a rainbow forms, in three sentences.",
            "What is the capital of France? Answer and then describe the city."]
 
 
-class _AlwaysDrafting(Engine):
-    """An engine whose requests draft whenever their drafter has tokens to propose: the
-    adaptive policy's choice depends on measured timings, and a loaded machine can make
+class _AlwaysDrafting(Scheduler):
+    """A scheduler whose requests draft whenever their drafter has tokens to propose:
+    the adaptive policy's choice depends on measured timings, and a loaded machine can make
     it skip the drafts this test is about."""
 
-    def _new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:
+    def new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:
         return FixedSpeculation(4)
 
 
 def _engine_tokens(target: CausalLM, drafters: dict[str, Drafter], default: str | None,
                    streams: int, check: InvarianceCheck | None) -> list[list[int]]:
-    engine = _AlwaysDrafting(target, drafters, default_drafter=default, max_queue=8,
-                             max_active=streams, invariance_check=check, batch_planning=False)
+    engine = Engine(target, drafters, default_drafter=default, max_queue=8,
+                    max_active=streams, invariance_check=check, batch_planning=False)
+    engine.scheduler = _AlwaysDrafting(engine.scheduler.kv_budget, streams,
+                                       batch_planning=False)
     engine.start()
     try:
         requests = [GenerationRequest(prompt_ids=tuple(encode_chat(target.tokenizer, [

@@ -1,0 +1,184 @@
+"""The scheduler alone, with no model and no model thread: which waiting requests join
+under the KV budget and in what order, which have waited past their deadline, how far each
+stream drafts as the batch grows, and what finished requests teach about each drafter and
+source."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from decoding.kv_budget import KvBudget
+from decoding.policy import MIN_CALIBRATION, AdaptiveSpeculation
+from decoding.scheduler import Drafting, Scheduler
+from decoding.streams import RequestStream
+from decoding.types import GenerationRequest
+from tests.batching import _cost, _policy
+from tests.test_kv_budget import SizedTarget
+
+
+class Clock:
+    """A clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stream(prompt: int, max_new_tokens: int, *, at: float = 0.0,
+            timeout_s: float | None = None, drafter: str | None = None) -> RequestStream:
+    """A waiting request of ``prompt + max_new_tokens + 1`` KV positions (context 100)."""
+    request = GenerationRequest(prompt_ids=tuple(range(1, prompt + 1)),
+                                max_new_tokens=max_new_tokens, timeout_s=timeout_s)
+    return RequestStream(request=request, drafter=drafter, submitted_at=at)
+
+
+def _scheduler(max_bytes: int | None = None, max_active: int = 16, *,
+               batch_planning: bool = True, batched: bool = True,
+               clock: Callable[[], float] | None = None) -> Scheduler:
+    """A scheduler over a target whose KV takes 10 bytes per row and position."""
+    return Scheduler(KvBudget(SizedTarget(), max_bytes), max_active, batch_planning, batched,
+                     clock or Clock())
+
+
+# -- admission -----------------------------------------------------------------------
+
+
+def test_every_request_joins_in_order_when_the_budget_holds_them() -> None:
+    waiting = [_stream(10, 19), _stream(5, 4), _stream(20, 9)]  # 30, 10 and 30 positions
+    joining = _scheduler(max_bytes=3 * 30 * 10).admit(waiting, [])
+    assert [a.stream for a in joining] == waiting
+    assert [a.positions for a in joining] == [30, 10, 30]
+
+
+def test_the_first_request_that_does_not_fit_waits_and_so_do_those_behind_it() -> None:
+    """Room for two rows of 30 positions beside nothing: the third waits, and the small
+    fourth does not overtake it."""
+    waiting = [_stream(10, 19), _stream(10, 19), _stream(10, 19), _stream(1, 1)]
+    scheduler = _scheduler(max_bytes=2 * 30 * 10)
+    assert [a.stream for a in scheduler.admit(waiting, [])] == waiting[:2]
+    # one of 30 positions already runs: only one more fits
+    assert [a.stream for a in scheduler.admit(waiting, [30])] == waiting[:1]
+    # the longest running request sets every row's length: 2 x 60 x 10 > 600
+    assert scheduler.admit(waiting, [60]) == []
+    assert scheduler.admit(waiting[3:], [60]) == []  # 2 rows x 60 positions still
+    big, small = _stream(40, 19), _stream(4, 5)  # 60 and 10 positions
+    assert [a.stream for a in scheduler.admit([small], [10])] == [small]
+    assert scheduler.admit([big, small], [10]) == []  # the small one does not overtake
+
+
+def test_one_request_always_joins_when_none_runs() -> None:
+    huge = _stream(50, 49)  # 100 positions: 1000 bytes, past the budget alone
+    assert [a.stream for a in _scheduler(max_bytes=100).admit([huge], [])] == [huge]
+    assert _scheduler(max_bytes=100).admit([huge], [1]) == []
+
+
+def test_no_more_join_than_max_active() -> None:
+    waiting = [_stream(2, 2) for _ in range(5)]
+    scheduler = _scheduler(max_active=3)  # no KV bound
+    assert [a.stream for a in scheduler.admit(waiting, [])] == waiting[:3]
+    assert [a.stream for a in scheduler.admit(waiting, [5, 5])] == waiting[:1]
+    assert scheduler.admit(waiting, [5, 5, 5]) == []
+
+
+def test_a_cancelled_request_joins_to_be_dropped_and_takes_no_room() -> None:
+    waiting = [_stream(10, 19), _stream(10, 19), _stream(10, 19)]
+    waiting[0].cancel()
+    joining = _scheduler(max_bytes=2 * 30 * 10, max_active=2).admit(waiting, [])
+    assert [a.stream for a in joining] == waiting  # the two live ones still fit
+    assert _scheduler(max_bytes=30 * 10, max_active=1).admit(waiting[1:], [30]) == []
+
+
+def test_a_request_waits_past_its_deadline_on_the_scheduler_clock() -> None:
+    clock = Clock()
+    scheduler = _scheduler(clock=clock)
+    patient = _stream(3, 3, at=0.0)  # no deadline
+    short = _stream(3, 3, at=1.0, timeout_s=2.0)  # ends at 3.0
+    long = _stream(3, 3, at=0.0, timeout_s=10.0)
+    waiting = [patient, short, long]
+    clock.now = 3.0
+    assert scheduler.expired(waiting) == []  # at its deadline, not past it
+    clock.now = 3.5
+    assert scheduler.expired(waiting) == [short]
+    clock.now = 10.5
+    assert scheduler.expired(waiting) == [short, long]
+    deadlines = {id(a.stream): a.deadline for a in scheduler.admit(waiting, [])}
+    assert deadlines == {id(patient): None, id(short): 3.0, id(long): 10.0}
+
+
+# -- the batch plan ------------------------------------------------------------------
+
+
+def _drafting(rate: float, drafter: str | None = "ngram", source: str = "") -> Drafting:
+    return Drafting(drafter, source, _policy(rate) if drafter else None, limit=100)
+
+
+def test_speculation_shrinks_as_the_batch_grows() -> None:
+    """Once a pass's time is measured, one stream drafts long, a big batch little, and
+    past the point where plain batched decoding is faster, not at all."""
+    scheduler = _scheduler()
+    scheduler.step_cost = _cost(0.060, 0.004)  # a draft token costs 1/15 of a step
+    per_stream = []
+    for n in (1, 4, 16, 64):
+        plan = scheduler.plan([_drafting(0.5) for _ in range(n)])
+        assert all(k is not None and 0 <= k <= 100 for k in plan)
+        per_stream.append(sum(k or 0 for k in plan) / n)
+    assert per_stream[0] >= 1
+    assert per_stream == sorted(per_stream, reverse=True) and per_stream[0] > per_stream[-1]
+    assert scheduler.plan([_drafting(0.5) for _ in range(64)]) == [0] * 64
+
+
+def test_without_a_batch_to_plan_each_stream_drafts_as_its_policy_says() -> None:
+    batch = [_drafting(0.9), _drafting(0.9)]
+    assert _scheduler(batch_planning=False).plan(batch) == [None, None]
+    assert _scheduler(batched=False).plan(batch) == [None, None]  # one sequence a pass
+    assert _scheduler().plan([_drafting(0.9, drafter=None)] * 3) == [None] * 3  # none drafts
+    mixed = _scheduler().plan([_drafting(0.9), _drafting(0.9, drafter=None)])
+    assert mixed[0] is not None and mixed[1] == 0  # a stream with no drafter drafts nothing
+
+
+def test_a_stream_drafts_no_further_than_its_limit() -> None:
+    scheduler = _scheduler()
+    scheduler.step_cost = _cost(0.060, 0.001)
+    plan = scheduler.plan([Drafting("ngram", "", _policy(0.95), limit=2),
+                           Drafting("ngram", "", _policy(0.95), limit=0)])
+    assert plan[0] is not None and 0 < plan[0] <= 2 and plan[1] == 0
+
+
+# -- what requests teach -------------------------------------------------------------
+
+
+def test_a_new_request_starts_from_what_its_drafter_and_source_learned() -> None:
+    scheduler = _scheduler()
+    assert not scheduler.new_policy("mixed", "lookup").informed  # nothing learned yet
+    scheduler.finished("mixed", {"lookup": _policy(0.95), "model": _policy(0.05)})
+    lookup, model = scheduler.new_policy("mixed", "lookup"), scheduler.new_policy("mixed", "model")
+    assert lookup.informed and model.informed
+    assert lookup.position_rates()[0] > 0.8 > 0.2 > model.position_rates()[0]
+    assert lookup.k > model.k
+    fresh = AdaptiveSpeculation()
+    assert not scheduler.new_policy("other", "lookup").informed  # another drafter's own
+    assert scheduler.new_policy("mixed", "").position_rates() == fresh.position_rates()
+    scheduler.finished(None, {"": _policy(0.95)})  # no drafter: nothing to learn
+    assert not scheduler.new_policy(None, "").informed
+
+
+def test_a_drafter_that_promised_more_than_it_kept_drafts_less_in_a_batch() -> None:
+    """Rounds that drafted calibrate their drafter's source: one whose rates proved
+    optimistic is planned with them scaled down, beside another with the same rates."""
+    scheduler = _scheduler()
+    scheduler.step_cost = _cost(0.060, 0.004)
+    for _ in range(50):
+        scheduler.drafted("ngram", "", 2.0, 0)  # promised two accepted drafts, got none
+        scheduler.drafted("model", "", 2.0, 2)
+    assert scheduler.prior("ngram", "").calibration == MIN_CALIBRATION
+    assert scheduler.prior("model", "").calibration == 1.0
+    assert scheduler.prior("ngram", "other source").calibration == 1.0
+    plan = scheduler.plan([_drafting(0.6, "ngram") for _ in range(4)]
+                          + [_drafting(0.6, "model") for _ in range(4)])
+    assert sum(k or 0 for k in plan[4:]) > sum(k or 0 for k in plan[:4])
+    unplanned = _scheduler(batch_planning=False)
+    for _ in range(50):
+        unplanned.drafted("ngram", "", 2.0, 0)  # rounds not batch planned: nothing kept
+    assert unplanned.prior("ngram", "").calibration == 1.0
