@@ -216,7 +216,8 @@ def _run(target: Target, items: Sequence[BatchItem], starting: Callable[[], None
     if starting is not None:
         starting()
     logits = target.run_pass(prepared)
-    return logits, list(prepared.features) or [None] * len(items)
+    # a target capturing layers (for a fused feature draft) hands those in their place
+    return logits, list(prepared.layers or prepared.features) or [None] * len(items)
 
 
 def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[..., T],

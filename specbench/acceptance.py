@@ -105,8 +105,9 @@ def target_features(target: CausalLM, tokens: Sequence[int]) -> FeatureRows | No
     finally:
         target.release(state)
     rows = FeatureRows()
-    if prepared.features and prepared.features[0] is not None:
-        rows.add(0, prepared.features[0])
+    given = prepared.layers or prepared.features  # a target capturing layers: theirs
+    if given and given[0] is not None:
+        rows.add(0, given[0])
     return rows
 
 
