@@ -14,8 +14,9 @@ With ``"feature": "layers"`` (EAGLE-3; Li et al. 2025, arXiv 2503.01840) the tar
 feature is fused from the outputs of its ``layers`` (``"layers": [2, 15, 27]``, the
 residual stream after each): each RMS-normed with its part of ``fuse_norm.weight``
 ``[L*H]``, then ``fuse.weight`` ``[H, L*H]``; the target's verify passes capture those
-layers (``BatchedLM.capture_layers``) and hand them to the drafter in place of its final
-states. ``"feature": "final_norm"`` (the first heads) reads the final states as they are.
+layers (``BatchedLM.capture_layers``) and hand them to the drafter after its final states
+(``[n, H + L*H]``; a draft that reads the final states takes their first H columns).
+``"feature": "final_norm"`` (the first heads) reads the final states as they are.
 
 A directory holds ``draft.json`` (format, the target it was made for, the one-layer
 Llama config, the feature, how it was made) and ``draft.safetensors``: ``fc.weight``
@@ -72,12 +73,16 @@ class FeatureDraft:
     def hidden_size(self) -> int:
         return self.runner.hidden_size
 
-    def target_feature(self, rows: torch.Tensor) -> torch.Tensor:  # [n, L*H or H] -> [n, H]
-        """The target's rows as the draft reads them: fused from its layers' outputs, or
-        its final states as they are."""
+    def target_feature(self, rows: torch.Tensor) -> torch.Tensor:  # [n, H (+ L*H)] -> [n, H]
+        """The target's rows as the draft reads them: the final states (their first H
+        columns), or fused from the captured layers' outputs that follow them."""
+        hidden = self.hidden_size
         if self.fuse is None or self.fuse_norm is None:
-            return rows
-        parts = rows.to(self.fuse_norm.dtype).unflatten(-1, (len(self.layers), -1))
+            return rows[:, :hidden]
+        if rows.shape[1] != hidden * (1 + len(self.layers)):
+            raise ValueError(f"{self.name} fuses {len(self.layers)} layers: the target's rows "
+                             f"have {rows.shape[1]} columns, not {hidden * (1 + len(self.layers))}")
+        parts = rows[:, hidden:].to(self.fuse_norm.dtype).unflatten(-1, (len(self.layers), -1))
         parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = (self.fuse_norm * parts.flatten(-2)).contiguous()
         return self.fuse(normed).to(self.runner.dtype)

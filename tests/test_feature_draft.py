@@ -197,16 +197,16 @@ def test_a_served_fused_draft_drafts_what_its_training_module_drafts(
     own_target.release(state)
     layers = prepared.layers[0]
     assert layers is not None and layers.shape == (len(tokens) - 1, 2 * own_target.hidden_size)
+    final = prepared.features[0]
+    assert final is not None
     rows = FeatureRows()
-    rows.add(0, layers)
+    rows.add(0, torch.cat([final, layers], dim=1))  # as the round hands them
     got = drafter.propose(drafter.begin(tokens), DraftContext(tokens, sampling, None,
                                                               features=rows), 4)
     module = load_draft(fused_dir, own_target)
     want, _ = module.draft_sequential(tokens[1:], layers, 4)
     assert list(got.tokens) == want
     # the fusion matters: the final states in its place draft otherwise
-    final = prepared.features[0]
-    assert final is not None
     other = torch.cat([final, final], dim=1)
     assert module.draft_sequential(tokens[1:], other, 4)[0] != want
 
@@ -218,8 +218,30 @@ def test_an_older_single_feature_directory_still_loads(feature_dir: Path,
     draft = feature_draft.load(feature_dir, own_target)
     assert draft.layers == () and draft.fuse is None
     assert own_target.captured_layers == ()
-    rows = torch.randn(3, own_target.hidden_size)
-    assert torch.equal(draft.target_feature(rows), rows)
+    rows = torch.randn(3, 3 * own_target.hidden_size)  # final states, then captured layers
+    assert torch.equal(draft.target_feature(rows), rows[:, :own_target.hidden_size])
+
+
+def test_a_final_state_head_beside_a_fused_one_reads_the_final_states(
+        feature_dir: Path, fused_dir: Path, own_target: BatchedLM,
+        tiny_target_dir: Path) -> None:
+    """Where another head makes the target capture layers, a head that reads the final
+    states drafts what it drafts on a target that captures none, round for round."""
+    sampling = SamplingParams(temperature=0.0)
+
+    def rounds(target: BatchedLM) -> list[tuple[list[int], int]]:
+        drafter = FeatureDrafter(feature_draft.load(feature_dir, target), target)
+        request = _request(target, "tell me about the sea", sampling)
+        events = decode(target, drafter, request, FixedSpeculation(3))
+        return [(list(e.token_ids), e.draft_tokens) for e in events]
+
+    plain_target = BatchedLM.load(str(tiny_target_dir), dtype="float32", kernels="native")
+    assert isinstance(plain_target, BatchedLM)
+    want = rounds(plain_target)
+    feature_draft.load(fused_dir, own_target)
+    assert own_target.captured_layers == (0, 1)
+    assert rounds(own_target) == want
+    assert sum(n for _, n in want) > 0
 
 
 def test_a_fused_directory_names_its_layers(fused_dir: Path, tmp_path: Path,
