@@ -84,7 +84,7 @@ class FeatureDraft:
                              f"have {rows.shape[1]} columns, not {hidden * (1 + len(self.layers))}")
         parts = rows[:, hidden:].to(self.fuse_norm.dtype).unflatten(-1, (len(self.layers), -1))
         parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.eps)
-        normed = (self.fuse_norm * parts.flatten(-2)).contiguous()
+        normed = (self.fuse_norm * parts.flatten(-2)).to(self.runner.dtype).contiguous()
         return self.fuse(normed).to(self.runner.dtype)
 
     def inputs(self, token_ids: Sequence[int],

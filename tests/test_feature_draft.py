@@ -260,3 +260,19 @@ def test_a_fused_directory_names_its_layers(fused_dir: Path, tmp_path: Path,
     (broken / draft_format.CONFIG_NAME).write_text(json.dumps(info))
     with pytest.raises(draft_format.DraftFormatError, match="fuses layers"):
         feature_draft.load(broken, own_target)
+
+
+@pytest.mark.parametrize(("dtype", "quantize"), [("bfloat16", "none"), ("float32", "int8"),
+                                                 ("float32", "int4")])
+def test_the_fusion_runs_in_every_draft_precision(fused_dir: Path, own_target: BatchedLM,
+                                                  dtype: str, quantize: str) -> None:
+    """The fusion's product takes the draft's own activations, whatever its precision,
+    and gives about the float32 fusion."""
+    exact = feature_draft.load(fused_dir, own_target)
+    draft = feature_draft.load(fused_dir, own_target, dtype, quantize)
+    rows = torch.randn(5, 3 * own_target.hidden_size)
+    want = exact.target_feature(rows)
+    got = draft.target_feature(rows)
+    assert got.shape == want.shape and got.dtype == draft.runner.dtype
+    error = float((got.float() - want).norm() / want.norm())
+    assert error < 0.1
