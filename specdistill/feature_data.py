@@ -565,18 +565,19 @@ class Scan:
 
 
 def scan(data_dir: Path, layers: bool = False, max_train_tokens: int = 0) -> Scan:
-    """Read every shard once (in order; with ``max_train_tokens``, only the first shards
-    whose training answers reach it): keep the held-out rows (with ``layers``, their
-    captured layers' outputs too) and count the training answers' tokens."""
+    """Read every shard once (in order): keep the held-out rows of all (with ``layers``,
+    their captured layers' outputs too) and count the training answers' tokens (with
+    ``max_train_tokens``, of the first shards only whose training answers reach it)."""
     out = Scan([], [], {})
     counts: Counter[int] = Counter()
     for path in existing_shards(data_dir):
-        if max_train_tokens and out.train_answer_tokens >= max_train_tokens:
-            break
+        full = bool(max_train_tokens) and out.train_answer_tokens >= max_train_tokens
         has_train = False
         for row in load_rows(path, layers):
             if row["held_out"]:
                 out.held.append(row)
+                continue
+            if full:
                 continue
             has_train = True
             counts.update(row["answer_ids"].tolist())

@@ -333,8 +333,9 @@ def test_training_streams_the_shards_a_few_at_a_time(tmp_path: Path) -> None:
     middle = len(seen) // 2
     resumed = feature_data.TrainStream(data.train_shards, 2, 0, True, plan, positions[middle])
     assert [[r["text"] for r in resumed.next()] for _ in range(5)] == seen[middle:middle + 5]
-    first = feature_data.scan(tmp_path / "data", max_train_tokens=1)
+    first = feature_data.scan(tmp_path / "data", max_train_tokens=1)  # the same held out
     assert len(first.train_shards) == 1 and all("layers" not in r for r in first.held)
+    assert [r["text"] for r in first.held] == [r["text"] for r in data.held]
 
 
 def test_a_fused_head_trains_from_a_final_state_head(feature_run: tuple[Path, Path],
