@@ -31,7 +31,7 @@ from decoding.types import (
     SamplingParams,
 )
 from decoding.verify import verify
-from runtime.causal_lm import BatchItem
+from runtime.causal_lm import BatchItem, PreparedPass
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -216,7 +216,16 @@ def _run(target: Target, items: Sequence[BatchItem], starting: Callable[[], None
     if starting is not None:
         starting()
     logits = target.run_pass(prepared)
-    return logits, list(prepared.features) or [None] * len(items)
+    return logits, with_layers(prepared) or [None] * len(items)
+
+
+def with_layers(prepared: PreparedPass) -> Features:
+    """Each item's final hidden states, and where the target captures layers (for a
+    feature draft that fuses them) those layers' outputs after them: [n, H + L*H]."""
+    if not prepared.layers:
+        return list(prepared.features)
+    return [f if f is None or layers is None else torch.cat([f, layers], dim=1)
+            for f, layers in zip(prepared.features, prepared.layers, strict=True)]
 
 
 def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[..., T],

@@ -10,10 +10,19 @@ of the target's f. The layer runs as a one-layer ``BatchedLM`` (its KV rows, bat
 native kernels and quantized matrices) that starts from the ``fc`` rows
 (``BatchItem.inputs``).
 
+With ``"feature": "layers"`` (EAGLE-3; Li et al. 2025, arXiv 2503.01840) the target's
+feature is fused from the outputs of its ``layers`` (``"layers": [2, 15, 27]``, the
+residual stream after each): each RMS-normed with its part of ``fuse_norm.weight``
+``[L*H]``, then ``fuse.weight`` ``[H, L*H]``; the target's verify passes capture those
+layers (``BatchedLM.capture_layers``) and hand them to the drafter after its final states
+(``[n, H + L*H]``; a draft that reads the final states takes their first H columns).
+``"feature": "final_norm"`` (the first heads) reads the final states as they are.
+
 A directory holds ``draft.json`` (format, the target it was made for, the one-layer
-Llama config, how it was made) and ``draft.safetensors``: ``fc.weight`` ``[H, 2H]``, the
-layer and final norm under transformers' Llama names, and ``lm_head.ids``. The input
-embedding and the output rows are the target's, taken at load.
+Llama config, the feature, how it was made) and ``draft.safetensors``: ``fc.weight``
+``[H, 2H]``, the layer and final norm under transformers' Llama names, ``lm_head.ids``,
+and the fusion's two tensors where it has them. The input embedding and the output rows
+are the target's, taken at load.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ log = logging.getLogger(__name__)
 FORMAT = "specserve-feature-draft"
 VERSION = 1
 FC = "fc.weight"
+FUSE = "fuse.weight"
+FUSE_NORM = "fuse_norm.weight"
+FEATURES = ("final_norm", "layers")  # the target's final states, or its layers' fused
 DEFAULT_FEATURE_DRAFT = "feature-draft"  # the spec naming the one shipped for the default model
 DEFAULT_FEATURE_DRAFT_DIR = (Path(__file__).resolve().parent / "drafts"
                              / "smollm2-135m-instruct-feature")
@@ -52,10 +64,28 @@ class FeatureDraft:
     runner: BatchedLM
     fc: Product  # [n, 2H] -> [n, H]
     name: str
+    layers: tuple[int, ...] = ()  # the target's layers it fuses (none: its final states)
+    fuse: Product | None = None  # [n, L*H] -> [n, H]
+    fuse_norm: torch.Tensor | None = None  # [L*H]
+    eps: float = 1e-6
 
     @property
     def hidden_size(self) -> int:
         return self.runner.hidden_size
+
+    def target_feature(self, rows: torch.Tensor) -> torch.Tensor:  # [n, H (+ L*H)] -> [n, H]
+        """The target's rows as the draft reads them: the final states (their first H
+        columns), or fused from the captured layers' outputs that follow them."""
+        hidden = self.hidden_size
+        if self.fuse is None or self.fuse_norm is None:
+            return rows[:, :hidden]
+        if rows.shape[1] != hidden * (1 + len(self.layers)):
+            raise ValueError(f"{self.name} fuses {len(self.layers)} layers: the target's rows "
+                             f"have {rows.shape[1]} columns, not {hidden * (1 + len(self.layers))}")
+        parts = rows[:, hidden:].to(self.fuse_norm.dtype).unflatten(-1, (len(self.layers), -1))
+        parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (self.fuse_norm * parts.flatten(-2)).to(self.runner.dtype).contiguous()
+        return self.fuse(normed).to(self.runner.dtype)
 
     def inputs(self, token_ids: Sequence[int],
                features: torch.Tensor) -> torch.Tensor:  # features: [n, H] -> [n, H]
@@ -120,7 +150,24 @@ def read_info(directory: Path) -> dict[str, Any]:
             f"(format={raw.get('format')!r}, version={raw.get('version')!r})")
     if int(raw["model"].get("num_hidden_layers", 1)) != 1:
         raise draft_format.DraftFormatError(f"{directory}: a feature draft has one layer")
+    feature_layers(raw, directory)
     return raw
+
+
+def feature_layers(raw: dict[str, Any], where: Path) -> tuple[int, ...]:
+    """The target layers a draft fuses (``"feature": "layers"``), or none (its final
+    states, ``"final_norm"``, the first heads' feature)."""
+    feature = raw.get("feature", "final_norm")
+    if feature not in FEATURES:
+        raise draft_format.DraftFormatError(f"{where}: unknown feature {feature!r}")
+    if feature == "final_norm":
+        return ()
+    layers = raw.get("layers")
+    if (not isinstance(layers, list) or not layers
+            or not all(isinstance(i, int) and i >= 0 for i in layers)):
+        raise draft_format.DraftFormatError(
+            f"{where}: a fused feature names its target layers (\"layers\": [2, 15, 27])")
+    return tuple(layers)
 
 
 def output_rows(target_model: Any, ids: torch.Tensor) -> torch.Tensor:  # [K, H]
@@ -146,8 +193,18 @@ def load(directory: Path, target: CausalLM, dtype: str = "float32",
 
     raw = read_info(directory)
     check_target(raw, target, directory)
+    layers = feature_layers(raw, directory)
+    count = int(target.model.config.num_hidden_layers)
+    if any(i >= count for i in layers):
+        raise draft_format.DraftFormatError(
+            f"{directory}: fuses layers {list(layers)} of a target with {count}")
     state = load_file(str(directory / draft_format.WEIGHTS_NAME))
     fc_weight = state.pop(FC).to(DTYPES[dtype], copy=True)  # [H, 2H]
+    fuse_weight = state.pop(FUSE, None)  # [H, L*H]
+    fuse_norm = state.pop(FUSE_NORM, None)  # [L*H]
+    if layers and (fuse_weight is None or fuse_norm is None):
+        raise draft_format.DraftFormatError(f"{directory}: a fused feature needs {FUSE} "
+                                            f"and {FUSE_NORM}")
     ids = state.pop(draft_format.VOCAB_IDS).long()
     model = draft_format.build_model(raw["model"], state, ids, output_rows(target.model, ids),
                                      target.model, dtype, False, directory)
@@ -162,31 +219,57 @@ def load(directory: Path, target: CausalLM, dtype: str = "float32",
     if tuple(fc_weight.shape) != (hidden, 2 * hidden):
         raise draft_format.DraftFormatError(
             f"{directory}: {FC} has shape {tuple(fc_weight.shape)}, not {(hidden, 2 * hidden)}")
-    fc: Product
+    fc = _product(fc_weight, runner, quantize, kernels)
+    fuse = None
+    if layers:
+        assert fuse_weight is not None and fuse_norm is not None
+        if (tuple(fuse_weight.shape) != (hidden, len(layers) * hidden)
+                or tuple(fuse_norm.shape) != (len(layers) * hidden,)):
+            raise draft_format.DraftFormatError(
+                f"{directory}: {FUSE} {tuple(fuse_weight.shape)} or {FUSE_NORM} "
+                f"{tuple(fuse_norm.shape)} do not fit {len(layers)} layers of {hidden}")
+        if not isinstance(target, BatchedLM):
+            raise draft_format.DraftFormatError(
+                f"{directory}: a fused feature needs the batched runner's captured layers")
+        try:
+            target.capture_layers(layers)
+        except ValueError as exc:
+            raise draft_format.DraftFormatError(f"{directory}: {exc}") from exc
+        fuse = _product(fuse_weight.to(DTYPES[dtype], copy=True), runner, quantize, kernels)
+    log.info("feature draft %s: one layer, head over %d tokens, %s, feature %s", name,
+             len(ids), runner.weights_format,
+             f"fused from layers {list(layers)}" if layers else "the final states")
+    return FeatureDraft(runner, fc, name, layers, fuse,
+                        None if fuse_norm is None else fuse_norm.float(),
+                        float(raw["model"].get("rms_norm_eps", 1e-6)))
+
+
+def _product(weight: torch.Tensor, runner: BatchedLM, quantize: str, kernels: str) -> Product:
     if quantize != "none":
         native = resolve(kernels, runner.device) if quantize == "int4" else None
-        fc = quantized(fc_weight, None, quantize, block_kernels(native, True))
-    else:
-        matrix = Matrix(fc_weight.contiguous(), None)
-        matrix.use_native(runner._kernels)
-        fc = matrix
-    log.info("feature draft %s: one layer, head over %d tokens, %s", name, len(ids),
-             runner.weights_format)
-    return FeatureDraft(runner, fc, name)
+        return quantized(weight, None, quantize, block_kernels(native, True))
+    matrix = Matrix(weight.contiguous(), None)
+    matrix.use_native(runner._kernels)
+    return matrix
 
 
 def save(directory: Path, target: CausalLM, model_config: dict[str, Any],
          tensors: dict[str, torch.Tensor], made_with: dict[str, Any] | None = None,
-         dtype: torch.dtype = torch.float16) -> None:
+         dtype: torch.dtype = torch.float16, layers: Sequence[int] = ()) -> None:
     """Write a feature draft for ``target``: ``tensors`` holds ``fc.weight``, the layer
-    and final norm (transformers' Llama names) and ``lm_head.ids``."""
-    missing = {FC, draft_format.VOCAB_IDS, "model.norm.weight"} - set(tensors)
+    and final norm (transformers' Llama names) and ``lm_head.ids``, and with ``layers``
+    (the target layers it fuses) ``fuse.weight`` and ``fuse_norm.weight``."""
+    needed = {FC, draft_format.VOCAB_IDS, "model.norm.weight"} | (
+        {FUSE, FUSE_NORM} if layers else set())
+    missing = needed - set(tensors)
     if missing:
         raise ValueError(f"a feature draft needs {sorted(missing)}")
+    feature: dict[str, Any] = ({"feature": "layers", "layers": [int(i) for i in layers]}
+                               if layers else {"feature": "final_norm"})
     write(directory, {"target": draft_format.target_identity(target.model, target.name),
                       "model": {**model_config, "num_hidden_layers": 1},
                       "vocab_top_k": int(tensors[draft_format.VOCAB_IDS].numel()),
-                      "feature": "final_norm", "made_with": made_with or {}}, tensors, dtype)
+                      **feature, "made_with": made_with or {}}, tensors, dtype)
 
 
 def write(directory: Path, info: dict[str, Any], tensors: dict[str, torch.Tensor],

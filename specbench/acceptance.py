@@ -32,6 +32,7 @@ from decoding.drafters.base import DraftContext, Drafter
 from decoding.factory import draft_parts
 from decoding.features import FeatureRows
 from decoding.prompting import encode_chat
+from decoding.round import with_layers
 from decoding.types import SamplingParams
 from runtime import draft_format as distilled
 from runtime import feature_draft
@@ -105,8 +106,9 @@ def target_features(target: CausalLM, tokens: Sequence[int]) -> FeatureRows | No
     finally:
         target.release(state)
     rows = FeatureRows()
-    if prepared.features and prepared.features[0] is not None:
-        rows.add(0, prepared.features[0])
+    given = with_layers(prepared)  # a target capturing layers: theirs after the states
+    if given and given[0] is not None:
+        rows.add(0, given[0])
     return rows
 
 

@@ -46,8 +46,8 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--target", default="default", help="the target model (path or 'default')")
     p.add_argument("--kind", choices=("causal-lm", "feature"), default="causal-lm",
                    help="causal-lm: a small language model of the target's own layers; "
-                        "feature: one decoder layer that reads the target's final hidden "
-                        "states (EAGLE-style, see specdistill/feature.py)")
+                        "feature: one decoder layer that reads the target's hidden states "
+                        "(EAGLE-style, see specdistill/feature.py)")
     p.add_argument("--out", required=True, type=Path, help="the draft directory to write")
     p.add_argument("--layers", type=int, default=TrainSettings.layers,
                    help="decoder layers of the draft (started from the target's)")
@@ -57,7 +57,9 @@ def add_distill_command(sub: Any) -> None:
     p.add_argument("--init-from", default=None,
                    help="start from this draft (a directory, or 'default-draft') instead of the "
                         "target's layers: its layers and head are trained further on this run's "
-                        "data (--layers and --vocab-top must match it)")
+                        "data (--layers and --vocab-top must match it); feature kind: a "
+                        "feature draft directory or 'feature-draft' (the shipped one), whose "
+                        "layer and fc start the head")
     p.add_argument("--vocab-top", type=int, default=TrainSettings.vocab_top_k,
                    help="output head over the K most frequent target tokens (0: full vocabulary)")
     p.add_argument("--tokens", type=int, default=DataSettings.tokens,
@@ -103,6 +105,19 @@ def add_distill_command(sub: Any) -> None:
                    help="feature kind: choose the head's tokens as the fewest of the target's "
                         "most frequent answer tokens that cover this share of the held-out "
                         "answer tokens (e.g. 0.97; default: --vocab-top tokens)")
+    p.add_argument("--feature", choices=("fused", "final"), default="fused",
+                   help="feature kind: what the head reads of the target: EAGLE-3's fused "
+                        "feature of --feature-layers (default, where the data keeps them), or "
+                        "its final hidden state")
+    p.add_argument("--ttt-steps", type=int, default=None,
+                   help="feature kind: drafting steps unrolled in training (default 5)")
+    p.add_argument("--ce-weight", type=float, default=None,
+                   help="feature kind: weight of the soft-label cross-entropy (default 0.1)")
+    p.add_argument("--reg-weight", type=float, default=None,
+                   help="feature kind: weight of the feature regression (default 1)")
+    p.add_argument("--train-tokens", type=int, default=0,
+                   help="feature kind: train on the first shards only, up to this many "
+                        "training answer tokens (0: all)")
     p.add_argument("--disk-gb", type=float, default=None,
                    help="feature kind: the data shards' disk budget in GB (default 40); "
                         "generation stops there")

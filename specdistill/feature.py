@@ -1,13 +1,19 @@
-"""A feature draft: one Llama decoder layer that reads the target's final hidden states.
+"""A feature draft: one Llama decoder layer that reads the target's hidden states.
 
 EAGLE-style. With committed tokens t_0..t_n and f_i the target's final hidden state at
 position i after its final RMS norm (what its output head reads to predict t_{i+1}),
-the draft's row j (j >= 1) reads ``x_j = fc(cat([embed(t_j), f_{j-1}]))`` (``embed``:
+the draft's row j (j >= 1) reads ``x_j = fc(cat([embed(t_j), g_{j-1}]))`` (``embed``:
 the target's input embedding), runs one Llama decoder layer over its rows (rotary
 positions are consecutive integers; causal) and its own final RMS norm, giving
-``yhat_j``, trained to match ``f_j``. Its logits are ``yhat_j @ head_rows.T`` over the
+``yhat_j``, trained toward ``f_j``. Its logits are ``yhat_j @ head_rows.T`` over the
 target's output-head rows for the K tokens of ``lm_head.ids``. Drafting a further
 token feeds the draft's own output back: ``x = fc(cat([embed(drafted), yhat_prev]))``.
+
+The target's feature ``g_i`` is ``f_i`` itself (``feature: final_norm``), or EAGLE-3's
+fused feature (``feature: layers``; Li et al. 2025, arXiv 2503.01840): the outputs of a
+low, a middle and a high layer at position i (the residual stream after each), each
+RMS-normed with its own weight (``fuse_norm.weight`` ``[L*H]``: their scales differ by
+tens), through one linear layer ``fuse.weight`` ``[H, L*H]``.
 
 Training unrolls several drafting steps at once (EAGLE-3's training-time test): at step
 s the row j sees the step-1 keys (real features) of rows <= j - s + 1 and the step-r keys
@@ -31,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from runtime.draft_format import CONFIG_NAME, VOCAB_IDS, WEIGHTS_NAME
-from runtime.feature_draft import FORMAT, VERSION, write
+from runtime.feature_draft import FORMAT, FUSE, FUSE_NORM, VERSION, feature_layers, write
 
 LAYER = "model.layers.0."
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -122,9 +128,25 @@ def ttt_mask(rows: int, step: int) -> torch.Tensor:  # [rows, step * rows] bool
     return torch.cat(blocks, dim=1)
 
 
+class LayerNorms(nn.Module):
+    """An RMS norm of each of ``count`` side-by-side ``size``-wide parts, with its own
+    weight (``[count * size]``)."""
+
+    def __init__(self, count: int, size: int, eps: float) -> None:
+        super().__init__()
+        self.count, self.size, self.eps = count, size, eps
+        self.weight = nn.Parameter(torch.ones(count * size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., count * size]
+        parts = x.unflatten(-1, (self.count, self.size))
+        parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * parts.flatten(-2)
+
+
 class FeatureDraft(nn.Module):
-    """The draft for training: ``fc``, ``model.layers.0``, ``model.norm``; the target's
-    embedding table and head rows are frozen buffers, not stored."""
+    """The draft for training: ``fc``, ``model.layers.0``, ``model.norm`` (and with
+    ``layers``, ``fuse_norm`` and ``fuse``); the target's embedding table and head rows
+    are frozen buffers, not stored."""
 
     embedding: torch.Tensor
     head_table: torch.Tensor
@@ -132,11 +154,15 @@ class FeatureDraft(nn.Module):
     head_rows: torch.Tensor
 
     def __init__(self, config: dict[str, Any], embedding: torch.Tensor, head_ids: torch.Tensor,
-                 head_table: torch.Tensor | None = None) -> None:
+                 head_table: torch.Tensor | None = None, layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.config = dict(config)
         h = config["hidden_size"]
+        self.layers = tuple(int(i) for i in layers)  # the target's fused layers, or none
         self.fc = nn.Linear(2 * h, h, bias=False)
+        if self.layers:
+            self.fuse_norm = LayerNorms(len(self.layers), h, config["rms_norm_eps"])
+            self.fuse = nn.Linear(len(self.layers) * h, h, bias=False)
         self.model = Inner(config)
         self.theta = rope_theta(config)
         table = embedding if head_table is None else head_table
@@ -147,6 +173,10 @@ class FeatureDraft(nn.Module):
 
     def inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([self.embedding[tokens], feats], dim=-1))
+
+    def target_feature(self, feats: torch.Tensor) -> torch.Tensor:  # [..., L*H or H] -> [..., H]
+        """The target's feature as the draft reads it: fused from its layers, or as is."""
+        return self.fuse(self.fuse_norm(feats)) if self.layers else feats
 
     def logits(self, yhat: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., K]
         return yhat @ self.head_rows.T
@@ -185,10 +215,11 @@ class FeatureDraft(nn.Module):
         """Drafting steps 1..``steps`` over every row at once. ``tokens`` [B, N]: each row's
         token (t_j); ``feats`` [B, N, H]: the real feature before it (f_{j-1}). Returns each
         step's outputs [B, N, H]; step s's output at row j is the s-th token's hidden state
-        drafted after the real context ending at row j - s + 1 (rows j < s - 1: none)."""
+        drafted after the real context ending at row j - s + 1 (rows j < s - 1: none).
+        With ``layers``, ``feats`` holds the target's layers' outputs, [B, N, L*H]."""
         n = tokens.shape[1]
         positions = torch.arange(n)
-        prev = feats
+        prev = self.target_feature(feats)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         outs = []
@@ -202,16 +233,30 @@ class FeatureDraft(nn.Module):
             prev = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
         return outs
 
+    def cached_step(self, tokens: torch.Tensor, feats: torch.Tensor, past_key: torch.Tensor,
+                    past_value: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows ``tokens`` [B, n] beside ``feats`` [B, n, H] (the feature each reads as the
+        draft reads it: ``target_feature``'s, or the draft's own output) after ``past``
+        cached keys and values [B, kv_heads, p, head_dim]: their outputs [B, n, H] and the
+        keys and values grown by n."""
+        n, p = tokens.shape[1], past_key.shape[2]
+        x = self.inputs(tokens, feats)
+        q, k, v = self._qkv(x, torch.arange(n) + p)
+        k, v = torch.cat([past_key, k], 2), torch.cat([past_value, v], 2)
+        mask = torch.arange(p + n)[None, :] <= torch.arange(n)[:, None] + p  # [n, p + n]
+        return self._finish(x, q, k, v, mask), k, v
+
     @torch.no_grad()
     def draft_sequential(self, tokens: list[int], feats: torch.Tensor, count: int,
                          feed: Sequence[int] | None = None
                          ) -> tuple[list[int], list[torch.Tensor]]:
         """Serving's arithmetic, step by step with a KV cache: the rows of ``tokens`` with
-        real ``feats`` (``[len, H]``, the feature before each token), then ``count`` tokens
-        drafted greedily, each fed back with the draft's own output (``feed``: these tokens
-        fed instead of the drafted ones). Returns the drafted vocabulary ids and the output
-        of each drafting step."""
-        x = self.inputs(torch.tensor([tokens]), feats[None])
+        the target's ``feats`` before each (``[len, H]``, or ``[len, L*H]`` with
+        ``layers``), then ``count`` tokens drafted greedily, each fed back with the draft's
+        own output (``feed``: these tokens fed instead of the drafted ones). Returns the
+        drafted vocabulary ids and the output of each drafting step."""
+        x = self.inputs(torch.tensor([tokens]), self.target_feature(feats[None]))
         n = len(tokens)
         q, k, v = self._qkv(x, torch.arange(n))
         y = self._finish(x, q, k, v, torch.ones(n, n, dtype=torch.bool).tril())
@@ -273,14 +318,15 @@ def load_feature_draft_weights(path: str | Path) -> tuple[dict[str, Any], dict[s
     for key in ("target", "model", "vocab_top_k", "feature"):
         if key not in info:
             raise ValueError(f"{directory}: {CONFIG_NAME} lacks {key!r}")
-    if info["feature"] != "final_norm":
-        raise ValueError(f"{directory}: unknown feature {info['feature']!r}")
+    layers = feature_layers(info, directory)
     tensors = load_file(str(directory / WEIGHTS_NAME))
     c = info["model"]
     h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     shapes = {"fc.weight": (h, 2 * h), "model.norm.weight": (h,),
               VOCAB_IDS: (int(info["vocab_top_k"]),)}
+    if layers:
+        shapes.update({FUSE: (h, len(layers) * h), FUSE_NORM: (len(layers) * h,)})
     for key, shape in zip(LAYER_KEYS, [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h),
                                        (h, i), (h,), (h,)], strict=True):
         shapes[LAYER + key] = shape

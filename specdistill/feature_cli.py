@@ -18,7 +18,9 @@ SETTINGS_NAME = "feature-settings.json"
 DEFAULT_TOKENS = 150_000
 DEFAULT_MAX_NEW_TOKENS = 160
 # settings added after the first runs, with the values those runs had
-LATER_SETTINGS = (("data", "layers", ()), ("train", "vocab_coverage", 0.0))
+LATER_SETTINGS = (("data", "layers", ()), ("train", "vocab_coverage", 0.0),
+                  ("train", "layers", ()), ("train", "reg_weight", 1.0),
+                  ("train", "max_train_tokens", 0), ("train", "init_from", ""))
 
 
 def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path) -> int:
@@ -50,7 +52,13 @@ def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path)
         steps=args.steps, minutes=args.minutes, lr=args.lr or FeatureTrainSettings.lr,
         batch_tokens=args.batch_tokens or FeatureTrainSettings.batch_tokens,
         vocab_top_k=args.vocab_top or FeatureTrainSettings.vocab_top_k, seed=args.seed,
-        vocab_coverage=args.vocab_coverage or 0.0)
+        vocab_coverage=args.vocab_coverage or 0.0,
+        ttt_steps=args.ttt_steps or FeatureTrainSettings.ttt_steps,
+        ce_weight=FeatureTrainSettings.ce_weight if args.ce_weight is None else args.ce_weight,
+        reg_weight=(FeatureTrainSettings.reg_weight if args.reg_weight is None
+                    else args.reg_weight),
+        layers=layers if args.feature == "fused" else (), max_train_tokens=args.train_tokens,
+        init_from=_init_from(args.init_from))
     _check_work(work, data_settings, train_settings, args.resume)
     started = time.perf_counter()
     print(f"distill: feature draft data in {work / 'data'} (layers kept: "
@@ -109,6 +117,19 @@ def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path)
     return 0
 
 
+def _init_from(spec: str | None) -> str:
+    """The feature draft directory ``--init-from`` names (``feature-draft``: the shipped
+    one), resolved; empty without it."""
+    if not spec:
+        return ""
+    from runtime.feature_draft import resolve_feature_draft_dir
+
+    directory = resolve_feature_draft_dir(spec)
+    if directory is None:
+        raise SystemExit(f"--init-from {spec!r}: not a feature draft directory")
+    return str(directory.resolve())
+
+
 def _feature_layers(spec: str, num_layers: int, auto: Any) -> tuple[int, ...]:
     if spec == "auto":
         return tuple(auto(num_layers))
@@ -131,7 +152,7 @@ def _check_work(work: Path, data: Any, training: Any, resume: bool) -> None:
     fixed = {"data": {k: v for k, v in asdict(data).items()
                       if k not in ("tokens", "streams", "disk_gb")},
              "train": {k: v for k, v in asdict(training).items()
-                       if k not in ("steps", "minutes", "eval_every")}}
+                       if k not in ("steps", "minutes", "eval_every", "shard_window")}}
     for part, key, default in LATER_SETTINGS:  # at their defaults, earlier runs resume
         if fixed[part].get(key) == default:
             del fixed[part][key]

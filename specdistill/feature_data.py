@@ -40,6 +40,7 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -533,18 +534,126 @@ def answer_set(target: Any, texts: Sequence[str], kind: str, streams: int
 
     def on_done(done: Done) -> list[Job]:
         a = done.answers[0]
-        records[done.job.tag] = {
-            "kind": kind, "text": texts[done.job.tag], "held_out": True,
-            "prompt_ids": torch.tensor(done.job.prompt, dtype=torch.int32),
-            "features": done.prompt_features,
-            "answers": [{"temperature": 0.0, "features": torch.cat(a.features),
-                         "answer_ids": torch.tensor(a.tokens, dtype=torch.int32)}]}
+        answer = {"temperature": 0.0, "features": torch.cat(a.features),
+                  "answer_ids": torch.tensor(a.tokens, dtype=torch.int32)}
+        record = {"kind": kind, "text": texts[done.job.tag], "held_out": True,
+                  "prompt_ids": torch.tensor(done.job.prompt, dtype=torch.int32),
+                  "features": done.prompt_features, "answers": [answer]}
+        if done.prompt_layers is not None:  # the captured layers' too
+            record["layers"] = done.prompt_layers
+            answer["layers"] = torch.cat(a.layers)
+        records[done.job.tag] = record
         return []
 
     jobs = [Job(encode_chat(target.tokenizer, [{"role": "user", "content": t}]), (0.0,), (0,),
                 EVAL_MAX_TOKENS, tag=i) for i, t in enumerate(texts)]
     grow(target, jobs, streams, on_done)
-    return [row for i in sorted(records) for row in flatten(records[i])]
+    return [row for i in sorted(records) for row in flatten(records[i], layers=True)]
+
+
+@dataclass
+class Scan:
+    """What one pass over the shards keeps in memory: the held-out rows, the training
+    answers' token counts, and the shards with training rows (read again as they are
+    trained on: ``TrainStream``)."""
+
+    train_shards: list[Path]
+    held: list[dict[str, Any]]
+    train_counts: dict[int, int]
+    train_sequences: int = 0
+    train_answer_tokens: int = 0
+
+
+def scan(data_dir: Path, layers: bool = False, max_train_tokens: int = 0) -> Scan:
+    """Read every shard once (in order): keep the held-out rows of all (with ``layers``,
+    their captured layers' outputs too) and count the training answers' tokens (with
+    ``max_train_tokens``, of the first shards only whose training answers reach it)."""
+    out = Scan([], [], {})
+    counts: Counter[int] = Counter()
+    for path in existing_shards(data_dir):
+        full = bool(max_train_tokens) and out.train_answer_tokens >= max_train_tokens
+        has_train = False
+        for row in load_rows(path, layers):
+            if row["held_out"]:
+                out.held.append(row)
+                continue
+            if full:
+                continue
+            has_train = True
+            counts.update(row["answer_ids"].tolist())
+            out.train_sequences += 1
+            out.train_answer_tokens += int(row["answer_ids"].numel())
+        if has_train:
+            out.train_shards.append(path)
+    if not out.held and out.train_shards:  # a tiny run: hold out the last shard's last row
+        last = load_rows(out.train_shards[-1], layers)
+        rows = [r for r in last if not r["held_out"]]
+        out.held.append(rows[-1])
+        counts.subtract(rows[-1]["answer_ids"].tolist())
+        out.train_sequences -= 1
+        out.train_answer_tokens -= int(rows[-1]["answer_ids"].numel())
+        if len(rows) == 1:
+            out.train_shards.pop()
+    out.train_counts = {int(t): int(c) for t, c in counts.items() if c > 0}
+    return out
+
+
+class TrainStream:
+    """Training rows a few shards at a time, never all in memory: each epoch takes the
+    shards in a seeded order, ``window`` at once, and plans batches over their rows
+    (``plan``); a position (epoch, group, batch) resumes exactly where it was."""
+
+    def __init__(self, shards: Sequence[Path], window: int, seed: int, layers: bool,
+                 plan: Callable[[Sequence[dict[str, Any]], int], list[list[int]]],
+                 position: tuple[int, int, int] = (0, 0, 0)) -> None:
+        if not shards:
+            raise ValueError("no training shards")
+        self.shards, self.window, self.seed, self.layers = list(shards), window, seed, layers
+        self.plan = plan
+        self.epoch, self.group, self.cursor = position
+        self._rows: list[dict[str, Any]] = []
+        self._batches: list[list[int]] = []
+        self._loaded: tuple[int, int] | None = None
+
+    @property
+    def groups(self) -> int:
+        return -(-len(self.shards) // self.window)
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        return self.epoch, self.group, self.cursor
+
+    @property
+    def epochs(self) -> float:
+        """Epochs done, counting groups."""
+        return self.epoch + self.group / self.groups
+
+    def _load(self) -> None:
+        order = list(range(len(self.shards)))
+        random.Random(self.seed * 7919 + self.epoch).shuffle(order)
+        picked = order[self.group * self.window:(self.group + 1) * self.window]
+        self._rows = [r for i in sorted(picked) for r in load_rows(self.shards[i], self.layers)
+                      if not r["held_out"]]
+        self._batches = self.plan(self._rows, self.epoch * 1009 + self.group)
+        self._loaded = (self.epoch, self.group)
+
+    def next(self) -> list[dict[str, Any]]:
+        """The next batch's rows (the position then is the batch after it)."""
+        while True:
+            if self._loaded != (self.epoch, self.group):
+                self._load()
+            if self.cursor < len(self._batches):
+                rows = [self._rows[i] for i in self._batches[self.cursor]]
+                self.cursor += 1
+                if self.cursor >= len(self._batches):
+                    self._advance()
+                return rows
+            self._advance()
+
+    def _advance(self) -> None:
+        self.group, self.cursor = self.group + 1, 0
+        if self.group >= self.groups:
+            self.epoch, self.group = self.epoch + 1, 0
 
 
 def load_split(data_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -569,15 +678,19 @@ class Batch:
 
 
 def make_batch(rows: Sequence[dict[str, Any]], max_len: int,
-               greedy_ids: Sequence[torch.Tensor] | None = None) -> Batch:
+               greedy_ids: Sequence[torch.Tensor] | None = None, layers: bool = False
+               ) -> Batch:
     """Rows p = 0..L-2 of each sequence (token t_{p+1}, feature f_p, target f_{p+1}),
-    right-padded; ``greedy_ids``: the target's argmax after each position, for ``ok``."""
+    right-padded; ``greedy_ids``: the target's argmax after each position, for ``ok``;
+    ``layers``: the feature read is the captured layers' outputs at p (``feats`` is then
+    [B, N, L*H]), the target stays f_{p+1}."""
     seqs = [torch.cat([r["prompt_ids"], r["answer_ids"]])[:max_len] for r in rows]
     n = max(len(s) for s in seqs) - 1
     h = int(rows[0]["features"].shape[1])
     b = len(rows)
     tokens = torch.zeros(b, n, dtype=torch.long)
-    feats = torch.zeros(b, n, h)
+    width = int(rows[0]["layers"].shape[1]) if layers else h
+    feats = torch.zeros(b, n, width)
     targets = torch.zeros(b, n, h)
     answer = torch.zeros(b, n, dtype=torch.bool)
     ok = torch.zeros(b, n, dtype=torch.bool)
@@ -585,7 +698,7 @@ def make_batch(rows: Sequence[dict[str, Any]], max_len: int,
         m = len(s) - 1
         f = r["features"][:len(s)].float()
         tokens[i, :m] = s[1:]
-        feats[i, :m] = f[:-1]
+        feats[i, :m] = r["layers"][:m].float() if layers else f[:-1]
         targets[i, :m] = f[1:]
         answer[i, max(0, len(r["prompt_ids"]) - 2):m] = True
         if greedy_ids is not None:

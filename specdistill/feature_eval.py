@@ -49,7 +49,7 @@ def evaluate(draft: FeatureDraft, rows: Sequence[dict[str, Any]], max_len: int,
     for group in groups:
         picked = [rows[i] for i in group]
         greedy = [greedy_ids(draft, r, max_len) for r in picked]
-        batch = make_batch(picked, max_len, greedy)
+        batch = make_batch(picked, max_len, greedy, layers=bool(draft.layers))
         n = batch.tokens.shape[1]
         target = torch.full((len(group), n), -1, dtype=torch.long)
         for b, g in enumerate(greedy):
@@ -91,7 +91,7 @@ def evaluate(draft: FeatureDraft, rows: Sequence[dict[str, Any]], max_len: int,
 def draft_step_ms(draft: FeatureDraft, context: int = 256, steps: int = 32) -> float:
     """Milliseconds of one fed-back drafting step (with the head's logits) after
     ``context`` rows, in PyTorch float32 on this machine's threads."""
-    h = draft.config["hidden_size"]
+    h = draft.config["hidden_size"] * max(1, len(draft.layers))
     tokens = torch.randint(0, int(draft.embedding.shape[0]), (context,)).tolist()
     feats = torch.randn(context, h)
     draft.draft_sequential(tokens, feats, 2)  # warm up

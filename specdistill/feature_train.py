@@ -1,13 +1,18 @@
 """Training of a feature draft (see ``feature.py``) on the target's answers and features.
 
-Loss, per unrolled drafting step s (weights 0.8^(s-1)), over answer rows: smooth L1 of the
-draft's output toward the target's feature there, plus ``ce_weight`` times the
+Loss, per unrolled drafting step s (weights 0.8^(s-1)), over answer rows: ``reg_weight``
+times the smooth L1 of the draft's output toward the target's final state there, plus
+``ce_weight`` times the
 cross-entropy of the draft's head logits against the target's distribution over the
 head's tokens (softmax of the target's own logits restricted to them, computed from its
 feature: soft labels). AdamW with a linear warmup and a cosine decay over ``steps``, or
 over ``minutes`` when given; a checkpoint with the optimizer's state at every
 evaluation (``eval_every`` steps, or ``CHECKPOINT_SECONDS``), after which the draft
 directory and its report are rewritten.
+
+Training rows stream from the shards a few at a time (``TrainStream``); only the held-out
+rows stay in memory. With ``layers`` the draft reads EAGLE-3's fused feature of those
+target layers (the shards keep their outputs) in place of the final state.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +29,23 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from runtime.draft_format import VOCAB_IDS
+from runtime.feature_draft import FUSE
 from specdistill import feature_target
-from specdistill.feature import FeatureDraft, layer_config, save_draft
-from specdistill.feature_data import Batch, load_rows, load_split, make_batch, save_atomic
+from specdistill.feature import (
+    FeatureDraft,
+    layer_config,
+    load_feature_draft_weights,
+    save_draft,
+)
+from specdistill.feature_data import (
+    Batch,
+    TrainStream,
+    load_rows,
+    make_batch,
+    save_atomic,
+    scan,
+)
 from specdistill.feature_eval import evaluate, full_evaluation
 from specdistill.train import plan_batches
 
@@ -52,10 +71,15 @@ class FeatureTrainSettings:
     vocab_coverage: float = 0.0  # >0: the head's tokens are the fewest that cover this share
     # of the held-out answer tokens (vocab_top_k then unused)
     seed: int = 0
-    ttt_steps: int = 3  # drafting steps unrolled in training (training-time test)
+    ttt_steps: int = 5  # drafting steps unrolled in training (training-time test)
     max_len: int = 512
     ce_weight: float = 0.1  # cross-entropy beside the feature regression
     eval_every: int = 50
+    layers: tuple[int, ...] = ()  # the target layers fused into the feature (none: final)
+    reg_weight: float = 1.0  # the feature regression's weight
+    max_train_tokens: int = 0  # >0: only the first shards, up to this many answer tokens
+    shard_window: int = 4  # shards in memory at once
+    init_from: str = ""  # a feature draft directory to start from (its head's tokens aside)
 
 
 @dataclass(frozen=True)
@@ -66,8 +90,8 @@ class Progress:
     acceptance: float | None  # held-out teacher-forced, when just measured
 
 
-def loss_of(draft: FeatureDraft, batch: Batch, steps: int, ce_weight: float
-            ) -> tuple[torch.Tensor, list[float]]:
+def loss_of(draft: FeatureDraft, batch: Batch, steps: int, ce_weight: float,
+            reg_weight: float = 1.0) -> tuple[torch.Tensor, list[float]]:
     """The training loss, and each step's head accuracy (argmax within the head's tokens)."""
     outs = draft.unroll(batch.tokens, batch.feats, steps)
     rows = torch.arange(batch.tokens.shape[1])[None, :]
@@ -85,7 +109,7 @@ def loss_of(draft: FeatureDraft, batch: Batch, steps: int, ce_weight: float
         log_q = torch.log_softmax(draft.logits(yv), dim=-1)
         ce = -(teacher * log_q).sum(-1).mean()
         w = STEP_DECAY ** (s - 1)
-        total = total + w * (reg + ce_weight * ce)
+        total = total + w * (reg_weight * reg + ce_weight * ce)
         weights += w
         accuracy.append(float((log_q.argmax(-1) == teacher.argmax(-1)).float().mean()))
     return total / weights, accuracy
@@ -101,12 +125,23 @@ def batches(rows: Sequence[dict[str, Any]], batch_tokens: int, max_len: int, see
     return plan_batches(len(rows), length, batch_tokens, seed * 7919 + epoch, window=128)
 
 
-def choose_vocab(rows: Sequence[dict[str, Any]], k: int, vocab_size: int,
-                 always: Sequence[int]) -> torch.Tensor:
-    """The ``k`` tokens most frequent in the answers (ties: lower id), ``always`` first."""
+Answers = Sequence[dict[str, Any]] | Mapping[int, int]  # rows, or their answers' counts
+
+
+def answer_counts(rows: Answers) -> Mapping[int, int]:
+    """How often each token occurs in the answers of ``rows`` (counts pass through)."""
+    if isinstance(rows, Mapping):
+        return rows
     counts: Counter[int] = Counter()
     for r in rows:
         counts.update(r["answer_ids"].tolist())
+    return counts
+
+
+def choose_vocab(rows: Answers, k: int, vocab_size: int,
+                 always: Sequence[int]) -> torch.Tensor:
+    """The ``k`` tokens most frequent in the answers (ties: lower id), ``always`` first."""
+    counts = answer_counts(rows)
     ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     chosen = list(dict.fromkeys([*always, *ranked]))[:k]
     taken = set(chosen)
@@ -122,15 +157,13 @@ def coverage(head_ids: torch.Tensor, rows: Sequence[dict[str, Any]]) -> float:
     return float(torch.isin(answers, head_ids).float().mean())
 
 
-def vocab_for_coverage(train_rows: Sequence[dict[str, Any]], held: Sequence[dict[str, Any]],
+def vocab_for_coverage(train_rows: Answers, held: Sequence[dict[str, Any]],
                        share: float, vocab_size: int, always: Sequence[int]
                        ) -> tuple[torch.Tensor, float]:
     """The fewest of the training answers' most frequent tokens (``always`` first) that
     cover ``share`` of the held-out answer tokens, and the coverage they reach (all the
     training answers' tokens where even they fall short)."""
-    counts: Counter[int] = Counter()
-    for r in train_rows:
-        counts.update(r["answer_ids"].tolist())
+    counts = answer_counts(train_rows)
     ranked = list(dict.fromkeys([*always, *(t for t, _ in sorted(
         counts.items(), key=lambda kv: (-kv[1], kv[0])))]))
     held_counts: Counter[int] = Counter()
@@ -154,12 +187,12 @@ def lr_share(progress: float, step: int) -> float:
     return MIN_LR_SHARE + (1 - MIN_LR_SHARE) * cosine
 
 
-def build_draft(target: Any, train_rows: Sequence[dict[str, Any]], k: int,
+def build_draft(target: Any, train_rows: Answers, k: int,
                 head_ids: torch.Tensor | None = None, held: Sequence[dict[str, Any]] = (),
-                share: float = 0.0) -> FeatureDraft:
-    """A fresh draft: the target's last layer and final norm, ``fc`` at random; its head's
-    tokens the ``k`` most frequent, or with ``share`` the fewest covering that share of
-    ``held``'s answer tokens (``vocab_for_coverage``)."""
+                share: float = 0.0, layers: Sequence[int] = ()) -> FeatureDraft:
+    """A fresh draft: the target's last layer and final norm, ``fc`` (and with ``layers``
+    the fusion) at random; its head's tokens the ``k`` most frequent, or with ``share``
+    the fewest covering that share of ``held``'s answer tokens (``vocab_for_coverage``)."""
     embedding = feature_target.embedding_table(target)
     head = feature_target.head_table(target, embedding)
     vocab = int(embedding.shape[0])
@@ -168,7 +201,7 @@ def build_draft(target: Any, train_rows: Sequence[dict[str, Any]], k: int,
         head_ids = (vocab_for_coverage(train_rows, held, share, vocab, always)[0] if share > 0
                     else choose_vocab(train_rows, min(k, vocab), vocab, always))
     config = layer_config(feature_target.config_dict(target), vocab)
-    draft = FeatureDraft(config, embedding, head_ids, head)
+    draft = FeatureDraft(config, embedding, head_ids, head, layers)
     draft.load_state_dict(feature_target.last_layer_weights(target), strict=False)
     return draft
 
@@ -178,26 +211,39 @@ def train(target: Any, work: Path, out_dir: Path, settings: FeatureTrainSettings
           ) -> dict[str, Any]:
     """Train (or resume) and write the draft directory; returns the report."""
     torch.manual_seed(settings.seed)
-    train_rows, held = load_split(work / "data")
-    if not train_rows or not held:
+    fused = bool(settings.layers)
+    data = scan(work / "data", fused, settings.max_train_tokens)
+    held = data.held
+    if not data.train_shards or not held:
         raise RuntimeError(f"no training or held-out data in {work / 'data'}")
+    if fused and "layers" not in held[0]:
+        raise RuntimeError(f"the data in {work / 'data'} keeps no layers' outputs to fuse "
+                           "(made with --feature-layers none, or by an earlier version)")
     ckpt_path = work / CHECKPOINT_NAME
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
-    draft = build_draft(target, train_rows, settings.vocab_top_k,
-                        ckpt["head_ids"] if ckpt else None, held, settings.vocab_coverage)
+    draft = build_draft(target, data.train_counts, settings.vocab_top_k,
+                        ckpt["head_ids"] if ckpt else None, held, settings.vocab_coverage,
+                        settings.layers)
     vocabulary = {"tokens": int(draft.head_ids.numel()),
                   "held_out_coverage": round(coverage(draft.head_ids, held), 4)}
+    if ckpt is None and settings.init_from:
+        start_from(draft, Path(settings.init_from), target)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, epoch, cursor, seconds, history = 0, 0, 0, 0.0, []
+    step, position, seconds, history = 0, (0, 0, 0), 0.0, []
     if ckpt is not None:
         draft.load_state_dict(ckpt["draft"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
-        step, epoch, cursor = ckpt["step"], ckpt["epoch"], ckpt["cursor"]
+        step, position = ckpt["step"], tuple(ckpt["position"])
         seconds, history = ckpt["seconds"], ckpt["history"]
         torch.set_rng_state(ckpt["torch_rng"])
         log.info("resuming at step %d", step)
-    plan = batches(train_rows, settings.batch_tokens, settings.max_len, settings.seed, epoch)
+
+    def plan(rows: Sequence[dict[str, Any]], salt: int) -> list[list[int]]:
+        return batches(rows, settings.batch_tokens, settings.max_len, settings.seed, salt)
+
+    stream = TrainStream(data.train_shards, settings.shard_window, settings.seed, fused, plan,
+                         position)
     budget = settings.minutes * 60 if settings.minutes else None
 
     def progress() -> float:
@@ -205,12 +251,14 @@ def train(target: Any, work: Path, out_dir: Path, settings: FeatureTrainSettings
         return max(done, seconds / budget) if budget else done
 
     def report(evaluation: dict[str, Any]) -> dict[str, Any]:
-        return {"training": {**asdict(settings), "steps": step, "epochs": epoch + cursor /
-                             max(1, len(plan)), "seconds": round(seconds, 1),
-                             "train_sequences": len(train_rows),
-                             "train_answer_tokens": sum(int(r["answer_ids"].numel())
-                                                        for r in train_rows),
-                             "held_out_sequences": len(held)},
+        return {"training": {**asdict(settings), "steps": step,
+                             "epochs": round(stream.epochs, 2), "seconds": round(seconds, 1),
+                             "train_shards": len(data.train_shards),
+                             "train_sequences": data.train_sequences,
+                             "train_answer_tokens": data.train_answer_tokens,
+                             "held_out_sequences": len(held),
+                             "held_out_answer_tokens": sum(int(r["answer_ids"].numel())
+                                                           for r in held)},
                 "vocabulary": vocabulary, "history": history, "evaluation": evaluation}
 
     draft.train()
@@ -218,15 +266,11 @@ def train(target: Any, work: Path, out_dir: Path, settings: FeatureTrainSettings
     last_save = seconds
     while progress() < 1.0:
         started = time.perf_counter()
-        if cursor >= len(plan):
-            epoch, cursor = epoch + 1, 0
-            plan = batches(train_rows, settings.batch_tokens, settings.max_len, settings.seed,
-                           epoch)
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * lr_share(progress(), step)
-        batch = make_batch([train_rows[i] for i in plan[cursor]], settings.max_len)
-        cursor += 1
-        loss, accuracy = loss_of(draft, batch, settings.ttt_steps, settings.ce_weight)
+        batch = make_batch(stream.next(), settings.max_len, layers=fused)
+        loss, accuracy = loss_of(draft, batch, settings.ttt_steps, settings.ce_weight,
+                                 settings.reg_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
@@ -251,7 +295,7 @@ def train(target: Any, work: Path, out_dir: Path, settings: FeatureTrainSettings
                             "held_out_teacher_forced": round(measured, 4),
                             "held_out_tau": result["tau"]})
             save_atomic({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                         "step": step, "epoch": epoch, "cursor": cursor, "seconds": seconds,
+                         "step": step, "position": list(stream.position), "seconds": seconds,
                          "history": history, "head_ids": draft.head_ids,
                          "torch_rng": torch.get_rng_state()}, ckpt_path)
             write(draft, target, out_dir, settings, made_with, report({"held_out": result}))
@@ -269,12 +313,44 @@ def train(target: Any, work: Path, out_dir: Path, settings: FeatureTrainSettings
     return final
 
 
+def start_from(draft: FeatureDraft, directory: Path, target: Any) -> None:
+    """Load a feature draft's ``fc``, layer and final norm into ``draft`` (its head's tokens
+    stay ``draft``'s: the rows are the target's). A draft that reads the final state
+    starting a fused one: the fusion starts as the RMS-normed highest layer times the
+    target's final norm weight, the nearest of the fused layers to the final state."""
+    info, tensors = load_feature_draft_weights(directory)
+    tensors.pop(VOCAB_IDS)
+    if tuple(info.get("layers") or ()) != draft.layers and info.get("layers"):
+        raise ValueError(f"{directory} fuses layers {info['layers']}, not {list(draft.layers)}")
+    missing = draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    if missing.unexpected_keys:
+        raise ValueError(f"{directory}: unexpected tensors {missing.unexpected_keys}")
+    if draft.layers and FUSE not in tensors:
+        h = draft.config["hidden_size"]
+        with torch.no_grad():
+            draft.fuse.weight.zero_()
+            draft.fuse.weight[:, -h:] = torch.eye(h)
+            draft.fuse_norm.weight.fill_(1.0)
+            final = feature_target.last_layer_weights(target)["model.norm.weight"]
+            draft.fuse_norm.weight[-h:] = final
+
+
+def load_draft(directory: Path, target: Any) -> FeatureDraft:
+    """A saved feature draft for ``target``, for evaluation in PyTorch."""
+    info, tensors = load_feature_draft_weights(directory)
+    draft = build_draft(target, {}, 0, tensors[VOCAB_IDS], layers=info.get("layers") or ())
+    start_from(draft, directory, target)
+    return draft.eval()
+
+
 def write(draft: FeatureDraft, target: Any, out_dir: Path, settings: FeatureTrainSettings,
           made_with: dict[str, Any], report: dict[str, Any]) -> None:
     import json
 
+    feature: dict[str, Any] = ({"feature": "layers", "layers": list(draft.layers)}
+                               if draft.layers else {"feature": "final_norm"})
     info = {"target": feature_target.identity(target), "model": draft.config,
-            "vocab_top_k": int(draft.head_ids.numel()), "feature": "final_norm",
+            "vocab_top_k": int(draft.head_ids.numel()), **feature,
             "made_with": {**made_with, "results": report}}
     save_draft(draft, info, out_dir)
     tmp = out_dir / (REPORT_NAME + ".tmp")

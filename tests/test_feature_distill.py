@@ -93,13 +93,13 @@ def test_resume_continues_the_run(tmp_path: Path, tiny_target_dir: Path) -> None
     assert {p: p.stat().st_mtime_ns for p in shards} == shards  # the data is reused
 
 
-def _random_draft(seed: int = 0) -> FeatureDraft:
+def _random_draft(seed: int = 0, layers: tuple[int, ...] = ()) -> FeatureDraft:
     torch.manual_seed(seed)
     config = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "max_position_embeddings": 128, "vocab_size": 50,
               "num_hidden_layers": 1, "hidden_act": "silu"}
-    draft = FeatureDraft(config, torch.randn(50, 32), torch.arange(0, 50, 2))
+    draft = FeatureDraft(config, torch.randn(50, 32), torch.arange(0, 50, 2), layers=layers)
     with torch.no_grad():
         for p in draft.parameters():
             p.normal_(0.0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -114,13 +114,15 @@ def test_the_mask_sees_what_drafting_sees() -> None:
                              [True, True, True, False, False, False, False, True]]
 
 
-def test_unrolled_steps_equal_sequential_drafting() -> None:
+@pytest.mark.parametrize("layers", [(), (1, 4, 7)], ids=["final", "fused"])
+def test_unrolled_steps_equal_sequential_drafting(layers: tuple[int, ...]) -> None:
     """Step s's output at row j, unrolled with the mask, is what drafting s tokens after
-    the real context ending at row j - s + 1 gives, one step at a time with a cache."""
-    draft = _random_draft()
-    n, steps = 9, 4
+    the real context ending at row j - s + 1 gives, one step at a time with a cache
+    (over the final states, or the fusion of three layers' outputs)."""
+    draft = _random_draft(layers=layers)
+    n, steps = 9, 5
     tokens = torch.randint(0, 50, (1, n))
-    feats = torch.randn(1, n, 32)
+    feats = torch.randn(1, n, 32 * max(1, len(layers)))
     with torch.no_grad():
         outs = draft.unroll(tokens, feats, steps)
     checked = 0
@@ -272,3 +274,90 @@ def test_grown_answers_and_their_features_are_what_each_alone_gives(
     assert [r["greedy"] for r in rows] == [True, False, False] and "layers" not in rows[0]
     assert "layers" in feature_data.flatten(record, layers=True)[0]
     target.capture_layers(())
+
+
+def _shards(directory: Path, count: int, per: int) -> list[dict[str, Any]]:
+    """``count`` shards of ``per`` one-answer records each (every third held out), with
+    three layers' outputs; returns every row."""
+    directory.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for s in range(count):
+        records = []
+        for r in range(per):
+            n, m = 3 + r % 4, 2 + (r * 7 + s) % 5
+            records.append({
+                "version": 2, "kind": "magpie", "text": f"t{s}-{r}", "turn": 1,
+                "held_out": r % 3 == 0,
+                "prompt_ids": torch.randint(0, 50, (n,), generator=gen, dtype=torch.int32),
+                "features": torch.randn(n, 8, generator=gen).half(),
+                "layers": torch.randn(n, 24, generator=gen).half(),
+                "answers": [{"temperature": 0.0, "features": torch.randn(m, 8).half(),
+                             "layers": torch.randn(m, 24).half(),
+                             "answer_ids": torch.randint(0, 50, (m,), generator=gen,
+                                                         dtype=torch.int32)}]})
+        torch.save(records, feature_data.shard_path(directory, s))
+    return [r for p in feature_data.existing_shards(directory)
+            for r in feature_data.load_rows(p, layers=True)]
+
+
+def test_training_streams_the_shards_a_few_at_a_time(tmp_path: Path) -> None:
+    """One scan keeps only the held-out rows; the training rows come a window of shards
+    at a time, each exactly once an epoch, in a new order each epoch, and a stream
+    resumed at a position gives the batches the first would have."""
+    rows = _shards(tmp_path / "data", count=5, per=9)
+    data = feature_data.scan(tmp_path / "data", layers=True)
+    assert [r["text"] for r in data.held] == [r["text"] for r in rows if r["held_out"]]
+    assert all(r["layers"].shape[1] == 24 for r in data.held)
+    train = [r for r in rows if not r["held_out"]]
+    assert data.train_sequences == len(train) == 30
+    assert data.train_answer_tokens == sum(int(r["answer_ids"].numel()) for r in train)
+    assert sum(data.train_counts.values()) == data.train_answer_tokens
+
+    def plan(batch_rows: Any, salt: int) -> list[list[int]]:
+        return feature_train.batches(batch_rows, 40, 512, 0, salt)
+
+    stream = feature_data.TrainStream(data.train_shards, 2, 0, True, plan)
+    epochs: list[list[str]] = [[], []]
+    positions, seen = [], []
+    while stream.epoch < 2:
+        epoch = stream.epoch
+        positions.append(stream.position)
+        batch = stream.next()
+        seen.append([r["text"] for r in batch])
+        epochs[epoch] += seen[-1]
+        shards = {t.split("-")[0] for t in seen[-1]}
+        assert len(shards) <= 2  # a batch comes from the window in memory
+    for texts in epochs:
+        assert sorted(texts) == sorted(r["text"] for r in train)  # each once an epoch
+    assert epochs[0] != epochs[1]
+    middle = len(seen) // 2
+    resumed = feature_data.TrainStream(data.train_shards, 2, 0, True, plan, positions[middle])
+    assert [[r["text"] for r in resumed.next()] for _ in range(5)] == seen[middle:middle + 5]
+    first = feature_data.scan(tmp_path / "data", max_train_tokens=1)  # the same held out
+    assert len(first.train_shards) == 1 and all("layers" not in r for r in first.held)
+    assert [r["text"] for r in first.held] == [r["text"] for r in data.held]
+
+
+def test_a_fused_head_trains_from_a_final_state_head(feature_run: tuple[Path, Path],
+                                                     tiny_target_dir: Path,
+                                                     tmp_path: Path) -> None:
+    """``--feature-layers`` with the fused feature writes a draft that fuses those layers
+    (``fuse.weight``, ``fuse_norm.weight``); ``--init-from`` a head that reads the final
+    states starts its layer and ``fc`` from that head's."""
+    first, work = feature_run
+    target = BatchedLM.load(str(tiny_target_dir), dtype="float32")
+    with pytest.raises(RuntimeError, match="keeps no layers"):  # its data has none
+        feature_train.train(target, work, tmp_path / "no-layers",
+                            feature_train.FeatureTrainSettings(steps=1, layers=(0, 1)), {})
+    _distill(tiny_target_dir, tmp_path / "draft", tmp_path / "work", 2,
+             "--feature-layers", "0,1", "--init-from", str(first), "--ttt-steps", "2")
+    info, tensors = load_feature_draft_weights(tmp_path / "draft")
+    assert info["feature"] == "layers" and info["layers"] == [0, 1]
+    assert tensors["fuse.weight"].shape == (64, 128)
+    assert tensors["fuse_norm.weight"].shape == (128,)
+    report = json.loads((tmp_path / "draft" / "report.json").read_text())
+    assert report["training"]["layers"] == [0, 1] and report["training"]["ttt_steps"] == 2
+    assert report["training"]["init_from"] == str(first.resolve())
+    _, before = load_feature_draft_weights(first)
+    moved = (tensors["fc.weight"].float() - before["fc.weight"].float()).abs().max()
+    assert 0 < moved < 0.1  # two small steps from the first head's, not a fresh start

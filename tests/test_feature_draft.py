@@ -21,9 +21,11 @@ from runtime.batched import BatchedLM
 from runtime.causal_lm import BatchItem, CausalLM
 
 
-def make_feature_draft(target: BatchedLM, out: Path, seed: int = 0, top: int = 4096) -> Path:
+def make_feature_draft(target: BatchedLM, out: Path, seed: int = 0, top: int = 4096,
+                       layers: tuple[int, ...] = ()) -> Path:
     """A random-weight feature draft for ``target``: its last layer and final norm, a
-    random ``fc``, a head over the first ``top`` tokens."""
+    random ``fc``, a head over the first ``top`` tokens; with ``layers``, a random fusion
+    of those target layers' outputs."""
     config = target.model.config
     model_config = {"hidden_size": config.hidden_size,
                     "intermediate_size": config.intermediate_size,
@@ -40,7 +42,10 @@ def make_feature_draft(target: BatchedLM, out: Path, seed: int = 0, top: int = 4
     tensors = {**layer, "model.norm.weight": target.model.model.norm.weight.detach().clone(),
                feature_draft.FC: torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
                draft_format.VOCAB_IDS: torch.arange(top)}
-    feature_draft.save(out, target, model_config, tensors, {"by": "test"})
+    if layers:
+        tensors[feature_draft.FUSE] = torch.randn(hidden, len(layers) * hidden, generator=g) * 0.1
+        tensors[feature_draft.FUSE_NORM] = 1 + 0.2 * torch.rand(len(layers) * hidden, generator=g)
+    feature_draft.save(out, target, model_config, tensors, {"by": "test"}, layers=layers)
     return out
 
 
@@ -139,3 +144,135 @@ def test_the_draft_s_kv_holds_the_target_s_states_for_every_committed_token(
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
     drafter.release(state)
     drafter.release(fresh)
+
+
+@pytest.fixture(scope="module")
+def fused_dir(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = BatchedLM.load(str(tiny_target_dir))
+    assert isinstance(target, BatchedLM)
+    return make_feature_draft(target, tmp_path_factory.mktemp("fused-draft"), seed=3,
+                              layers=(0, 1))
+
+
+@pytest.fixture()
+def own_target(tiny_target_dir: Path) -> BatchedLM:
+    """A target of its own: a fused draft makes it capture layers."""
+    target = BatchedLM.load(str(tiny_target_dir), dtype="float32", kernels="native")
+    assert isinstance(target, BatchedLM)
+    return target
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.8, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_speculation_with_a_fused_feature_draft_is_plain_decoding(
+        fused_dir: Path, own_target: BatchedLM, sampling: SamplingParams) -> None:
+    """Loading a draft that fuses layers makes the target capture them; its verify passes
+    hand them to the drafter and their output stays plain decoding's, token for token."""
+    plain_runs = {}
+    for text in ("tell me about the sea", "a b c a b c a b"):
+        request = _request(own_target, text, sampling)
+        plain_runs[text] = [t for e in decode(own_target, None, request) for t in e.token_ids]
+    drafter = FeatureDrafter(feature_draft.load(fused_dir, own_target), own_target)
+    assert own_target.captured_layers == (0, 1)
+    for text, plain in plain_runs.items():
+        request = _request(own_target, text, sampling)
+        events = list(decode(own_target, drafter, request, FixedSpeculation(3)))
+        assert [t for e in events for t in e.token_ids] == plain
+        assert sum(e.draft_tokens for e in events) > len(plain) // 2  # it drafted
+
+
+def test_a_served_fused_draft_drafts_what_its_training_module_drafts(
+        fused_dir: Path, own_target: BatchedLM) -> None:
+    """The serving drafter, fed the target's captured layers by a verify pass, proposes
+    the tokens the PyTorch module that training uses drafts from the same layers."""
+    from specdistill.feature_train import load_draft
+
+    drafter = FeatureDrafter(feature_draft.load(fused_dir, own_target), own_target)
+    sampling = SamplingParams(temperature=0.0)
+    tokens = [*_request(own_target, "count: one two three four", sampling).prompt_ids, 77]
+    state = own_target.new_state()
+    prepared = own_target.prepare_pass([BatchItem(state, tokens[:-1], 1, features=True)])
+    own_target.run_pass(prepared)
+    own_target.release(state)
+    layers = prepared.layers[0]
+    assert layers is not None and layers.shape == (len(tokens) - 1, 2 * own_target.hidden_size)
+    final = prepared.features[0]
+    assert final is not None
+    rows = FeatureRows()
+    rows.add(0, torch.cat([final, layers], dim=1))  # as the round hands them
+    got = drafter.propose(drafter.begin(tokens), DraftContext(tokens, sampling, None,
+                                                              features=rows), 4)
+    module = load_draft(fused_dir, own_target)
+    want, _ = module.draft_sequential(tokens[1:], layers, 4)
+    assert list(got.tokens) == want
+    # the fusion matters: the final states in its place draft otherwise
+    other = torch.cat([final, final], dim=1)
+    assert module.draft_sequential(tokens[1:], other, 4)[0] != want
+
+
+def test_an_older_single_feature_directory_still_loads(feature_dir: Path,
+                                                       own_target: BatchedLM) -> None:
+    """A directory without ``layers`` (the first heads' format) loads, reads the final
+    states, and leaves the target capturing nothing."""
+    draft = feature_draft.load(feature_dir, own_target)
+    assert draft.layers == () and draft.fuse is None
+    assert own_target.captured_layers == ()
+    rows = torch.randn(3, 3 * own_target.hidden_size)  # final states, then captured layers
+    assert torch.equal(draft.target_feature(rows), rows[:, :own_target.hidden_size])
+
+
+def test_a_final_state_head_beside_a_fused_one_reads_the_final_states(
+        feature_dir: Path, fused_dir: Path, own_target: BatchedLM,
+        tiny_target_dir: Path) -> None:
+    """Where another head makes the target capture layers, a head that reads the final
+    states drafts what it drafts on a target that captures none, round for round."""
+    sampling = SamplingParams(temperature=0.0)
+
+    def rounds(target: BatchedLM) -> list[tuple[list[int], int]]:
+        drafter = FeatureDrafter(feature_draft.load(feature_dir, target), target)
+        request = _request(target, "tell me about the sea", sampling)
+        events = decode(target, drafter, request, FixedSpeculation(3))
+        return [(list(e.token_ids), e.draft_tokens) for e in events]
+
+    plain_target = BatchedLM.load(str(tiny_target_dir), dtype="float32", kernels="native")
+    assert isinstance(plain_target, BatchedLM)
+    want = rounds(plain_target)
+    feature_draft.load(fused_dir, own_target)
+    assert own_target.captured_layers == (0, 1)
+    assert rounds(own_target) == want
+    assert sum(n for _, n in want) > 0
+
+
+def test_a_fused_directory_names_its_layers(fused_dir: Path, tmp_path: Path,
+                                            own_target: BatchedLM) -> None:
+    import json
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(fused_dir, broken)
+    info = json.loads((broken / draft_format.CONFIG_NAME).read_text())
+    info.pop("layers")
+    (broken / draft_format.CONFIG_NAME).write_text(json.dumps(info))
+    with pytest.raises(draft_format.DraftFormatError, match="names its target layers"):
+        feature_draft.load(broken, own_target)
+    info["layers"] = [0, 5]  # the tiny target has two
+    (broken / draft_format.CONFIG_NAME).write_text(json.dumps(info))
+    with pytest.raises(draft_format.DraftFormatError, match="fuses layers"):
+        feature_draft.load(broken, own_target)
+
+
+@pytest.mark.parametrize(("dtype", "quantize"), [("bfloat16", "none"), ("float32", "int8"),
+                                                 ("float32", "int4")])
+def test_the_fusion_runs_in_every_draft_precision(fused_dir: Path, own_target: BatchedLM,
+                                                  dtype: str, quantize: str) -> None:
+    """The fusion's product takes the draft's own activations, whatever its precision,
+    and gives about the float32 fusion."""
+    exact = feature_draft.load(fused_dir, own_target)
+    draft = feature_draft.load(fused_dir, own_target, dtype, quantize)
+    rows = torch.randn(5, 3 * own_target.hidden_size)
+    want = exact.target_feature(rows)
+    got = draft.target_feature(rows)
+    assert got.shape == want.shape and got.dtype == draft.runner.dtype
+    error = float((got.float() - want).norm() / want.norm())
+    assert error < 0.1

@@ -1,8 +1,9 @@
 """A drafter that reads the target's features (``runtime.feature_draft``, EAGLE-style).
 
 Each round it first feeds the committed tokens it has not fed yet, each beside the
-target's final hidden state before it (the verify pass computed those: the sequence
-keeps them, ``DraftContext.features``), and then drafts on its own outputs: a drafted
+target's feature before it (its final hidden state, or for a fused draft its captured
+layers' outputs fused: the verify pass computed those and the sequence keeps them,
+``DraftContext.features``), and then drafts on its own outputs: a drafted
 token beside the draft's own last state. What it fed on its own states is rolled back
 at the next round and fed again with the target's, so the draft's KV holds the target's
 features for every committed token.
@@ -63,7 +64,8 @@ class FeatureDrafter(ModelDrafter):
         self.draft.runner.rollback(state.cache, keep)
         del state.fed[keep:]
         state.real = keep
-        state.pending = rows.get(start - 1, last)  # [last - start + 1, H]
+        # [last - start + 1, H]: fused from the target's layers where the draft reads them
+        state.pending = self.draft.target_feature(rows.get(start - 1, last))
         return list(tokens[start : last + 1])
 
     def _step(self, states: list[FeatureDraftState],  # type: ignore[override]
