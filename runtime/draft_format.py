@@ -133,7 +133,7 @@ def default_draft_fits(target: CausalLM) -> bool:
     return True
 
 
-def _embedding_rows(embed: Any, count: int) -> torch.Tensor:  # [count, hidden]
+def embedding_rows(embed: Any, count: int) -> torch.Tensor:  # [count, hidden]
     """The first ``count`` rows of an input embedding (an ``nn.Embedding``, or a
     ``quantized.BlockEmbedding`` that holds no table), by looking them up."""
     anchor = next(embed.parameters())
@@ -142,7 +142,7 @@ def _embedding_rows(embed: Any, count: int) -> torch.Tensor:  # [count, hidden]
 
 def target_identity(target_model: Any, name: str) -> dict[str, Any]:
     embed = target_model.get_input_embeddings()
-    probe = _embedding_rows(embed, PROBE_ROWS).float().norm(dim=-1)  # [PROBE_ROWS]
+    probe = embedding_rows(embed, PROBE_ROWS).float().norm(dim=-1)  # [PROBE_ROWS]
     config = target_model.config
     return {"name": name, "vocab_size": int(embed.num_embeddings),
             "hidden_size": int(embed.embedding_dim),
@@ -158,7 +158,7 @@ def check_target(info: DraftInfo, target_model: Any, where: Path | str) -> None:
         raise DraftFormatError(
             f"draft {where} was made for {want['name']!r} (vocab {want['vocab_size']}, hidden "
             f"{want['hidden_size']}); this target has vocab {vocab}, hidden {hidden}")
-    probe = _embedding_rows(embed, PROBE_ROWS).float().norm(dim=-1).cpu()
+    probe = embedding_rows(embed, PROBE_ROWS).float().norm(dim=-1).cpu()
     expected = torch.tensor(want["embedding_probe"])
     if not torch.allclose(probe, expected, rtol=PROBE_RTOL, atol=1e-3):
         raise DraftFormatError(
@@ -279,7 +279,7 @@ def build_model(model_config: dict[str, Any], state: dict[str, torch.Tensor],
         draft.model.embed_tokens = ConvertedEmbedding(embed, torch_dtype)
     else:
         draft.model.embed_tokens = nn.Embedding.from_pretrained(
-            _embedding_rows(embed, int(embed.num_embeddings)).detach().to(torch_dtype),
+            embedding_rows(embed, int(embed.num_embeddings)).detach().to(torch_dtype),
             freeze=True)
     return draft.to(device).eval()
 

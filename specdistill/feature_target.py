@@ -29,7 +29,7 @@ def config_dict(target: Any) -> dict[str, Any]:
 def embedding_table(target: Any) -> torch.Tensor:  # [vocab, H] float32
     """The target's input embedding rows, as its runner looks them up."""
     embed = target.model.get_input_embeddings()
-    rows = [draft_format._embedding_rows(embed, int(embed.num_embeddings)).detach()]
+    rows = [draft_format.embedding_rows(embed, int(embed.num_embeddings)).detach()]
     return rows[0].float().cpu().contiguous()
 
 
