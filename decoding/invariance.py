@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from decoding.target import Target
-from runtime.causal_lm import BatchItem
+from runtime.passes import BatchItem
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from decoding.types import (
     SamplingParams,
 )
 from decoding.verify import verify
-from runtime.causal_lm import BatchItem, PreparedPass
+from runtime.passes import BatchItem, PreparedPass
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -34,7 +34,7 @@ from decoding.types import (
     RoundTiming,
 )
 from decoding.verify import Verdict, verify
-from runtime.causal_lm import BatchItem
+from runtime.passes import BatchItem
 
 log = logging.getLogger(__name__)
 

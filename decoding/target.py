@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from runtime.causal_lm import BatchItem, PreparedPass, TargetCapabilities
+from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 
 
 class Target(Protocol):

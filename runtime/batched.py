@@ -36,18 +36,12 @@ import torch
 
 from runtime import fused, layers, skeleton
 from runtime.attention import GroupedAttention
-from runtime.causal_lm import (
-    BatchItem,
-    CausalLM,
-    PreparedPass,
-    TargetCapabilities,
-    head_subset,
-    needs_skeleton,
-    supports,
-)
+from runtime.causal_lm import CausalLM, head_subset
+from runtime.families import needs_skeleton, supports
 from runtime.kernels import resolve
 from runtime.layout import SPAN_ALIGN, Layout, check_items
 from runtime.memory import release_plain_weights
+from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 from runtime.quantized import BlockMatrix, block_kernels, load_quantized
 from runtime.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
 

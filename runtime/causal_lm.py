@@ -1,19 +1,22 @@
-"""A Hugging Face causal LM with its KV cache kept between rounds, and what a pass takes.
+"""A Hugging Face causal LM with its KV cache kept between rounds, and its loading.
 
 The same runner serves as the target and as a model drafter: prefill a prompt,
-score a few tokens in one forward pass, roll the cache back to a length. ``BatchItem``
-and ``TargetCapabilities`` are the runtime's side of ``decoding.target.Target``.
+score a few tokens in one forward pass, roll the cache back to a length. What a pass
+takes is ``passes``'s; what a model family's config says is ``families``'.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+
+from runtime.families import attention_dims, kv_position_bytes
+from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +27,6 @@ class TokenizerMismatchError(ValueError):
     """The draft and the target do not share a vocabulary."""
 
 
-@dataclass(frozen=True)
-class TargetCapabilities:
-    """What a target runner can do, declared rather than probed."""
-
-    batched: bool  # ``forward_batch`` runs its sequences in one forward pass
-    branches: bool  # ``forward_batch`` takes ``BatchItem.alternative`` (a two-branch tree)
-    features: bool = False  # a pass gives final hidden states (``BatchItem.features``) and
-    # starts from given rows (``BatchItem.inputs``)
-
-
 @dataclass
 class CacheState:
     """One sequence's KV cache and how many tokens it holds."""
@@ -42,167 +35,10 @@ class CacheState:
     length: int = 0
 
 
-@dataclass(frozen=True)
-class BatchItem:
-    """Tokens to append to one sequence; the logits after the last ``keep`` of them
-    come back (0: none, e.g. a prefill chunk that is not the prompt's last).
-
-    ``alternative``: the last token is not the next in line but a second candidate for
-    ``token_ids[1]``'s position (a branch of a token tree): it sees the cache and
-    ``token_ids[0]`` only, and only the tokens before it see nothing of it. Only a
-    runner with ``branches`` takes one; its KV sits after the others' until
-    ``adopt_alternative`` moves it into place."""
-
-    state: Any
-    token_ids: Sequence[int]
-    keep: int
-    alternative: bool = False
-    features: bool = False  # the pass also gives every new token's final hidden state
-    inputs: torch.Tensor | None = None  # [n, H]: the rows the layers start from, in place
-    # of the tokens' embeddings (a draft that reads the target's features makes them)
-
-
-@dataclass
-class PreparedPass:
-    """A forward pass made ready to run (``prepare_pass``): its items, and whatever the
-    runner built for it before its long call (the layout, the embedded tokens)."""
-
-    items: Sequence[BatchItem]
-    work: Any = None
-    # after the run, per item: its new tokens' final hidden states (normed by the final
-    # norm: what the output head reads), [n, H], where the item asked for them, else None
-    features: list[torch.Tensor | None] = field(default_factory=list)
-    # and, on a runner capturing layers (``BatchedLM.capture_layers``), those layers'
-    # outputs (the residual stream after each), side by side: [n, layers * H]
-    layers: list[torch.Tensor | None] = field(default_factory=list)
-
-
 def head_subset(model: Any) -> torch.Tensor | None:  # [K]
     """The vocabulary ids of the output head's rows when it covers only part of the
     vocabulary (a distilled draft's head keeps ``ids`` and the full ``vocab_size``)."""
     return getattr(model.get_output_embeddings(), "ids", None)
-
-
-BATCHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"})
-# families whose layers are Gemma's: norms of (1 + weight) after attention and around the MLP,
-# scaled embeddings, sliding-window layers with their own rotary base
-GEMMA_FAMILIES = frozenset({"gemma3_text"})
-# families whose every layer attends within ``sliding_window`` positions, where it is set
-WINDOWED_FAMILIES = frozenset({"mistral", "phi3"})
-# families whose files fuse q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``)
-FUSED_FAMILIES = frozenset({"phi3"})
-# Why a family's decoder layers are not the batched runner's, which are Llama's (RMS
-# pre-norms, separate q/k/v and gate/up projections, rotary on all of q and k, SiLU gating)
-FAMILY_GAPS = {
-    "gemma": "its RMS norms scale by 1 + weight, its embeddings by sqrt(hidden), and its MLP "
-             "gates with GELU",
-    "gemma2": "it soft-caps attention scores and logits, alternates sliding-window and global "
-              "layers, adds norms after attention and MLP, and gates with GELU",
-    "phi": "its attention and MLP run side by side off one LayerNorm, with a partial rotary "
-           "embedding and GELU",
-}
-
-
-def unsupported_family(model_type: str | None, supported: Collection[str]) -> str:
-    """One line: the model type is not a batched family, and where it is a known one, what
-    its layers do that the batched runner's do not."""
-    line = f"model type {model_type!r} is not one of {sorted(supported)}"
-    gap = FAMILY_GAPS.get(model_type or "")
-    return f"{line}: {gap}" if gap else line
-
-
-def supports(model: Any) -> str | None:
-    """Why ``model`` cannot run batched (``batched.BatchedLM``), or None when it can."""
-    reason = unbatchable(model.config)
-    if reason is not None:
-        return reason
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return "the model does not have the usual decoder layout"
-    if needs_skeleton(model.config) and not getattr(model, "is_skeleton", False):
-        return ("transformers' modules of this model (sliding windows, fused projections or "
-                "a rotary embedding per kind of layer) are not the runner's: its skeleton's are")
-    return None
-
-
-def needs_skeleton(config: Any) -> bool:
-    """Whether the runner takes a model of ``config`` only as ``skeleton.Skeleton``'s
-    modules (which ``BatchedLM.wrap`` rebuilds from transformers' model)."""
-    family = getattr(config, "model_type", None)
-    return (family in GEMMA_FAMILIES or family in FUSED_FAMILIES
-            or any(layer_window(config, i) for i in range(int(config.num_hidden_layers))))
-
-
-def layer_window(config: Any, index: int) -> int | None:
-    """How many positions up to its own a query of layer ``index`` sees (its own
-    included), or None: all of them."""
-    family = getattr(config, "model_type", None)
-    window = getattr(config, "sliding_window", None)
-    if family in GEMMA_FAMILIES:
-        sliding = config.layer_types[index] == "sliding_attention"
-        return int(window) if sliding and window else None
-    longest = getattr(config, "max_position_embeddings", None) or 1 << 30
-    if family in WINDOWED_FAMILIES and window and window < longest:
-        return int(window)
-    return None
-
-
-def activation(config: Any) -> str:
-    """The MLP's activation as a config names it (Gemma's ``hidden_activation``)."""
-    return str(getattr(config, "hidden_activation", None)
-               or getattr(config, "hidden_act", None) or "silu")
-
-
-def unbatchable(config: Any) -> str | None:
-    """Why a model of ``config`` cannot run batched, or None when its family and
-    attention can."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in BATCHED_MODEL_TYPES:
-        return unsupported_family(model_type, BATCHED_MODEL_TYPES)
-    if model_type in GEMMA_FAMILIES:
-        return _gemma_gap(config)
-    if model_type == "phi3":
-        rope = config.rope_parameters
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            return "its rotary embedding covers part of each head (partial_rotary_factor)"
-        if rope.get("rope_type", "default") != "default":
-            return ("its long-context rotary embedding recomputes every cached position once "
-                    "a sequence passes original_max_position_embeddings")
-    if model_type in WINDOWED_FAMILIES:
-        return None  # each layer's window: layer_window
-    window = getattr(config, "sliding_window", None)
-    longest = getattr(config, "max_position_embeddings", None) or 1 << 30
-    if window and getattr(config, "use_sliding_window", True) and window < longest:
-        return "sliding-window attention is not supported"
-    return None
-
-
-def _gemma_gap(config: Any) -> str | None:
-    """Why a Gemma 3 model cannot run batched (its sliding-window layers can), or None."""
-    if getattr(config, "use_bidirectional_attention", False):
-        return "its attention is bidirectional"
-    for what in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, what, None) is not None:
-            return f"it soft-caps scores ({what})"
-    kinds = {p.get("rope_type", "default") for p in config.rope_parameters.values() if p}
-    if kinds - {"default", "linear"}:
-        return f"rope types {sorted(kinds)}: only default and linear run per kind of layer"
-    return None
-
-
-def attention_dims(config: Any) -> tuple[int, int, int]:
-    """Query heads, key/value heads and the size of a head, from a transformers config."""
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return heads, kv_heads, head_dim
-
-
-def kv_position_bytes(config: Any, dtype: torch.dtype) -> int:
-    """The keys and values of every layer for one position of one sequence, in bytes."""
-    _, kv_heads, head_dim = attention_dims(config)
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
 
 
 def output_vocab_size(model: Any) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from runtime import kernels
-from runtime.causal_lm import GEMMA_FAMILIES, activation
+from runtime.families import GEMMA_FAMILIES, activation
 from runtime.layout import Layout
 from runtime.quantized import ACTIVATIONS, BlockEmbedding, BlockMatrix, Int4Matrix
 from runtime.skeleton import ConvertedEmbedding

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.causal_lm import BatchItem
+from runtime.passes import BatchItem
 
 # Attention spans are padded to a multiple of this many keys (masked): PyTorch 2.13's CPU
 # attention reduces over blocks of 512 keys, and a block's reductions round differently

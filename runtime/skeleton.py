@@ -29,8 +29,8 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from runtime import causal_lm as target
-from runtime.causal_lm import (
-    DTYPES,
+from runtime.causal_lm import DTYPES
+from runtime.families import (
     FUSED_FAMILIES,
     GEMMA_FAMILIES,
     activation,
@@ -261,7 +261,7 @@ class Skeleton(nn.Module):
     ``lm_head``), for ``BatchedLM`` to run."""
 
     weight_files: tuple[Path, ...] = ()  # the safetensors files it was filled from
-    is_skeleton = True  # (``target.supports``: these modules, not transformers')
+    is_skeleton = True  # (``families.supports``: these modules, not transformers')
 
     def __init__(self, config: Any, dtype: torch.dtype,
                  generation: Mapping[str, Any] | None = None, name: str = "model") -> None:
@@ -339,7 +339,7 @@ def split_fused(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, tor
 
 def rebuilt(model: Any, name: str) -> Skeleton:
     """transformers' ``model`` (a batched family's) as a skeleton over the same tensors, for
-    the models the runner takes only as a skeleton (``target.needs_skeleton``)."""
+    the models the runner takes only as a skeleton (``families.needs_skeleton``)."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     skeleton = Skeleton(model.config, model.dtype, {"eos_token_id": eos}, name=name)
     skeleton.fill(model.state_dict(), name)  # no copy: the same dtype

@@ -36,8 +36,9 @@ from decoding.round import with_layers
 from decoding.types import SamplingParams
 from runtime import draft_format as distilled
 from runtime import feature_draft
-from runtime.causal_lm import DTYPES, BatchItem, CausalLM
+from runtime.causal_lm import DTYPES, CausalLM
 from runtime.loading import load_target
+from runtime.passes import BatchItem
 from specbench.compare import (
     QUICK_MAX_TOKENS,
     QUICK_PROMPTS,

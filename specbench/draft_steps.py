@@ -28,8 +28,8 @@ from decoding.drafters.model import ModelDrafter, ModelDraftState
 from decoding.factory import load_model_drafter
 from decoding.types import SamplingParams
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem
 from runtime.loading import load_target
+from runtime.passes import BatchItem
 from specbench.compare import json_output
 
 MS = 1000.0

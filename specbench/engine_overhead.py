@@ -30,8 +30,8 @@ from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.target import Target
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
-from runtime.causal_lm import BatchItem
 from runtime.loading import load_target
+from runtime.passes import BatchItem
 from specbench.compare import load_prompts
 
 MS = 1000.0

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem
 from runtime.loading import load_target
+from runtime.passes import BatchItem
 from specbench.compare import json_output
 
 MS = 1000.0

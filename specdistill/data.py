@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from decoding.prompting import encode_chat
-from runtime.causal_lm import BatchItem, CausalLM, kv_position_bytes
+from runtime.causal_lm import CausalLM
+from runtime.families import kv_position_bytes
+from runtime.passes import BatchItem
 from specdistill import prompts as prompt_source
 
 log = logging.getLogger(__name__)

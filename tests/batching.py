@@ -15,7 +15,8 @@ from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.passes import BatchItem
 
 GREEDY = SamplingParams(temperature=0.0)
 

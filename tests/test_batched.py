@@ -11,9 +11,10 @@ import torch
 from decoding.drafters import NgramDrafter
 from runtime import layout, weights
 from runtime.batched import BatchedLM, BatchedState
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import CausalLM
 from runtime.layout import attention_blocks
 from runtime.memory import FileRows
+from runtime.passes import BatchItem
 from tests.batching import (
     PROMPTS,
     _alone,
@@ -400,7 +401,7 @@ def test_a_family_the_batched_runner_lacks_is_named_with_what_it_needs(
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from runtime.causal_lm import supports
+    from runtime.families import supports
 
     config = getattr(transformers, config_name)(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

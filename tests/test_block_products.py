@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType as GT
 
 from runtime import kernels, model_store
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem
 from runtime.gguf_weights import GGUFModel, int4_rows
 from runtime.loading import load_target
+from runtime.passes import BatchItem
 from runtime.quantized import BlockMatrix, Int4Matrix, quantize_int4
 from tests.test_gguf import NAMES, dense, encode, file_weights, tiny_dir, write_gguf
 from tests.test_kernels import at_level, lower_levels

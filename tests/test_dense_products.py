@@ -16,7 +16,8 @@ import torch
 
 from runtime import kernels, weights
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.passes import BatchItem
 from tests.test_kernels import at_level, lower_levels
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem
+from runtime.passes import BatchItem
 from specdistill import feature_data, feature_train
 from specdistill.feature import (
     FORMAT,

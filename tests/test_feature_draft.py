@@ -18,7 +18,8 @@ from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from runtime import draft_format, feature_draft
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.passes import BatchItem
 
 
 def make_feature_draft(target: BatchedLM, out: Path, seed: int = 0, top: int = 4096,

@@ -21,7 +21,8 @@ from torch.nn import functional as F
 from runtime import kernels
 from runtime.attention import rotate
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.passes import BatchItem
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +322,7 @@ def test_every_level_gives_the_same_logits_and_text(tiny_target_dir: Any, tmp_pa
     script = (
         "import sys, torch\n"
         "from runtime.batched import BatchedLM\n"
-        "from runtime.causal_lm import BatchItem\n"
+        "from runtime.passes import BatchItem\n"
         "out = {}\n"
         "for dtype, quantize in (('float32', 'none'), ('bfloat16', 'none'),\n"
         "                        ('float32', 'int4')):\n"

@@ -15,7 +15,8 @@ from decoding.prompting import encode_chat, encode_text
 from decoding.round import decode
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
 from runtime.batched import BatchedLM
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.passes import BatchItem
 
 GREEDY = SamplingParams(temperature=0.0)
 TINY_PROMPTS = [

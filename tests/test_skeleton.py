@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM, attention_dims, unbatchable
+from runtime.causal_lm import CausalLM
 from runtime.causal_lm import pretrained as transformers_pretrained
+from runtime.families import attention_dims, unbatchable
 from runtime.model_config import model_config, read_config, tokenizer
 from runtime.skeleton import Rotary, Skeleton, pretrained
 

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import torch
 
 from decoding.drafters.model import ModelDrafter
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.passes import BatchItem
 
 
 @dataclass

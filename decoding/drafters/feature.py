@@ -19,8 +19,9 @@ import torch
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
 from runtime.batched import BatchedState
-from runtime.causal_lm import BatchItem, CausalLM
+from runtime.causal_lm import CausalLM
 from runtime.feature_draft import FeatureDraft
+from runtime.passes import BatchItem
 
 
 @dataclass

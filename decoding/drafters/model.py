@@ -15,7 +15,8 @@ import torch
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
 from runtime.batched import BatchedLM, DraftSteps
-from runtime.causal_lm import BatchItem, CausalLM, check_same_vocabulary
+from runtime.causal_lm import CausalLM, check_same_vocabulary
+from runtime.passes import BatchItem
 
 # The most greedy draft steps one native call makes: the chain drafts every step it is
 # given before the judge sees any, so a longer call wastes the steps after the judge's

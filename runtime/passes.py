@@ -1,0 +1,58 @@
+"""What a forward pass takes and gives: the runtime's side of ``decoding.target.Target``.
+
+Every runner (``causal_lm.CausalLM``, ``batched.BatchedLM``) declares its
+``TargetCapabilities`` and runs ``BatchItem``s, prepared as a ``PreparedPass``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TargetCapabilities:
+    """What a target runner can do, declared rather than probed."""
+
+    batched: bool  # ``forward_batch`` runs its sequences in one forward pass
+    branches: bool  # ``forward_batch`` takes ``BatchItem.alternative`` (a two-branch tree)
+    features: bool = False  # a pass gives final hidden states (``BatchItem.features``) and
+    # starts from given rows (``BatchItem.inputs``)
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """Tokens to append to one sequence; the logits after the last ``keep`` of them
+    come back (0: none, e.g. a prefill chunk that is not the prompt's last).
+
+    ``alternative``: the last token is not the next in line but a second candidate for
+    ``token_ids[1]``'s position (a branch of a token tree): it sees the cache and
+    ``token_ids[0]`` only, and only the tokens before it see nothing of it. Only a
+    runner with ``branches`` takes one; its KV sits after the others' until
+    ``adopt_alternative`` moves it into place."""
+
+    state: Any
+    token_ids: Sequence[int]
+    keep: int
+    alternative: bool = False
+    features: bool = False  # the pass also gives every new token's final hidden state
+    inputs: torch.Tensor | None = None  # [n, H]: the rows the layers start from, in place
+    # of the tokens' embeddings (a draft that reads the target's features makes them)
+
+
+@dataclass
+class PreparedPass:
+    """A forward pass made ready to run (``prepare_pass``): its items, and whatever the
+    runner built for it before its long call (the layout, the embedded tokens)."""
+
+    items: Sequence[BatchItem]
+    work: Any = None
+    # after the run, per item: its new tokens' final hidden states (normed by the final
+    # norm: what the output head reads), [n, H], where the item asked for them, else None
+    features: list[torch.Tensor | None] = field(default_factory=list)
+    # and, on a runner capturing layers (``BatchedLM.capture_layers``), those layers'
+    # outputs (the residual stream after each), side by side: [n, layers * H]
+    layers: list[torch.Tensor | None] = field(default_factory=list)
