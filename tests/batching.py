@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -97,18 +98,22 @@ def _drafter_for(request: GenerationRequest, drafters: dict[str, Drafter]) -> Dr
 
 def _spy_on_draft_passes(model: BatchedLM, monkeypatch: pytest.MonkeyPatch,
                          fail_batches: bool = False) -> list[int]:
-    """The sizes of the draft model's forward passes (optionally failing every pass of
-    more than one sequence: a fault that cannot be caused from outside)."""
+    """The sizes (sequences) of the draft model's forward passes and of its native draft
+    chains, a greedy round's steps in one call (optionally failing every one of more than
+    one sequence: a fault that cannot be caused from outside)."""
     sizes: list[int] = []
-    real = model.forward_batch
+    real_pass, real_chain = model.forward_batch, model.draft_chain
 
-    def forward_batch(items):  # type: ignore[no-untyped-def]
-        sizes.append(len(items))
-        if fail_batches and len(items) > 1:
-            raise RuntimeError("injected draft fault")
-        return real(items)
+    def spied(real: Any) -> Any:
+        def call(states: Any, *args: Any) -> Any:
+            sizes.append(len(states))
+            if fail_batches and len(states) > 1:
+                raise RuntimeError("injected draft fault")
+            return real(states, *args)
+        return call
 
-    monkeypatch.setattr(model, "forward_batch", forward_batch)
+    monkeypatch.setattr(model, "forward_batch", spied(real_pass))
+    monkeypatch.setattr(model, "draft_chain", spied(real_chain))
     return sizes
 
 

@@ -196,14 +196,18 @@ def test_a_fault_in_the_engine_s_own_planning_ends_the_batch_not_the_engine(
 
 
 @pytest.mark.parametrize("fail_batches", [False, True])
+@pytest.mark.parametrize("native_chain", [True, False])
 def test_a_draft_model_drafts_for_the_whole_batch_in_one_pass_per_step(
     tiny_target: CausalLM, tiny_target_dir: object, monkeypatch: pytest.MonkeyPatch,
-    fail_batches: bool
+    fail_batches: bool, native_chain: bool
 ) -> None:
-    """Draft step i of every stream runs in one pass of the draft model; the outputs are
-    what each stream gives alone. When such a pass fails, each stream drafts alone."""
+    """Draft step i of every stream runs in one pass of the draft model (with the native
+    chain, every step of every stream in one call); the outputs are what each stream gives
+    alone. When such a pass fails, each stream drafts alone."""
     draft = BatchedLM.load(str(tiny_target_dir), dtype="float32")  # agrees with the target
     drafter = ModelDrafter(draft, tiny_target)
+    drafter.native_chain = native_chain
+    assert drafter.can_chain() == native_chain
     requests = _greedy(tiny_target, PROMPTS[:4], 24,
                        speculation=SpeculationParams(drafter="model"))
     sizes = _spy_on_draft_passes(draft, monkeypatch, fail_batches)
