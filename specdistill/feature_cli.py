@@ -59,7 +59,7 @@ def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path)
                     else args.reg_weight),
         layers=layers if args.feature == "fused" else (), max_train_tokens=args.train_tokens,
         init_from=_init_from(args.init_from))
-    _check_work(work, data_settings, train_settings, args.resume)
+    _check_work(work, data_settings, train_settings, args.resume, not args.data_only)
     started = time.perf_counter()
     print(f"distill: feature draft data in {work / 'data'} (layers kept: "
           f"{list(layers) or 'final only'}, budget {data_settings.disk_gb:g} GB)",
@@ -145,8 +145,11 @@ def _feature_layers(spec: str, num_layers: int, auto: Any) -> tuple[int, ...]:
     return layers
 
 
-def _check_work(work: Path, data: Any, training: Any, resume: bool) -> None:
-    """A work directory belongs to one set of settings (token and step counts may grow)."""
+def _check_work(work: Path, data: Any, training: Any, resume: bool, trains: bool = True
+                ) -> None:
+    """A work directory belongs to one set of settings (token and step counts may grow).
+    A run that only makes data (``trains`` false) answers for the data's settings alone
+    and leaves the recorded training settings as they were."""
     work.mkdir(parents=True, exist_ok=True)
     path = work / SETTINGS_NAME
     fixed = {"data": {k: v for k, v in asdict(data).items()
@@ -162,6 +165,8 @@ def _check_work(work: Path, data: Any, training: Any, resume: bool) -> None:
             raise SystemExit(f"{work} holds an earlier run; pass --resume to continue it, or "
                              "--work DIR for a fresh one")
         before = json.loads(path.read_text())
+        if not trains and "train" in before:
+            fixed["train"] = before["train"]
         if before != fixed:
             raise SystemExit(f"--resume with different settings than the run in {work}: "
                              f"{before} vs {fixed}")

@@ -361,3 +361,22 @@ def test_a_fused_head_trains_from_a_final_state_head(feature_run: tuple[Path, Pa
     _, before = load_feature_draft_weights(first)
     moved = (tensors["fc.weight"].float() - before["fc.weight"].float()).abs().max()
     assert 0 < moved < 0.1  # two small steps from the first head's, not a fresh start
+
+
+def test_a_data_only_resume_answers_for_the_data_settings_alone(tmp_path: Path) -> None:
+    """The data run's own command resumes it after the training defaults change; a run
+    that trains, or data made differently, is still refused."""
+    from specdistill.feature_cli import SETTINGS_NAME, _check_work
+    data = feature_data.FeatureDataSettings(layers=(2, 15, 27))
+    _check_work(tmp_path, data, feature_train.FeatureTrainSettings(ttt_steps=3), resume=False)
+    recorded = json.loads((tmp_path / SETTINGS_NAME).read_text())
+    newer = feature_train.FeatureTrainSettings(ttt_steps=5)
+    _check_work(tmp_path, data, newer, resume=True, trains=False)
+    assert json.loads((tmp_path / SETTINGS_NAME).read_text()) == recorded
+    with pytest.raises(SystemExit, match="different settings"):
+        _check_work(tmp_path, data, newer, resume=True)
+    with pytest.raises(SystemExit, match="different settings"):
+        _check_work(tmp_path, feature_data.FeatureDataSettings(layers=()), newer, resume=True,
+                    trains=False)
+    with pytest.raises(SystemExit, match="pass --resume"):
+        _check_work(tmp_path, data, newer, resume=False, trains=False)
