@@ -121,6 +121,12 @@ def json_output(path: str | None) -> Path | None:
     return out
 
 
+def write_json(path: Path | None, report: Any) -> None:
+    """Write ``report`` to ``path`` (from ``json_output``), where one was given."""
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
 def select_methods(wanted: str | None, has_draft: bool, hf: bool,
                    has_feature: bool = False) -> tuple[str, ...]:
     """The methods to run, in canonical order; ``plain`` always, as the reference."""

@@ -15,7 +15,6 @@ step) and writes JSON; the paths' tokens must agree, or it stops.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from decoding.types import SamplingParams
 from runtime.batched import BatchedLM
 from runtime.loading import load_target
 from runtime.passes import BatchItem
-from specbench.compare import json_output
+from specbench.compare import json_output, write_json
 
 MS = 1000.0
 CONTEXT = 300
@@ -138,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     path = json_output(args.json)
     report = run(args)
     sys.stdout.write(format_table(report))
-    if path is not None:
-        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(path, report)
     return 0
 
 

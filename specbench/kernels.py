@@ -31,7 +31,7 @@ import torch
 from runtime.batched import BatchedLM
 from runtime.loading import load_target
 from runtime.passes import BatchItem
-from specbench.compare import json_output
+from specbench.compare import json_output, write_json
 
 MS = 1000.0
 CONTEXT = 300
@@ -253,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.products:
         report["products"] = products(args)
     sys.stdout.write(format_table(report))
-    if path is not None:
-        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(path, report)
     return 0
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from specbench.compare import json_output, load_prompts
+from specbench.compare import json_output, load_prompts, write_json
 from specbench.http import wait_ready
 from specbench.peer import Peer, connect, stream_chat
 
@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     path = json_output(args.json)
     report = profile(args)
     sys.stdout.write(format_table(report))
-    if path is not None:
-        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(path, report)
     return 0
 
 
