@@ -59,6 +59,7 @@ class DraftSteps:
     tokens: tuple[int, ...]  # [k] the first of the largest logits at each step
     confidences: tuple[float, ...]  # [k] the probability of each (softmax over the head)
     runner_up: tuple[int, float]  # the first step's second choice and its probability
+    state: torch.Tensor | None = None  # [H]: the state after the last fed token (a fusion's)
 
 
 @dataclass(eq=False)
@@ -111,7 +112,8 @@ class BatchedLM(CausalLM):
         self._norms: list[fused.Norm] = []
         self._captured: tuple[int, ...] = ()  # see capture_layers
         self._segments: list[tuple[range, Any]] | None = None
-        self._chains: dict[int, Any] = {}  # DraftChain by the vocabulary it drafts from
+        # DraftChain by the vocabulary it drafts from and the input fusion it runs
+        self._chains: dict[tuple[int, int], Any] = {}
         self.use_kernels(kernels)
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
         self.weights_format = weights_format or (quantize if quantize != "none" else dtype_name)
@@ -404,49 +406,68 @@ class BatchedLM(CausalLM):
 
     # -- a draft's greedy steps in one call ----------------------------------------------
 
-    def chain(self, vocab: int) -> Any | None:
+    def chain(self, vocab: int, fusion: tuple[Product, int] | None = None) -> Any | None:
         """The native ``DraftChain`` over this model (``fused.draft_chain``; tokens from
-        ``vocab`` on never drafted), or None where it cannot run."""
+        ``vocab`` on never drafted; with ``fusion``, each step's rows that product of
+        [embedding | carried state]), or None where it cannot run."""
         if self._kernels is None:
             return None
-        if vocab not in self._chains:
-            self._chains[vocab] = fused.draft_chain(self._kernels, self, vocab)
-        return self._chains[vocab]
+        key = (vocab, 0 if fusion is None else id(fusion[0]))
+        if key not in self._chains:
+            self._chains[key] = fused.draft_chain(self._kernels, self, vocab, fusion)
+        return self._chains[key]
 
     @torch.inference_mode()
     def draft_chain(self, states: Sequence[BatchedState], feeds: Sequence[Sequence[int]],
-                    steps: Sequence[int], vocab: int) -> list[DraftSteps]:
+                    steps: Sequence[int], vocab: int,
+                    carried: Sequence[torch.Tensor] | None = None,
+                    fusion: tuple[Product, int] | None = None) -> list[DraftSteps]:
         """Greedy drafting in one native call: each sequence's ``feeds`` appended to its
         cache, then ``steps`` tokens each the first of the largest logits after the one
         before (every token but the last fed back). Bitwise the tokens of the same steps
         through ``forward_batch`` and an argmax over the first ``vocab`` logits; each
-        cache grows by its feed and its steps less one."""
-        chain = self.chain(vocab)
+        cache grows by its feed and its steps less one. With ``fusion``, a feed's rows
+        are the fusion of its tokens' embeddings beside ``carried`` (``[len(feed), H]``
+        a sequence, in the model's dtype), and a drafted token's beside the state the
+        step before left (``DraftSteps.state``): a feature head's inputs."""
+        chain = self.chain(vocab, fusion)
         if chain is None:
             raise ValueError(f"{self.name}: no native draft chain here")
         if any(k < 1 for k in steps):
             raise ValueError("every sequence drafts at least one token")
+        if (carried is None) != (fusion is None):
+            raise ValueError("carried states go with an input fusion, and only with one")
         # the checks of a pass holding the feeds and every token the steps feed back
         check_items([BatchItem(s, [*f, *[0] * (k - 1)], 1)
                      for s, f, k in zip(states, feeds, steps, strict=True)],
                     self.max_context, self.hidden_size)
+        if carried is not None and any(
+                tuple(c.shape) != (len(f), self.hidden_size) or c.dtype != self.dtype
+                for c, f in zip(carried, feeds, strict=True)):
+            raise ValueError(f"carried states are [len(feed), {self.hidden_size}] in "
+                             f"{self.dtype}")
         items = [BatchItem(s, f, 1) for s, f in zip(states, feeds, strict=True)]
         reach = max(s.length + len(f) + k - 1 for s, f, k in zip(states, feeds, steps,
                                                                   strict=True))
         self._ensure_capacity(reach)
         batch = Layout.build(items, self.device, self.batch_invariant, native=True)
+        rows = None
+        if carried is not None:  # in the pass's order of tokens
+            order = sorted(range(len(items)), key=lambda i: batch.offsets[i])
+            rows = torch.cat([carried[i] for i in order]).contiguous()
         tables = self._rotary.tables(reach, self._keys[0])
         assert tables is not None  # (a chain is built only for tables of positions)
         last = torch.tensor([o + len(f) - 1 for o, f in zip(batch.offsets, feeds, strict=True)])
-        tokens, sure, second, second_sure, _ = chain.run(
+        tokens, sure, second, second_sure, hidden = chain.run(
             batch.ids, batch.positions, batch.cache_rows, batch.cache_slots, batch.limits,
             batch.extras, last, torch.tensor(list(steps)), *tables, self._keys, self._values,
-            None)
+            rows)
         out = []
         for i, (state, feed, k) in enumerate(zip(states, feeds, steps, strict=True)):
             state.length += len(feed) + k - 1
             out.append(DraftSteps(tuple(tokens[i, :k].tolist()), tuple(sure[i, :k].tolist()),
-                                  (int(second[i]), float(second_sure[i]))))
+                                  (int(second[i]), float(second_sure[i])),
+                                  hidden[i].clone() if fusion is not None else None))
         return out
 
     # -- buffers ------------------------------------------------------------------------

@@ -185,10 +185,13 @@ def embedding_source(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, int
     return None
 
 
-def draft_chain(native: Any, runner: Any, vocab: int) -> Any | None:
+def draft_chain(native: Any, runner: Any, vocab: int,
+                fusion: tuple[Product, int] | None = None) -> Any | None:
     """The kernels' ``DraftChain`` over ``runner``'s stack, input embedding and head
     (tokens from ``vocab`` on never drafted), where all of them run natively and the
-    rotary tables depend on the position alone; else None."""
+    rotary tables depend on the position alone; else None. ``fusion`` (the product and
+    its input width): each step's rows are that product of [embedding | carried state],
+    as a feature head's are, where it runs natively in the model's dtype."""
     stack = runner._stack
     if stack is None or runner._captured or not runner._rotary.static:
         return None
@@ -197,10 +200,20 @@ def draft_chain(native: Any, runner: Any, vocab: int) -> Any | None:
     kind = stack_kind(head, runner.dtype)
     if source is None or not kind:
         return None
+    fuse: tuple[Any, int, int, Any] = (None, 0, 0, None)
+    if fusion is not None:
+        product, width = fusion
+        fuse_kind = stack_kind(product, runner.dtype)
+        # (a block matrix multiplies bfloat16 activations: the chain's are the model's)
+        if not fuse_kind or (fuse_kind in (4, 8) and runner.dtype != torch.bfloat16):
+            return None
+        assert isinstance(product, (BlockMatrix, Matrix))  # (what stack_kind takes)
+        fuse = (product.packed if isinstance(product, BlockMatrix) else product.dense,
+                fuse_kind, width, product.bias)
     return native.DraftChain(stack, source[0], source[1],
                              head.packed if isinstance(head, BlockMatrix) else head.dense,
                              kind, head.out_features, head.bias, runner._head_ids, vocab,
-                             None, 0.0, None, 0, 0, None)
+                             None, 0.0, *fuse)
 
 
 def stack_kind(m: Product, dtype: torch.dtype) -> int:

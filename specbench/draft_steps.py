@@ -1,13 +1,16 @@
 """What a drafted token costs beside a one-token step of the target, in one process.
 
     python -m specbench.draft_steps --threads 2 --json bench-results/draft-steps.json
+    python -m specbench.draft_steps --draft feature-draft --threads 2
 
-Loads the default target (its GGUF file) and the draft the server would run beside it
-(``decoding.factory.load_model_drafter``), prefills a ``CONTEXT``-token prompt into both,
-and times, interleaved so that machine noise hits each alike: the target's one-token
-step, and the draft model's round of ``k`` greedy tokens by each path it has (``python``:
-one draft step per Python call; ``native``: the k steps in one native call,
-``BatchedLM.draft_chain``), for one sequence and for ``--streams`` sequences at once.
+Loads the default target (its GGUF file) and a draft (``--draft``: the 2-layer one shipped
+for it by default, or a feature head, fed the target's states from one pass) as the server
+would run it beside it (``decoding.factory.load_model_drafter``), prefills a
+``CONTEXT``-token prompt into both, and times, interleaved so that machine noise hits each
+alike: the target's one-token step, and the draft model's round of ``k`` greedy tokens by
+each path it has (``python``: one draft step per Python call; ``native``: the k steps in
+one native call, ``BatchedLM.draft_chain``), for one sequence and for ``--streams``
+sequences at once.
 Prints a table (median ms a round, ms a drafted token, that as a share of the target's
 step) and writes JSON; the paths' tokens must agree, or it stops.
 """
@@ -23,8 +26,9 @@ from typing import Any
 import torch
 
 from decoding.drafters.base import DraftContext
-from decoding.drafters.model import ModelDrafter, ModelDraftState
+from decoding.drafters.model import ModelDrafter
 from decoding.factory import load_model_drafter
+from decoding.features import FeatureRows
 from decoding.types import SamplingParams
 from runtime.batched import BatchedLM
 from runtime.loading import load_target
@@ -55,17 +59,40 @@ def _target_step_ms(target: BatchedLM, repeats: int) -> float:
         target.release(state)
 
 
-def _round_ms(drafter: ModelDrafter, streams: int, k: int, path: str, repeats: int
-              ) -> tuple[float, list[tuple[int, ...]]]:
+def _rows(target: BatchedLM, tokens: list[int]) -> FeatureRows:
+    """The target's states for ``tokens`` as a verify pass hands them to a feature head
+    (its final states, then the layers it captures)."""
+    state = target.new_state()
+    try:
+        prepared = target.prepare_pass([BatchItem(state, tokens, 1, features=True)])
+        target.run_pass(prepared)
+    finally:
+        target.release(state)
+    final = prepared.features[0]
+    layers = prepared.layers[0] if prepared.layers else None
+    assert final is not None
+    rows = FeatureRows()
+    rows.add(0, final if layers is None else torch.cat([final, layers], dim=1))
+    return rows
+
+
+def _round_ms(target: BatchedLM, drafter: ModelDrafter, streams: int, k: int, path: str,
+              repeats: int) -> tuple[float, list[tuple[int, ...]]]:
     """Median ms of drafting ``k`` tokens for ``streams`` sequences (each past its
     prompt: one token to catch up), and the tokens drafted."""
     drafter.native_chain = path == "native"
-    states: list[ModelDraftState] = [drafter.begin([]) for _ in range(streams)]
-    contexts = [DraftContext(_prompt(s), SamplingParams(temperature=0.0), None)
-                for s in range(streams)]
+    states: list[Any] = [drafter.begin([]) for _ in range(streams)]
+    greedy = SamplingParams(temperature=0.0)
+    prompts = [_prompt(s) for s in range(streams)]
+    grown_ids = [[*p, 321] for p in prompts]
+    rows = ([_rows(target, ids) for ids in grown_ids] if drafter.reads_features
+            else [None] * streams)
+    contexts = [DraftContext(p, greedy, None, features=r)
+                for p, r in zip(prompts, rows, strict=True)]
     try:
         drafter.propose_many(states, contexts, [1] * streams)  # the prompts, fed
-        grown = [DraftContext([*c.token_ids, 321], c.sampling, None) for c in contexts]
+        grown = [DraftContext(ids, greedy, None, features=r)
+                 for ids, r in zip(grown_ids, rows, strict=True)]
         times = []
         tokens: list[tuple[int, ...]] = []
         for _ in range(repeats):
@@ -86,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     target = load_target("default", "bfloat16", quantize="auto")
     assert isinstance(target, BatchedLM)
-    drafter = load_model_drafter("default-draft", target, "bfloat16")
+    drafter = load_model_drafter(args.draft, target, "bfloat16")
     paths = [p for p in args.paths.split(",") if p != "native" or drafter.can_chain()]
     step: list[float] = []
     rounds: dict[tuple[str, int], list[float]] = {}
@@ -95,7 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step.append(_target_step_ms(target, args.repeats))
         for streams in (1, args.streams):
             for path in paths:
-                ms, tokens = _round_ms(drafter, streams, args.k, path, args.repeats)
+                ms, tokens = _round_ms(target, drafter, streams, args.k, path,
+                                       args.repeats)
                 rounds.setdefault((path, streams), []).append(ms)
                 drafted[(path, streams)] = tokens
     step_ms = statistics.median(step)
@@ -108,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"path": path, "streams": streams, "k": args.k, "round_ms": round(ms, 3),
                      "ms_per_drafted_token": round(per_token, 3),
                      "share_of_target_step": round(per_token / step_ms, 3)})
-    return {"context": CONTEXT, "threads": torch.get_num_threads(),
+    return {"draft": args.draft, "context": CONTEXT, "threads": torch.get_num_threads(),
             "target_step_ms": round(step_ms, 3), "rows": rows}
 
 
@@ -118,7 +146,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines += [f"{r['path']} | {r['streams']} | {r['k']} | {r['round_ms']} | "
               f"{r['ms_per_drafted_token']} | {r['share_of_target_step']:.1%}"
               for r in report["rows"]]
-    lines.append(f"target one-token step {report['target_step_ms']} ms; context "
+    lines.append(f"{report['draft']}; target one-token step {report['target_step_ms']} ms; context "
                  f"{report['context']} tokens, {report['threads']} threads")
     return "\n".join(lines) + "\n"
 
@@ -126,6 +154,8 @@ def format_table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specbench.draft_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft", default="default-draft",
+                        help="the draft: default-draft, feature-draft, or a directory")
     parser.add_argument("--k", type=int, default=5, help="tokens a round drafts")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--paths", default="python,native")

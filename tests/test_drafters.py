@@ -436,3 +436,27 @@ def test_the_draft_steps_benchmark_writes_its_table_and_json(
     assert report["target_step_ms"] > 0
     assert "native | 2 | 3 |" in capsys.readouterr().out
 
+
+@pytest.mark.real_model
+def test_the_draft_steps_benchmark_times_a_feature_head_by_both_paths(
+        default_model_dir: Path, tmp_path: Path) -> None:
+    """The shipped feature head, fed the target's states: both paths draft the same
+    tokens (the script stops otherwise) and both are timed."""
+    import json
+
+    import torch
+
+    from specbench import draft_steps
+
+    out = tmp_path / "feature-steps.json"
+    before = torch.get_num_threads()
+    try:
+        assert draft_steps.main(["--draft", "feature-draft", "--k", "3", "--streams", "2",
+                                 "--rounds", "1", "--repeats", "2", "--threads", "1",
+                                 "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    report = json.loads(out.read_text())
+    assert report["draft"] == "feature-draft"
+    assert {r["path"] for r in report["rows"]} == {"python", "native"}
+

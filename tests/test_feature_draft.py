@@ -277,3 +277,103 @@ def test_the_fusion_runs_in_every_draft_precision(fused_dir: Path, own_target: B
     assert got.shape == want.shape and got.dtype == draft.runner.dtype
     error = float((got.float() - want).norm() / want.norm())
     assert error < 0.1
+
+
+class _KeepAll:
+    """A judge that lets every draft token through and asks for the second choice."""
+
+    def worth_proposing(self, confidences: object) -> bool:
+        return True
+
+    def worth_continuing(self, confidences: object) -> bool:
+        return True
+
+    def worth_alternative(self, confidences: object, confidence: float) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("head", ["final-states", "fused"])
+@pytest.mark.parametrize(("dtype", "quantize"), [("float32", "none"), ("bfloat16", "int4")])
+def test_the_native_chain_drafts_the_feature_head_s_step_loop_tokens(
+        feature_dir: Path, fused_dir: Path, own_target: BatchedLM, head: str, dtype: str,
+        quantize: str) -> None:
+    """Several sequences at once, each with its own catch-up and draft length (5 takes
+    two native calls: the second starts from the state the first left), over rounds that
+    keep part of each draft: the chain's tokens and second choices are the step loop's,
+    their confidences equal to a few ulp, and a sequence that switches path between
+    rounds drafts the same (each round's catch-up is fed beside the target's states)."""
+    directory = fused_dir if head == "fused" else feature_dir
+    drafter = FeatureDrafter(feature_draft.load(directory, own_target, dtype, quantize),
+                             own_target)
+    assert drafter.can_chain()
+    sampling = SamplingParams(temperature=0.0)
+
+    def rows_for(tokens: list[int]) -> FeatureRows:
+        state = own_target.new_state()
+        prepared = own_target.prepare_pass([BatchItem(state, tokens[:-1], 1, features=True)])
+        own_target.run_pass(prepared)
+        own_target.release(state)
+        final = prepared.features[0]
+        layers = prepared.layers[0] if prepared.layers else None
+        assert final is not None
+        rows = FeatureRows()
+        rows.add(0, final if layers is None else torch.cat([final, layers], dim=1))
+        return rows
+
+    def rounds(paths: list[bool]) -> list[list[tuple[object, ...]]]:
+        prompts = [[*_request(own_target, text, sampling).prompt_ids, 77]
+                   for text in ("count: one two", "tell me about the sea and the sky", "hi")]
+        states = [drafter.begin(p) for p in prompts]
+        out = []
+        for chain in paths:
+            drafter.native_chain = chain
+            contexts = [DraftContext(p, sampling, None, _KeepAll(), features=rows_for(p))
+                        for p in prompts]
+            proposals = drafter.propose_many(states, contexts, [5, 3, 1])
+            out.append([(q.tokens, q.alternative, q.confidence) for q in proposals])
+            prompts = [[*p, *q.tokens[:1], 300 + len(p)]
+                       for p, q in zip(prompts, proposals, strict=True)]
+        for state in states:
+            drafter.release(state)
+        return out
+
+    steps, chained, mixed = rounds([False] * 4), rounds([True] * 4), rounds([True, False] * 2)
+    assert drafter.draft.runner.rows_in_use == 0
+    for a, b, c in zip(steps, chained, mixed, strict=True):
+        for x, y, z in zip(a, b, c, strict=True):
+            assert x[0] == y[0] == z[0] and len(x[0]) >= 1
+            assert x[1] == y[1] == z[1] is not None
+            assert y[2] == pytest.approx(x[2], rel=1e-5)
+    assert [len(p[0]) for p in steps[0]] == [5, 3, 1]
+
+
+@pytest.mark.real_model
+def test_the_shipped_feature_head_chains_natively_beside_the_served_target() -> None:
+    """The shipped head beside the served target (bfloat16, 4-bit blocks): the chain
+    runs, with the step loop's tokens, from a verify pass's states."""
+    from decoding.factory import load_model_drafter
+    from runtime.loading import load_target
+
+    target = load_target("default", "bfloat16", quantize="auto")
+    assert isinstance(target, BatchedLM)
+    drafter = load_model_drafter(feature_draft.DEFAULT_FEATURE_DRAFT, target, "bfloat16")
+    assert isinstance(drafter, FeatureDrafter) and drafter.can_chain()
+    sampling = SamplingParams(temperature=0.0)
+    tokens = [*_request(target, "Name three primary colours.", sampling).prompt_ids]
+    state = target.new_state()
+    prepared = target.prepare_pass([BatchItem(state, tokens[:-1], 1, features=True)])
+    target.run_pass(prepared)
+    target.release(state)
+    final, layers = prepared.features[0], prepared.layers[0] if prepared.layers else None
+    assert final is not None
+    rows = FeatureRows()
+    rows.add(0, final if layers is None else torch.cat([final, layers], dim=1))
+    drafted = {}
+    for chain in (False, True):
+        drafter.native_chain = chain
+        fresh = drafter.begin(tokens)
+        drafted[chain] = drafter.propose(fresh, DraftContext(tokens, sampling, None,
+                                                             features=rows), 6)
+        drafter.release(fresh)
+    assert drafted[True].tokens == drafted[False].tokens and len(drafted[True].tokens) == 6
+    assert drafted[True].confidence == pytest.approx(drafted[False].confidence, rel=1e-5)

@@ -18,10 +18,11 @@ import torch
 
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
-from runtime.batched import BatchedState
+from runtime.batched import BatchedState, DraftSteps
 from runtime.causal_lm import CausalLM
 from runtime.feature_draft import FeatureDraft
 from runtime.passes import BatchItem
+from runtime.weights import Product
 
 
 @dataclass
@@ -41,6 +42,38 @@ class FeatureDrafter(ModelDrafter):
                  name: str = "feature-draft") -> None:
         super().__init__(draft.runner, target, name=name)
         self.draft = draft
+
+    def can_chain(self) -> bool:
+        """Whether greedy rounds draft in one native call: the chain's input fusion runs
+        the draft's ``fc`` over [embedding | carried state], as ``FeatureDraft.inputs``
+        does."""
+        runner = self.draft.runner
+        return (self.native_chain and runner.batch_invariant
+                and runner.chain(self.target_vocab, self._fusion()) is not None)
+
+    def _fusion(self) -> tuple[Product, int]:
+        return self.draft.fc, 2 * self.draft.hidden_size
+
+    def _chain_steps(self, states: Sequence[FeatureDraftState],
+                     feeds: Sequence[list[int]], steps: Sequence[int]) -> list[DraftSteps]:
+        """One native call: a round's catch-up beside the target's states, a later
+        call's first token beside the state the call before left; every drafted token
+        but the last fed back beside the draft's own state."""
+        carried = []
+        for state, feed in zip(states, feeds, strict=True):
+            before = state.pending if state.pending is not None else state.last
+            assert before is not None
+            carried.append(before.reshape(len(feed), -1).to(self.draft.runner.dtype))
+        drafted = self.draft.runner.draft_chain([s.cache for s in states], feeds, steps,
+                                                self.target_vocab, carried, self._fusion())
+        for state, feed, n, got in zip(states, feeds, steps, drafted, strict=True):
+            state.fed.extend(feed)
+            if state.pending is not None:
+                state.real, state.pending = len(state.fed), None
+            state.fed.extend(got.tokens[: n - 1])
+            assert got.state is not None
+            state.last = got.state
+        return drafted
 
     def begin(self, prompt_ids: Sequence[int]) -> FeatureDraftState:  # type: ignore[override]
         return FeatureDraftState(cache=self.draft.runner.new_state())

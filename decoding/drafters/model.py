@@ -112,20 +112,16 @@ class ModelDrafter(BaseDrafter):
         at once; the judge cuts each call's tokens where the step loop would have
         stopped (it reads only the confidences so far), and a sequence it lets go on past
         a call's last token drafts on in the next call."""
-        assert isinstance(self.model, BatchedLM)
         proposed: list[list[int]] = [[] for _ in states]
         sure: list[list[float]] = [[] for _ in states]
         second: list[tuple[int, float] | None] = [None for _ in states]
         active = list(range(len(states)))
         while active:
             steps = [min(ks[i] - len(proposed[i]), CHAIN_STEPS) for i in active]
-            drafted = self.model.draft_chain([states[i].cache for i in active],
-                                             [feeds[i] for i in active], steps,
-                                             self.target_vocab)
+            drafted = self._chain_steps([states[i] for i in active],
+                                        [feeds[i] for i in active], steps)
             still = []
-            for i, n, got in zip(active, steps, drafted, strict=True):
-                states[i].fed.extend(feeds[i])
-                states[i].fed.extend(got.tokens[: n - 1])  # fed back within the call
+            for i, got in zip(active, drafted, strict=True):
                 if second[i] is None:
                     second[i] = got.runner_up
                 if self._judged(got, contexts[i].judge, ks[i], proposed[i], sure[i]):
@@ -134,6 +130,18 @@ class ModelDrafter(BaseDrafter):
             active = still
         return [self._proposal(p, [], c, s, context.judge)
                 for p, c, s, context in zip(proposed, sure, second, contexts, strict=True)]
+
+    def _chain_steps(self, states: Sequence[Any], feeds: Sequence[list[int]],
+                     steps: Sequence[int]) -> list[DraftSteps]:
+        """One native call: each state fed its feed and ``steps`` drafted tokens, every
+        one but the last fed back."""
+        assert isinstance(self.model, BatchedLM)
+        drafted = self.model.draft_chain([s.cache for s in states], feeds, steps,
+                                         self.target_vocab)
+        for state, feed, n, got in zip(states, feeds, steps, drafted, strict=True):
+            state.fed.extend(feed)
+            state.fed.extend(got.tokens[: n - 1])  # fed back within the call
+        return drafted
 
     @staticmethod
     def _judged(drafted: DraftSteps, judge: DraftJudge | None, k: int, proposed: list[int],
