@@ -224,6 +224,34 @@ def native() -> Any:
     return module
 
 
+def built() -> Any | None:
+    """The kernels module of ``capability()`` where it is built already (never building
+    it here), else None."""
+    level = capability()
+    if level not in host_levels() or not (build_dir(level) / f"{_module_name(level)}.so").is_file():
+        return None
+    try:
+        return build(level)
+    except KernelsUnavailable:
+        return None
+
+
+def first_largest(scores: torch.Tensor) -> list[int]:
+    """Each row's first largest score's index, as ``scores.float().argmax(-1)``: on the
+    built kernels for a float32 or bfloat16 CPU tensor (one thread and no widened copy,
+    so no other thread a busy machine holds up can delay it: docs/performance.md), else
+    torch's."""
+    import torch
+
+    module = built() if scores.device.type == "cpu" else None
+    if (module is not None and scores.dim() == 2 and scores.shape[1] > 0
+            and scores.dtype in (torch.float32, torch.bfloat16)):
+        picked: list[int] = module.argmax_rows(scores).tolist()
+        return picked
+    best: list[int] = scores.float().argmax(dim=-1).tolist()
+    return best
+
+
 def resolve(choice: str, device: torch.device) -> Any | None:
     """The kernels module for ``choice`` on ``device``: ``native`` insists (raises when
     they cannot be built), ``auto`` takes them where they build (a CPU) and else warns

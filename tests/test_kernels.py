@@ -136,6 +136,39 @@ def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) ->
                                                1e-5)[1][0], results[0][1][t])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_s_argmax(native: Any, dtype: torch.dtype) -> None:
+    """The first of the largest of each row, as torch's argmax of the widened rows: ties
+    (the first wins, -0.0 ties 0.0), a NaN (the first NaN wins, before or after the
+    largest), rows of -inf (all but the masked), rows of every width around the vectors'."""
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randn(width, generator=g) for width in (1, 7, 8, 15, 16, 17, 33, 49152)]
+    tied = torch.randn(100, generator=g)
+    tied[[20, 70, 90]] = 9.0  # three equal largest
+    rows += [tied, torch.full((40,), float("-inf")), torch.zeros(23)]
+    signed = torch.zeros(18)
+    signed[3], signed[11] = -0.0, 0.0
+    masked = torch.full((50,), float("-inf"))
+    masked[31] = -5.0
+    late, early = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    late[60], early[2] = float("nan"), float("nan")
+    early[40] = float("inf")
+    rows += [signed - 1, masked, late, early]
+    for row in rows:
+        x = row.to(dtype)[None].repeat(2, 1)
+        x[1] = x[1].flip(0)
+        want = x.float().argmax(dim=-1)
+        got = native.argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, want), row[:8]
+    x = torch.randn(5, 3000, generator=g).to(dtype)
+    assert kernels.first_largest(x) == x.float().argmax(-1).tolist()
+    assert kernels.first_largest(x[:, ::2]) == x[:, ::2].float().argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="scores must be"):
+        native.argmax_rows(torch.zeros(3, dtype=dtype))
+    with pytest.raises(RuntimeError, match="scores must be"):
+        native.argmax_rows(torch.zeros(3, 4, dtype=torch.float16))
+
+
 def test_bad_calls_raise_instead_of_reading_out_of_bounds(native: Any) -> None:
     keys = torch.zeros(1, 1, 8, 16)
     q = torch.zeros(1, 2, 16)
@@ -274,14 +307,16 @@ def every_kernel(native: Any, cases: dict[str, Any]) -> dict[str, list[torch.Ten
         values = torch.zeros_like(keys)
         rotated = native.rope_store(qkv, cos, sin, keys, values, rows, slots, heads, kv)
         out[name] = [*native.add_rms_norm(*c["norm"], 1e-5), rotated, keys, values,
-                     *[native.attend(*a, 0.3) for a in c["attend"]], native.silu_mul(c["silu"])]
+                     *[native.attend(*a, 0.3) for a in c["attend"]], native.silu_mul(c["silu"]),
+                     native.argmax_rows(c["silu"])]
     return out
 
 
 @pytest.mark.parametrize("level", lower_levels())
 def test_every_level_computes_the_same_kernels(native: Any, tmp_path: Path, level: str) -> None:
     """The norm, the rotary embedding, attention (head dims of whole 16-lane chunks and
-    not) and the activation of another level's build: bitwise this one's."""
+    not), the activation and the rows' argmax of another level's build: bitwise this
+    one's."""
     g = torch.Generator().manual_seed(0)
     cases: dict[str, Any] = {}
     for dtype in (torch.float32, torch.bfloat16):

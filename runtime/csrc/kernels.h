@@ -64,6 +64,10 @@ template <typename T>
 void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* wp, int64_t n,
                         int64_t bits, const float* bp, T* yp);
 
+// --- argmax.cpp: the first of the largest scores of each row [rows, n] -> [rows] int64,
+// as torch's argmax (a NaN counts as the largest)
+at::Tensor argmax_rows(const at::Tensor& scores);
+
 // --- dense_products.cpp: float32 and bfloat16 matrices
 
 constexpr int64_t kDenseRows = 64;  // output rows a group
