@@ -106,9 +106,9 @@ def _verify_greedy(draft_tokens: Sequence[int],
                    alternative: int | None,
                    after_alternative: torch.Tensor | None,  # [vocab]
                    ) -> Verdict:
-    if after_alternative is not None:  # its row last: [k + 2, vocab]
-        target_scores = torch.cat([target_scores, after_alternative[None].to(target_scores)])
     best = first_largest(target_scores)  # torch's argmax of the widened rows (same ties)
+    if after_alternative is not None:  # its row last: k + 2 picks
+        best += first_largest(after_alternative[None])
     k = len(draft_tokens)
     if alternative is not None and best[0] == alternative != draft_tokens[0]:
         return Verdict(accepted=0, next_token=alternative, bonus=False,
