@@ -159,7 +159,8 @@ def flatten(record: dict[str, Any], layers: bool = False) -> list[dict[str, Any]
     out = []
     for a in record["answers"]:
         row = {"kind": record["kind"], "text": record["text"], "held_out": record["held_out"],
-               "greedy": a["temperature"] == 0, "temperature": a["temperature"],
+               "turn": int(record.get("turn", 1)), "greedy": a["temperature"] == 0,
+               "temperature": a["temperature"],
                "prompt_ids": record["prompt_ids"].long(), "answer_ids": a["answer_ids"].long(),
                "features": torch.cat([record["features"], a["features"]])}
         if layers and "layers" in record:

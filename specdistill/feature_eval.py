@@ -107,8 +107,56 @@ def draft_step_ms(draft: FeatureDraft, context: int = 256, steps: int = 32) -> f
 def full_evaluation(draft: FeatureDraft, held: Sequence[dict[str, Any]],
                     bench: Sequence[Sequence[dict[str, Any]]], max_len: int
                     ) -> dict[str, Any]:
+    """Held-out rows, their later turns of a conversation alone (``multi_turn``: the
+    target wrote the user's message after its own answer; where there are any), and the
+    benchmark's chat and grounded answers."""
     out: dict[str, Any] = {"held_out": evaluate(draft, held, max_len)}
+    later = [r for r in held if int(r.get("turn", 1)) > 1]
+    if later:
+        out["multi_turn"] = evaluate(draft, later, max_len)
     for name, rows in zip(("chat", "grounded"), bench, strict=True):
         out[name] = evaluate(draft, rows, max_len)
     out["draft_step_ms"] = draft_step_ms(draft)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specdistill.feature_eval --draft DIR --work WORK [--json OUT]``: a
+    saved head's evaluation on a work directory's data (its held-out rows, their later
+    turns, the chat and grounded answers), as a training run's ``report.json`` holds it
+    at the end; prints the table of ``specdistill.feature_scaling``."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from runtime.loading import load_target
+    from specdistill.feature_data import load_rows, scan
+    from specdistill.feature_scaling import rows as table
+    from specdistill.feature_train import load_draft
+
+    parser = argparse.ArgumentParser(prog="python -m specdistill.feature_eval")
+    parser.add_argument("--draft", required=True, help="a feature draft directory")
+    parser.add_argument("--work", required=True, help="a feature distillation work directory")
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write the evaluation here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, "float32")
+    draft = load_draft(Path(args.draft), target)
+    data_dir = Path(args.work) / "data"
+    held = scan(data_dir, bool(draft.layers)).held
+    bench = [load_rows(data_dir / f"eval-{name}.pt", bool(draft.layers))
+             for name in ("chat", "grounded")]
+    report = {"draft": str(args.draft), "work": str(args.work),
+              "evaluation": full_evaluation(draft, held, bench, args.max_len)}
+    print("\n".join(table({Path(args.draft).name: report})))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

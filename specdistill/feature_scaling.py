@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SETS = ("held_out", "chat", "grounded")
+SETS = ("held_out", "multi_turn", "chat", "grounded")  # (multi_turn where it was measured)
 
 
 def rows(reports: dict[str, dict[str, Any]]) -> list[str]:
@@ -19,6 +19,8 @@ def rows(reports: dict[str, dict[str, Any]]) -> list[str]:
     for name, report in reports.items():
         training = report.get("training", {})
         for s in SETS:
+            if s not in report["evaluation"]:
+                continue
             e = report["evaluation"][s]
             tau = " / ".join(f"{t:.3f}" for t in e["tau"])
             out.append(f"| {name} | {training.get('train_answer_tokens', '-')} | "
@@ -33,9 +35,12 @@ def plot(reports: dict[str, dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SETS), figsize=(5 * len(SETS), 4), sharey=True)
-    for ax, s in zip(axes, SETS, strict=True):
+    sets = [s for s in SETS if any(s in r["evaluation"] for r in reports.values())]
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 4), sharey=True)
+    for ax, s in zip(axes, sets, strict=True):
         for name, report in reports.items():
+            if s not in report["evaluation"]:
+                continue
             tau = report["evaluation"][s]["tau"]
             ax.plot(range(1, len(tau) + 1), tau, marker="o", label=name)
         ax.set_title(s.replace("_", "-"))

@@ -380,3 +380,39 @@ def test_a_data_only_resume_answers_for_the_data_settings_alone(tmp_path: Path) 
                     trains=False)
     with pytest.raises(SystemExit, match="pass --resume"):
         _check_work(tmp_path, data, newer, resume=False, trains=False)
+
+
+def test_a_saved_head_is_evaluated_on_a_work_directory_as_its_run_reported(
+        feature_run: tuple[Path, Path], tiny_target_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m specdistill.feature_eval`` on the run's own head and data gives the
+    figures the run's report holds at its end, and the later turns of conversations
+    alone where the held-out rows have any."""
+    from specdistill import feature_eval
+
+    out, work = feature_run
+    threads = torch.get_num_threads()
+    try:
+        assert feature_eval.main(["--draft", str(out), "--work", str(work), "--target",
+                                  str(tiny_target_dir), "--threads", "1",
+                                  "--json", str(tmp_path / "eval.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    got = json.loads((tmp_path / "eval.json").read_text())["evaluation"]
+    want = json.loads((out / "report.json").read_text())["evaluation"]
+    for name in ("held_out", "chat", "grounded"):
+        assert got[name]["teacher_forced"] == pytest.approx(want[name]["teacher_forced"])
+        assert got[name]["tau"] == pytest.approx(want[name]["tau"])
+    held = feature_data.scan(work / "data").held
+    assert all(r["turn"] >= 1 for r in held)
+    later = [r for r in held if r["turn"] > 1]
+    assert ("multi_turn" in got) == bool(later)
+    assert "| held_out |" in capsys.readouterr().out
+    # a later turn among the held-out rows: measured alone as well
+    target = BatchedLM.load(str(tiny_target_dir), dtype="float32")
+    draft = feature_train.load_draft(out, target)
+    rows = [dict(r) for r in held]
+    rows[-1]["turn"] = 2
+    both = feature_eval.full_evaluation(draft, rows, [rows[:1], rows[:1]], 512)
+    alone = feature_eval.evaluate(draft, rows[-1:], 512)
+    assert both["multi_turn"] == alone and both["held_out"]["answer_rows"] > alone["answer_rows"]
