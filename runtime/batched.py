@@ -106,15 +106,16 @@ class BatchedLM(CausalLM):
             blocks = block_kernels(resolve(kernels, self.device), int8_activations)
         # the modules, matrices, KV buffers and kernels the layer paths read: held there
         self.stack = Stack(
-            model, layers, list(weights or [LayerWeights.of(x, quantize, blocks)
-                                            for x in layers]),
-            head if head is not None else head_product(model, quantize, blocks),
-            head_subset(model),  # [K]: a head over part of the vocabulary
-            Rotary(model.model.rotary_emb),  # cos/sin for the kernels
-            GroupedAttention(  # see GroupedAttention.folds
+            model=model, layers=layers,
+            weights=list(weights or [LayerWeights.of(x, quantize, blocks) for x in layers]),
+            head=head if head is not None else head_product(model, quantize, blocks),
+            head_ids=head_subset(model),  # [K]: a head over part of the vocabulary
+            rotary=Rotary(model.model.rotary_emb),  # cos/sin for the kernels
+            attention=GroupedAttention(  # see GroupedAttention.folds
                 self.heads, self.kv_heads, self.head_dim, self.scaling,
                 fold_single=self.device.type != "cpu" or self.dtype != torch.float32),
-            self.heads, self.kv_heads, self.head_dim, self.scaling, self.dtype)
+            heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            scaling=self.scaling, dtype=self.dtype)
         # DraftChain by the vocabulary it drafts from and the input fusion it runs
         self._chains: dict[tuple[int, int], fused.DraftChain | None] = {}
         self.use_kernels(kernels)
@@ -365,7 +366,7 @@ class BatchedLM(CausalLM):
         hidden = (fused.forward(self.stack, batch, embedded, capture, captured)
                   if native else layers.forward(self.stack, batch, inputs))
         prepared.features = [
-            None if not item.features else (  # copies: the stack reuses its buffer
+            None if not item.features else (  # copies: the native loop reuses its buffer
                 hidden[start : start + len(item.token_ids)].clone() if native
                 else self.stack.inner.norm(hidden[start : start + len(item.token_ids)]))
             for start, item in zip(batch.offsets, items, strict=True)]
