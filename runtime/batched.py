@@ -43,6 +43,7 @@ from runtime.layout import SPAN_ALIGN, Layout, check_items
 from runtime.memory import release_plain_weights
 from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 from runtime.quantized import BlockMatrix, block_kernels, load_quantized
+from runtime.stack import Rotary, Stack
 from runtime.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class BatchedLM(CausalLM):
         # the span than a one-token step has it) only to rounding, so batch invariance
         # takes none there; the native kernels read its keys in a step's order: exact
         return TargetCapabilities(batched=True, branches=(not self.batch_invariant
-                                                          or self._kernels is not None),
+                                                          or self.stack.kernels is not None),
                                   features=True)
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
@@ -98,34 +99,31 @@ class BatchedLM(CausalLM):
             raise ValueError(f"{name}: cannot run batched: {reason}")
         if quantize != "none" and self.device.type != "cpu":  # the kernels are CPU ones
             raise ValueError(f"{name}: --quantize {quantize} runs on a CPU only")
-        self._inner = model.model
-        self._layers = list(self._inner.layers)
-        self.scaling = float(self._layers[0].self_attn.scaling)
+        layers = list(model.model.layers)
+        self.scaling = float(layers[0].self_attn.scaling)
         blocks = None
         if weights is None and quantize == "int4":
             blocks = block_kernels(resolve(kernels, self.device), int8_activations)
-        self._weights = list(weights or [LayerWeights.of(x, quantize, blocks)
-                                         for x in self._layers])
-        self._head = head if head is not None else head_product(model, quantize, blocks)
-        self._kernels: Any = None  # the fused CPU kernels (runtime/fused.py), or None
-        self._rotary = fused.Rotary(self._inner.rotary_emb)  # cos/sin for the kernels
-        self._norms: list[fused.Norm] = []
-        self._captured: tuple[int, ...] = ()  # see capture_layers
-        self._segments: list[tuple[range, Any]] | None = None
+        # the modules, matrices, KV buffers and kernels the layer paths read: held there
+        self.stack = Stack(
+            model=model, layers=layers,
+            weights=list(weights or [LayerWeights.of(x, quantize, blocks) for x in layers]),
+            head=head if head is not None else head_product(model, quantize, blocks),
+            head_ids=head_subset(model),  # [K]: a head over part of the vocabulary
+            rotary=Rotary(model.model.rotary_emb),  # cos/sin for the kernels
+            attention=GroupedAttention(  # see GroupedAttention.folds
+                self.heads, self.kv_heads, self.head_dim, self.scaling,
+                fold_single=self.device.type != "cpu" or self.dtype != torch.float32),
+            heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            scaling=self.scaling, dtype=self.dtype)
         # DraftChain by the vocabulary it drafts from and the input fusion it runs
-        self._chains: dict[tuple[int, int], Any] = {}
+        self._chains: dict[tuple[int, int], fused.DraftChain | None] = {}
         self.use_kernels(kernels)
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
         self.weights_format = weights_format or (quantize if quantize != "none" else dtype_name)
-        self._head_ids = head_subset(model)  # [K]: a head over part of the vocabulary
         # every pass's logits bitwise a one-token step's (docs/performance.md); off: the
         # cheapest attention blocks, exact only to rounding (--no-batch-invariance)
         self.batch_invariant = True
-        self._attention = GroupedAttention(  # see GroupedAttention.folds
-            self.heads, self.kv_heads, self.head_dim, self.scaling,
-            fold_single=self.device.type != "cpu" or self.dtype != torch.float32)
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
         self._rows: list[BatchedState | None] = []
         self._capacity = 0
         self._allocate(_INITIAL_ROWS, _INITIAL_CAPACITY)
@@ -171,61 +169,63 @@ class BatchedLM(CausalLM):
     def _products(self) -> list[Product]:
         """Every matrix a pass multiplies by (the parts of a ``Stacked`` one), the head's
         last."""
-        mats = [m for w in self._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
-        return [p for m in [*mats, self._head] for p in getattr(m, "parts", [m])]
+        mats = [m for w in self.stack.weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+        return [p for m in [*mats, self.stack.head] for p in getattr(m, "parts", [m])]
 
     @property
     def kernels(self) -> str:
         """What runs a pass's elementwise work and attention: ``native`` or ``torch``."""
-        return "native" if self._kernels is not None else "torch"
+        return "native" if self.stack.kernels is not None else "torch"
 
     def release_plain_weights(self) -> int:
         """Keep only what the products read (``memory.release_plain_weights``)."""
-        return release_plain_weights(self)
+        return release_plain_weights(self.stack)
 
     def use_kernels(self, choice: str) -> None:
         """``native`` (the fused CPU kernels; raises where they cannot run), ``torch``,
         or ``auto`` (native where they build). Either is batch invariant on its own, but
         their logits differ in the last bits: choose before any sequence runs."""
-        self._kernels = fused.load(self.model, choice, self.name, self.device)
+        stack = self.stack
+        stack.kernels = fused.load(self.model, choice, self.name, self.device)
         # the products run natively wherever the kernels build, whatever the layers
-        products = self._kernels
+        products = stack.kernels
         if products is None and choice != "torch":
             products = resolve(choice, self.device)
         for m in self._products():
             if isinstance(m, Matrix):
                 m.use_native(products)
-        if self._kernels is not None and not self._norms:
-            self._norms = fused.norm_weights(self.model, self.dtype)
-        self._stack = (fused.layer_stack(self._kernels, self._norms, self)
-                       if self._kernels is not None else None)
+        if stack.kernels is not None and not stack.norms:
+            stack.norms = fused.norm_weights(self.model, self.dtype)
+        stack.layer_stack = (fused.layer_stack(stack.kernels, stack.norms, stack)
+                             if stack.kernels is not None else None)
         self._chains = {}
-        self.capture_layers(self._captured)
+        self.capture_layers(stack.captured)
 
     def capture_layers(self, layers: Sequence[int]) -> None:
         """Give, beside the final hidden states, the outputs of ``layers`` (the residual
         stream after each, EAGLE-3's low, middle and high features) for every item that
         asks for features (``PreparedPass.layers``); ``()``: none. The native kernels
         only; the logits stay bitwise the same."""
-        self._captured = tuple(sorted({int(i) for i in layers}))
-        self._segments = None
+        stack = self.stack
+        stack.captured = tuple(sorted({int(i) for i in layers}))
+        stack.segments = None
         self._chains = {}
-        if not self._captured:
+        if not stack.captured:
             return
-        if self._kernels is None:
+        if stack.kernels is None:
             raise ValueError(f"{self.name}: captured layers need the native kernels")
-        self._segments = fused.layer_segments(self._kernels, self._norms, self,
-                                              self._captured)
+        stack.segments = fused.layer_segments(stack.kernels, stack.norms, stack,
+                                              stack.captured)
 
     @property
     def captured_layers(self) -> tuple[int, ...]:
-        return self._captured
+        return self.stack.captured
 
     # -- sequences --------------------------------------------------------------------
 
     @torch.inference_mode()
     def adopt_alternative(self, state: Any, start: int, n: int) -> None:
-        for buffer in (*self._keys, *self._values):
+        for buffer in (*self.stack.keys, *self.stack.values):
             buffer[state.row, :, start + 1].copy_(buffer[state.row, :, start + n - 1])
         state.length = start + 2
 
@@ -289,13 +289,13 @@ class BatchedLM(CausalLM):
             moved = self._rows[last]
             assert moved is not None
             n = moved.length
-            for buffer in (*self._keys, *self._values):
+            for buffer in (*self.stack.keys, *self.stack.values):
                 buffer[hole, :, :n].copy_(buffer[last, :, :n])
             self._rows[last] = None
             self._rows[hole] = moved
             moved.row = hole
         if last == 0 and (self._capacity > _INITIAL_CAPACITY or len(self._rows) > _INITIAL_ROWS):
-            self._keys, self._values, self._rows = [], [], []  # idle: give the memory back
+            self.stack.keys, self.stack.values, self._rows = [], [], []  # idle: give it back
             self._allocate(_INITIAL_ROWS, _INITIAL_CAPACITY)
 
     def rollback(self, state: Any, length: int) -> None:
@@ -310,14 +310,14 @@ class BatchedLM(CausalLM):
         n = int(kv[0][0].shape[2])
         self._ensure_capacity(n)
         for layer, (keys, values) in enumerate(kv):
-            self._keys[layer][state.row, :, :n].copy_(keys[0])
-            self._values[layer][state.row, :, :n].copy_(values[0])
+            self.stack.keys[layer][state.row, :, :n].copy_(keys[0])
+            self.stack.values[layer][state.row, :, :n].copy_(values[0])
         state.length = n
 
     def kv(self, state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n, row = state.length, state.row
         return [(k[row : row + 1, :, :n], v[row : row + 1, :, :n])
-                for k, v in zip(self._keys, self._values, strict=True)]
+                for k, v in zip(self.stack.keys, self.stack.values, strict=True)]
 
     # -- forward passes -----------------------------------------------------------------
 
@@ -345,10 +345,10 @@ class BatchedLM(CausalLM):
             return PreparedPass(items)
         check_items(items, self.max_context, self.hidden_size)
         self._ensure_capacity(max(item.state.length + len(item.token_ids) for item in items))
-        native = self._kernels is not None
+        native = self.stack.kernels is not None
         batch = Layout.build(items, self.device, self.batch_invariant, native=native)
         inputs = batch.inputs(items, self.model.model.embed_tokens, self.dtype)
-        return PreparedPass(items, (batch, inputs, fused.embed(self, batch, inputs)
+        return PreparedPass(items, (batch, inputs, fused.embed(self.stack, batch, inputs)
                                     if native else None))
 
     @torch.inference_mode()
@@ -362,14 +362,13 @@ class BatchedLM(CausalLM):
         native = embedded is not None
         # [T, H]: every real token, packed (normed by the final norm when native)
         captured: list[torch.Tensor] = []
-        capture = self._captured if any(item.features for item in items) else ()
-        hidden = (fused.forward(self._kernels, self._norms, self, batch, embedded, self._stack,
-                                capture, self._segments, captured)
-                  if native else layers.forward(self, batch, inputs))
+        capture = self.stack.captured if any(item.features for item in items) else ()
+        hidden = (fused.forward(self.stack, batch, embedded, capture, captured)
+                  if native else layers.forward(self.stack, batch, inputs))
         prepared.features = [
-            None if not item.features else (  # copies: the stack reuses its buffer
+            None if not item.features else (  # copies: the native loop reuses its buffer
                 hidden[start : start + len(item.token_ids)].clone() if native
-                else self._inner.norm(hidden[start : start + len(item.token_ids)]))
+                else self.stack.inner.norm(hidden[start : start + len(item.token_ids)]))
             for start, item in zip(batch.offsets, items, strict=True)]
         if capture:
             joined = torch.cat(captured, dim=1)  # [T, layers * H]
@@ -385,7 +384,8 @@ class BatchedLM(CausalLM):
         else:
             # every token's, in order (a plain step): no gather
             kept_hidden = hidden if kept == list(range(hidden.shape[0])) else hidden[kept]
-            logits = self._logits(kept_hidden if native else self._inner.norm(kept_hidden))
+            logits = self._logits(kept_hidden if native
+                                  else self.stack.inner.norm(kept_hidden))
         outputs: list[torch.Tensor] = []
         offset = 0
         for item in items:
@@ -396,25 +396,28 @@ class BatchedLM(CausalLM):
         return outputs
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [K, H] -> [K, vocab]
-        rows = self._head(hidden)
-        if self._head_ids is None:
+        rows = self.stack.head(hidden)
+        head_ids = self.stack.head_ids
+        if head_ids is None:
             return rows
         # tokens outside the head's set get the lowest finite logit: never proposed
         full = rows.new_full((rows.shape[0], self.vocab_size), torch.finfo(rows.dtype).min)
-        full[:, self._head_ids] = rows
+        full[:, head_ids] = rows
         return full
 
     # -- a draft's greedy steps in one call ----------------------------------------------
 
-    def chain(self, vocab: int, fusion: tuple[Product, int] | None = None) -> Any | None:
+    def chain(self, vocab: int, fusion: tuple[Product, int] | None = None
+              ) -> fused.DraftChain | None:
         """The native ``DraftChain`` over this model (``fused.draft_chain``; tokens from
         ``vocab`` on never drafted; with ``fusion``, each step's rows that product of
         [embedding | carried state]), or None where it cannot run."""
-        if self._kernels is None:
+        if self.stack.kernels is None:
             return None
         key = (vocab, 0 if fusion is None else id(fusion[0]))
         if key not in self._chains:
-            self._chains[key] = fused.draft_chain(self._kernels, self, vocab, fusion)
+            self._chains[key] = fused.draft_chain(self.stack.kernels, self.stack, vocab,
+                                                  fusion)
         return self._chains[key]
 
     @torch.inference_mode()
@@ -455,13 +458,13 @@ class BatchedLM(CausalLM):
         if carried is not None:  # in the pass's order of tokens
             order = sorted(range(len(items)), key=lambda i: batch.offsets[i])
             rows = torch.cat([carried[i] for i in order]).contiguous()
-        tables = self._rotary.tables(reach, self._keys[0])
+        tables = self.stack.rotary.tables(reach, self.stack.keys[0])
         assert tables is not None  # (a chain is built only for tables of positions)
         last = torch.tensor([o + len(f) - 1 for o, f in zip(batch.offsets, feeds, strict=True)])
         tokens, sure, second, second_sure, hidden = chain.run(
             batch.ids, batch.positions, batch.cache_rows, batch.cache_slots, batch.limits,
-            batch.extras, last, torch.tensor(list(steps)), *tables, self._keys, self._values,
-            rows)
+            batch.extras, last, torch.tensor(list(steps)), *tables, self.stack.keys,
+            self.stack.values, rows)
         out = []
         for i, (state, feed, k) in enumerate(zip(states, feeds, steps, strict=True)):
             state.length += len(feed) + k - 1
@@ -479,13 +482,15 @@ class BatchedLM(CausalLM):
     @torch.inference_mode()
     def _allocate(self, rows: int, capacity: int) -> None:
         shape = (rows, self.kv_heads, capacity, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self._layers]
-        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self._layers]
+        layers = self.stack.layers
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
         used = self.rows_in_use if self._rows else 0
         longest = max((s.length for s in self._rows if s is not None), default=0)
-        for old, new in zip((*self._keys, *self._values), (*keys, *values), strict=False):
+        for old, new in zip((*self.stack.keys, *self.stack.values), (*keys, *values),
+                            strict=False):
             new[:used, :, :longest].copy_(old[:used, :, :longest])
-        self._keys, self._values = keys, values
+        self.stack.keys, self.stack.values = keys, values
         self._rows = (self._rows + [None] * rows)[:rows]
         self._capacity = capacity
         log.debug("KV buffers: %d rows x %d positions", rows, capacity)

@@ -249,7 +249,7 @@ def _product(weight: torch.Tensor, runner: BatchedLM, quantize: str, kernels: st
         native = resolve(kernels, runner.device) if quantize == "int4" else None
         return quantized(weight, None, quantize, block_kernels(native, True))
     matrix = Matrix(weight.contiguous(), None)
-    matrix.use_native(runner._kernels)
+    matrix.use_native(runner.stack.kernels)
     return matrix
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 
@@ -18,51 +19,8 @@ from runtime.families import GEMMA_FAMILIES, activation
 from runtime.layout import Layout
 from runtime.quantized import ACTIVATIONS, BlockEmbedding, BlockMatrix, Int4Matrix
 from runtime.skeleton import ConvertedEmbedding
+from runtime.stack import NativeLoop, Norm, Stack
 from runtime.weights import Matrix, Product, multiply, norm_heads
-
-Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
-# rotary embeddings whose cos/sin depend on the position alone (not on the sequence length,
-# as "dynamic" scaling's do): looked up in a table
-STATIC_ROPE = frozenset({"default", "linear", "llama3"})
-
-
-class Rotary:
-    """The model's rotary cos/sin for a pass's positions, ``[T, D]`` each. Where they
-    depend on the position alone, the model's own rotary embedding runs once over the
-    positions seen so far (the table doubles as sequences grow) and a pass looks its
-    positions up: bitwise what running it per pass gives (each value is one product and
-    its cos/sin), 10 us a pass instead of 36 (one token, one thread)."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.static = getattr(module, "rope_type", "default") in STATIC_ROPE
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
-
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.static:
-            cos, sin = self.module(hidden, positions[None])  # [1, T, D]
-            return cos[0].contiguous(), sin[0].contiguous()
-        needed = int(positions.max()) + 1
-        if self._cos is None or self._cos.shape[0] < needed:
-            size = max(1024, 1 << (needed - 1).bit_length())
-            every = torch.arange(size, device=positions.device)[None]
-            cos, sin = self.module(hidden[:1], every)
-            self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
-        assert self._sin is not None
-        return self._cos[positions], self._sin[positions]
-
-    def tables(self, needed: int, like: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole cos/sin tables, ``[P, D]`` each with ``P >= needed``, rows by
-        position (``like``: a tensor of the activations' dtype and device); None where
-        they depend on more than the position."""
-        if not self.static:
-            return None
-        self(like[:1], torch.tensor([needed - 1], device=like.device))
-        assert self._cos is not None and self._sin is not None
-        return self._cos, self._sin
 
 
 def unsupported(model: Any) -> str | None:
@@ -80,7 +38,7 @@ def unsupported(model: Any) -> str | None:
     return None
 
 
-def load(model: Any, choice: str, name: str, device: torch.device) -> Any | None:
+def load(model: Any, choice: str, name: str, device: torch.device) -> ModuleType | None:
     """The kernels module for ``model`` on ``device`` by ``choice`` (``kernels.resolve``),
     or None."""
     reason = unsupported(model)
@@ -107,33 +65,35 @@ def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
             for m in _norms(model)]
 
 
-def layer_stack(native: Any, norms: list[Norm], runner: Any, layers: range | None = None
-                ) -> Any | None:
-    """The kernels' whole-stack loop (``LayerStack``) over ``runner``'s layers (or those of
+def layer_stack(native: ModuleType, norms: list[Norm], stack: Stack,
+                layers: range | None = None) -> NativeLoop | None:
+    """The kernels' whole-stack loop (``LayerStack``) over ``stack``'s layers (or those of
     ``layers``, with ``norms`` their own: 2 per layer and the one after) when every
     layer matrix runs natively (4- and 8-bit ``BlockMatrix``, a dense ``Matrix`` in the
     model's dtype: a GGUF's tensors, ``--quantize int4``, a bfloat16 or float32 model), or
     every one is PyTorch's packed int4 of one group size in bfloat16; else None. It makes
     the calls ``forward`` makes, in C++."""
-    chosen = runner._weights if layers is None else runner._weights[layers.start:layers.stop]
+    chosen = stack.weights if layers is None else stack.weights[layers.start:layers.stop]
     mats = [m for w in chosen for m in (w.qkv, w.o, w.gate_up, w.down)]
-    if (runner.dtype not in (ACTIVATIONS, torch.float32)
+    if (stack.dtype not in (ACTIVATIONS, torch.float32)
             or any(w.qk_norms is not None for w in chosen)):
         return None  # (its loop has no per-head q/k norms)
-    kinds = [stack_kind(m, runner.dtype) for m in mats]
-    if all(kinds):
-        packed = [m.packed if isinstance(m, BlockMatrix) else m.dense for m in mats]
-        return native.LayerStack(packed, packed, [m.out_features for m in mats],
-                                 [m.bias for m in mats], [w for w, _ in norms],
-                                 [e for _, e in norms], 32, runner.heads, runner.kv_heads,
-                                 runner.scaling, kinds)
-    if (runner.dtype != ACTIVATIONS or not all(type(m) is Int4Matrix for m in mats)
-            or len({m.group for m in mats}) != 1):
+    kinds = [stack_kind(m, stack.dtype) for m in mats]
+    if all(kinds):  # (then every one is a BlockMatrix or a Matrix)
+        found = [m for m in mats if isinstance(m, (BlockMatrix, Matrix))]
+        packed = [m.packed if isinstance(m, BlockMatrix) else m.dense for m in found]
+        return native.LayerStack(packed, packed, [m.out_features for m in found],
+                                 [m.bias for m in found], [w for w, _ in norms],
+                                 [e for _, e in norms], 32, stack.heads, stack.kv_heads,
+                                 stack.scaling, kinds)
+    int4 = [m for m in mats if type(m) is Int4Matrix]
+    if (stack.dtype != ACTIVATIONS or len(int4) != len(mats)
+            or len({m.group for m in int4}) != 1):
         return None
-    return native.LayerStack([m.packed for m in mats], [m.scales_zeros for m in mats],
-                             [m.out_features for m in mats], [m.bias for m in mats],
-                             [w for w, _ in norms], [e for _, e in norms], mats[0].group,
-                             runner.heads, runner.kv_heads, runner.scaling, [0] * len(mats))
+    return native.LayerStack([m.packed for m in int4], [m.scales_zeros for m in int4],
+                             [m.out_features for m in int4], [m.bias for m in int4],
+                             [w for w, _ in norms], [e for _, e in norms], int4[0].group,
+                             stack.heads, stack.kv_heads, stack.scaling, [0] * len(int4))
 
 
 # a norm that hands its input on unchanged: x * rsqrt(mean(x^2) + 2^100) is x * 2^-50
@@ -142,14 +102,14 @@ _PASS_EPS = 2.0**100
 _PASS_WEIGHT = 2.0**50
 
 
-def layer_segments(native: Any, norms: list[Norm], runner: Any, capture: Sequence[int]
-                   ) -> list[tuple[range, Any]] | None:
-    """``LayerStack``s over runs of ``runner``'s layers, cut after each layer of ``capture``:
+def layer_segments(native: ModuleType, norms: list[Norm], stack: Stack,
+                   capture: Sequence[int]) -> list[tuple[range, NativeLoop]] | None:
+    """``LayerStack``s over runs of ``stack``'s layers, cut after each layer of ``capture``:
     a run cut there ends with a pass-through norm (``_PASS_EPS``), so it returns the
     residual stream after that layer, which the next run takes as its input; the last run
     ends with the final norm, or none when the last layer is captured. None where the
     whole stack does not run natively."""
-    count = len(runner._weights)
+    count = len(stack.weights)
     cuts = sorted({int(i) for i in capture})
     if not cuts or cuts[0] < 0 or cuts[-1] >= count:
         raise ValueError(f"captured layers must lie in 0..{count - 1}: {list(capture)}")
@@ -160,11 +120,11 @@ def layer_segments(native: Any, norms: list[Norm], runner: Any, capture: Sequenc
     out = []
     for start, stop in itertools.pairwise(bounds):
         last = identity if stop - 1 in cuts else norms[2 * count]  # else: the final norm
-        stack = layer_stack(native, [*norms[2 * start:2 * stop], last], runner,
-                            range(start, stop))
-        if stack is None:
+        loop = layer_stack(native, [*norms[2 * start:2 * stop], last], stack,
+                           range(start, stop))
+        if loop is None:
             return None
-        out.append((range(start, stop), stack))
+        out.append((range(start, stop), loop))
     return out
 
 
@@ -185,34 +145,50 @@ def embedding_source(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, int
     return None
 
 
-def draft_chain(native: Any, runner: Any, vocab: int,
-                fusion: tuple[Product, int] | None = None) -> Any | None:
-    """The kernels' ``DraftChain`` over ``runner``'s stack, input embedding and head
+class DraftChain(Protocol):
+    """The kernels' greedy draft steps over a stack (``draft_chain``): what
+    ``BatchedLM.draft_chain`` calls."""
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+            slots: torch.Tensor, limits: torch.Tensor, extras: torch.Tensor,
+            last: torch.Tensor, steps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            keys: list[torch.Tensor], values: list[torch.Tensor],
+            carried: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Each sequence's drafted tokens ``[B, k]``, their probabilities ``[B, k]``, the
+        first step's second choice ``[B]`` and its probability ``[B]``, the state after
+        the last fed token ``[B, H]``."""
+        ...
+
+
+def draft_chain(native: ModuleType, stack: Stack, vocab: int,
+                fusion: tuple[Product, int] | None = None) -> DraftChain | None:
+    """The kernels' ``DraftChain`` over ``stack``'s layers, input embedding and head
     (tokens from ``vocab`` on never drafted), where all of them run natively and the
     rotary tables depend on the position alone; else None. ``fusion`` (the product and
     its input width): each step's rows are that product of [embedding | carried state],
     as a feature head's are, where it runs natively in the model's dtype."""
-    stack = runner._stack
-    if stack is None or runner._captured or not runner._rotary.static:
+    loop = stack.layer_stack
+    if loop is None or stack.captured or not stack.rotary.static:
         return None
-    source = embedding_source(runner.model.model.embed_tokens, runner.dtype)
-    head = runner._head
-    kind = stack_kind(head, runner.dtype)
+    source = embedding_source(stack.inner.embed_tokens, stack.dtype)
+    head = stack.head
+    kind = stack_kind(head, stack.dtype)
     if source is None or not kind:
         return None
-    fuse: tuple[Any, int, int, Any] = (None, 0, 0, None)
+    assert isinstance(head, (BlockMatrix, Matrix))  # (what stack_kind takes)
+    fuse: tuple[torch.Tensor | None, int, int, torch.Tensor | None] = (None, 0, 0, None)
     if fusion is not None:
         product, width = fusion
-        fuse_kind = stack_kind(product, runner.dtype)
+        fuse_kind = stack_kind(product, stack.dtype)
         # (a block matrix multiplies bfloat16 activations: the chain's are the model's)
-        if not fuse_kind or (fuse_kind in (4, 8) and runner.dtype != torch.bfloat16):
+        if not fuse_kind or (fuse_kind in (4, 8) and stack.dtype != torch.bfloat16):
             return None
         assert isinstance(product, (BlockMatrix, Matrix))  # (what stack_kind takes)
         fuse = (product.packed if isinstance(product, BlockMatrix) else product.dense,
                 fuse_kind, width, product.bias)
-    return native.DraftChain(stack, source[0], source[1],
+    return native.DraftChain(loop, source[0], source[1],
                              head.packed if isinstance(head, BlockMatrix) else head.dense,
-                             kind, head.out_features, head.bias, runner._head_ids, vocab,
+                             kind, head.out_features, head.bias, stack.head_ids, vocab,
                              None, 0.0, *fuse)
 
 
@@ -230,50 +206,50 @@ def stack_kind(m: Product, dtype: torch.dtype) -> int:
 Embedded = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the tokens' rows, cos, sin
 
 
-def embed(runner: Any, batch: Layout, inputs: torch.Tensor | None = None) -> Embedded:
+def embed(stack: Stack, batch: Layout, inputs: torch.Tensor | None = None) -> Embedded:
     """What a pass computes before its layers: ``batch``'s tokens embedded ``[T, H]``
-    (or the given ``inputs`` rows), and their rotary tables ``[T, D]`` (``runner``: the
-    ``BatchedLM``)."""
-    hidden = runner.model.model.embed_tokens(batch.ids) if inputs is None else inputs
-    return (hidden, *runner._rotary(hidden, batch.positions))
+    (or the given ``inputs`` rows), and their rotary tables ``[T, D]``."""
+    hidden = stack.inner.embed_tokens(batch.ids) if inputs is None else inputs
+    return (hidden, *stack.rotary(hidden, batch.positions))
 
 
-def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout, embedded: Embedded,
-            stack: Any = None, capture: Sequence[int] = (),
-            segments: list[tuple[range, Any]] | None = None,
+def forward(stack: Stack, batch: Layout, embedded: Embedded, capture: Sequence[int] = (),
             captured: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The decoder layers and the final norm over ``batch``'s packed tokens, ``embedded``
-    (``embed``); ``[T, H]``. ``runner`` is the ``BatchedLM`` (its modules, matrices and
-    KV buffers); ``stack``: its ``layer_stack``, which runs the same loop in one call
-    (not for bulk products). ``capture``: layers whose output (the residual stream after
-    the layer, ``[T, H]``) is appended to ``captured``, in order; ``segments``: their
-    ``layer_segments``, which run the loop in one call per run of layers."""
+    (``embed``); ``[T, H]``. ``stack``'s ``layer_stack``, where it has one, runs the same
+    loop in one call (not for bulk products). ``capture``: layers whose output (the
+    residual stream after the layer, ``[T, H]``) is appended to ``captured``, in order;
+    ``stack.segments`` run the loop in one call per run of layers cut after them."""
+    native, norms = stack.kernels, stack.norms
+    if native is None:
+        raise ValueError("the fused layers need the native kernels")
     hidden, cos, sin = embedded
-    split, dtype = batch.bulk_from, runner.dtype
+    split, dtype = batch.bulk_from, stack.dtype
     cuts = sorted({int(i) for i in capture})
     if cuts and captured is None:
         raise ValueError("captured layers need a list to go to")
-    if split >= hidden.shape[0] and cuts and segments is not None:
-        return _forward_segments(native, norms, runner, batch, embedded, segments, cuts,
+    if split >= hidden.shape[0] and cuts and stack.segments is not None:
+        return _forward_segments(native, stack, batch, embedded, stack.segments, cuts,
                                  captured)
-    if stack is not None and split >= hidden.shape[0] and not cuts:  # the whole pass: one call
-        return stack.forward(hidden, cos, sin, runner._keys, runner._values, batch.cache_rows,
-                             batch.cache_slots, batch.limits, batch.extras)
+    loop = stack.layer_stack
+    if loop is not None and split >= hidden.shape[0] and not cuts:  # the whole pass: one call
+        return loop.forward(hidden, cos, sin, stack.keys, stack.values, batch.cache_rows,
+                            batch.cache_slots, batch.limits, batch.extras)
 
     def product(m: Product, x: torch.Tensor) -> torch.Tensor:
         return multiply(m, x, split).to(dtype).contiguous()
 
     rows, slots = batch.cache_rows, batch.cache_slots
     hidden, x = native.add_rms_norm(hidden.contiguous(), None, *norms[0])
-    for index, w in enumerate(runner._weights):
-        keys, values = runner._keys[index], runner._values[index]
+    for index, w in enumerate(stack.weights):
+        keys, values = stack.keys[index], stack.values[index]
         qkv = product(w.qkv, x)  # [T, (h + 2 kv) D]
         if w.qk_norms is not None:
-            qkv = norm_heads(qkv, w.qk_norms, runner.heads, runner.kv_heads, runner.head_dim)
-        q = native.rope_store(qkv, cos, sin, keys, values, rows, slots, runner.heads,
-                              runner.kv_heads)  # [T, h, D]
+            qkv = norm_heads(qkv, w.qk_norms, stack.heads, stack.kv_heads, stack.head_dim)
+        q = native.rope_store(qkv, cos, sin, keys, values, rows, slots, stack.heads,
+                              stack.kv_heads)  # [T, h, D]
         out = native.attend(q, keys, values, rows, batch.limits, batch.extras,
-                            runner.scaling)  # [T, h * D]
+                            stack.scaling)  # [T, h * D]
         hidden, x = native.add_rms_norm(hidden, product(w.o, out), *norms[2 * index + 1])
         gated = native.silu_mul(product(w.gate_up, x))  # [T, I]
         # the residual addition and the next layer's norm (the final norm after the last)
@@ -284,22 +260,22 @@ def forward(native: Any, norms: list[Norm], runner: Any, batch: Layout, embedded
     return x
 
 
-def _forward_segments(native: Any, norms: list[Norm], runner: Any, batch: Layout,
-                      embedded: Embedded, segments: list[tuple[range, Any]], cuts: list[int],
+def _forward_segments(native: ModuleType, stack: Stack, batch: Layout, embedded: Embedded,
+                      segments: list[tuple[range, NativeLoop]], cuts: list[int],
                       captured: list[torch.Tensor] | None) -> torch.Tensor:
     """``forward`` as one ``LayerStack`` call per run of layers (``layer_segments``)."""
     hidden, cos, sin = embedded
     if [r.stop - 1 for r, _ in segments if r.stop - 1 in cuts] != cuts:
         raise ValueError("the runs of layers were cut for other captured layers")
     out = hidden
-    for layers, stack in segments:
-        out = stack.forward(hidden, cos, sin, runner._keys[layers.start:layers.stop],
-                            runner._values[layers.start:layers.stop], batch.cache_rows,
-                            batch.cache_slots, batch.limits, batch.extras)
+    for layers, loop in segments:
+        out = loop.forward(hidden, cos, sin, stack.keys[layers.start:layers.stop],
+                           stack.values[layers.start:layers.stop], batch.cache_rows,
+                           batch.cache_slots, batch.limits, batch.extras)
         if layers.stop - 1 in cuts:
             assert captured is not None
             captured.append(out)
             hidden = out
     if segments[-1][0].stop - 1 in cuts:  # the last layer captured: its final norm here
-        out = native.add_rms_norm(hidden.contiguous(), None, *norms[-1])[1]
+        out = native.add_rms_norm(hidden.contiguous(), None, *stack.norms[-1])[1]
     return out

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,7 @@ class GGUFModel:
             raise ValueError(f"{file.name}: no general.architecture in its metadata")
         self.arch = str(arch)
         self.config, self.tokenizer = config_and_tokenizer(file)
-        self.blocks: Any = None  # the kernels for BlockMatrix products (runner), or None
+        self.blocks: ModuleType | None = None  # the kernels for BlockMatrix products, or None
         self.check_types()
 
     def check_types(self) -> None:

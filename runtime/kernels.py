@@ -30,7 +30,8 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, get_args
 
 from runtime import model_store
 
@@ -153,7 +154,7 @@ def _module_name(level: str) -> str:
     return f"{MODULE}_{level}"
 
 
-def _import_built(directory: Path, name: str) -> Any | None:
+def _import_built(directory: Path, name: str) -> ModuleType | None:
     """The module built in ``directory`` before, imported without ninja or a compiler
     (the directory's name is the hash of what built it), or None."""
     path = directory / f"{name}.so"
@@ -196,7 +197,7 @@ def _compile(level: str, directory: Path) -> None:
 
 
 @functools.cache
-def build(level: str) -> Any | None:
+def build(level: str) -> ModuleType | None:
     """The kernels module of ``level``, built here if it was not before (None for a
     level this host cannot run: built, never loaded); raises ``KernelsUnavailable``
     saying why not."""
@@ -215,7 +216,7 @@ def build(level: str) -> Any | None:
                                  f"{directory}: {reason.strip()}") from exc
 
 
-def native() -> Any:
+def native() -> ModuleType:
     """The compiled kernels module of ``capability()``; raises ``KernelsUnavailable``
     saying why not."""
     module = build(capability())
@@ -224,7 +225,7 @@ def native() -> Any:
     return module
 
 
-def built() -> Any | None:
+def built() -> ModuleType | None:
     """The kernels module of ``capability()`` where it is built already (never building
     it here), else None."""
     level = capability()
@@ -252,7 +253,7 @@ def first_largest(scores: torch.Tensor) -> list[int]:
     return best
 
 
-def resolve(choice: str, device: torch.device) -> Any | None:
+def resolve(choice: str, device: torch.device) -> ModuleType | None:
     """The kernels module for ``choice`` on ``device``: ``native`` insists (raises when
     they cannot be built), ``auto`` takes them where they build (a CPU) and else warns
     once, ``torch`` never does."""

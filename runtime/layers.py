@@ -11,14 +11,15 @@ import torch
 
 from runtime.attention import rotate
 from runtime.layout import Layout
+from runtime.stack import Stack
 from runtime.weights import Product, multiply, norm_heads
 
 
-def forward(runner: Any, batch: Layout, inputs: torch.Tensor | None = None) -> torch.Tensor:
+def forward(stack: Stack, batch: Layout, inputs: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder layers over ``batch``'s packed tokens (or the given ``inputs`` rows,
-    ``[T, H]``), before the final norm; ``[T, H]``. ``runner`` is the ``BatchedLM`` (its
-    modules, matrices and KV buffers)."""
-    inner = runner.model.model
+    ``[T, H]``), before the final norm; ``[T, H]``: ``stack``'s modules, matrices and KV
+    buffers."""
+    inner = stack.inner
     hidden = inner.embed_tokens(batch.ids) if inputs is None else inputs  # [T, H]
     scale = getattr(inner, "embed_scale", None)
     if scale is not None and inputs is None:  # rounded to the rows' dtype first, as
@@ -27,20 +28,20 @@ def forward(runner: Any, batch: Layout, inputs: torch.Tensor | None = None) -> t
     local = getattr(inner, "rotary_local", None)  # the sliding-window layers' own
     if local is not None:
         rotary.append(_cos_sin(local, hidden, batch.positions))
-    heads, kv, dim = runner.heads, runner.kv_heads, runner.head_dim
+    heads, kv, dim = stack.heads, stack.kv_heads, stack.head_dim
     split = batch.bulk_from
 
     def product(m: Product, x: torch.Tensor) -> torch.Tensor:
         return multiply(m, x, split)
 
-    attention = runner._attention
+    attention = stack.attention
     masks: dict[int | None, list[torch.Tensor]] = {}
-    for w in runner._weights:
+    for w in stack.weights:
         if w.window not in masks:
             masks[w.window] = [
                 attention.mask(g.mask if w.window is None else g.window_mask(w.window),
                                g.width, hidden.dtype) for g in batch.groups]
-    for index, w in enumerate(runner._weights):
+    for index, w in enumerate(stack.weights):
         cos, sin = rotary[1 if w.window is not None and local is not None else 0]
         qkv = product(w.qkv, w.input_norm(hidden))  # [T, (h + 2 kv) D]
         if w.qk_norms is not None:
@@ -49,7 +50,7 @@ def forward(runner: Any, batch: Layout, inputs: torch.Tensor | None = None) -> t
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv) * dim :].view(-1, kv, dim)
         out = product(w.o, attention.attend_layer(batch, masks[w.window], q, k, v,
-                                                  runner._keys[index], runner._values[index]))
+                                                  stack.keys[index], stack.values[index]))
         if w.out_norms is not None:
             out = w.out_norms[0](out)
         hidden = hidden + out

@@ -6,8 +6,8 @@ count as the server's memory; the loaders call ``release_freed_memory`` once the
 temporaries are gone. A server also lets go of the plain copies of matrices that run
 packed (``release_plain_weights``), and of an input embedding whose rows a tied head's
 native packing (``read_embedding_from_head``) or the weights file
-(``read_embedding_from_file``) holds. ``runner``: a ``runtime.batched.BatchedLM``, whose
-loading calls these (so they take it as it is, not by its type: batched imports this)."""
+(``read_embedding_from_file``) holds. A ``runtime.batched.BatchedLM`` calls these over
+its ``runtime.stack.Stack``."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ import gc
 import json
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from runtime import fused
 from runtime.skeleton import Embedding
+from runtime.stack import Stack
 from runtime.weights import Matrix, drop_weight, linear_modules
 
 EMBEDDING_KEY = "model.embed_tokens.weight"
@@ -40,8 +41,8 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def release_plain_weights(runner: Any) -> int:
-    """Keep only what ``runner``'s products read; returns the bytes of plain rows let go.
+def release_plain_weights(stack: Stack) -> int:
+    """Keep only what ``stack``'s products read; returns the bytes of plain rows let go.
 
     A float matrix multiplied through oneDNN's packed copy (``weights.Matrix``) also
     holds its plain rows, and the model's modules hold views of them or of the
@@ -50,10 +51,10 @@ def release_plain_weights(runner: Any) -> int:
     from the weights file (``read_embedding_from_file``) where it can; what the model
     still holds (the input embedding otherwise, the norms) is copied out of the file's
     mapping, so the mapping goes too. The model can no longer run its own (transformers)
-    forward pass, which this runner never does: a server calls this once its drafts are
-    loaded. Quantized matrices hold no plain copy: nothing to do."""
+    forward pass, which the batched runner never does: a server calls this once its
+    drafts are loaded. Quantized matrices hold no plain copy: nothing to do."""
     released = 0
-    for w, layer in zip(runner._weights, runner._layers, strict=True):
+    for w, layer in zip(stack.weights, stack.layers, strict=True):
         for name, modules in linear_modules(layer).items():
             product = getattr(w, name)
             if isinstance(product, Matrix) and product.release_rows():
@@ -62,11 +63,12 @@ def release_plain_weights(runner: Any) -> int:
                     drop_weight(module)
     if not released:
         return 0
-    head, matrix = runner.model.get_output_embeddings(), runner._head
+    model, embed = stack.model, stack.inner.embed_tokens
+    head, matrix = model.get_output_embeddings(), stack.head
     if (isinstance(matrix, Matrix) and matrix.release_rows() and head is not None
-            and (head.weight is not runner._inner.embed_tokens.weight
-                 or read_embedding_from_head(runner, matrix)
-                 or read_embedding_from_file(runner))):
+            and (head.weight is not embed.weight
+                 or read_embedding_from_head(embed, matrix)
+                 or read_embedding_from_file(embed, getattr(model, "weight_files", ())))):
         released += matrix.nbytes  # an untied head's own weight, or a tied one's table
         drop_weight(head)
 
@@ -74,7 +76,7 @@ def release_plain_weights(runner: Any) -> int:
         return t.data_ptr(), tuple(t.shape)
 
     copies: dict[tuple[int, tuple[int, ...]], nn.Parameter] = {}
-    for module in runner.model.modules():
+    for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.device.type == "cpu":
                 if key(param) not in copies:
@@ -83,20 +85,19 @@ def release_plain_weights(runner: Any) -> int:
                 setattr(module, name, copies[key(param)])
     if isinstance(matrix, Matrix) and matrix.rows is not None and key(matrix.rows) in copies:
         matrix.rows = copies[key(matrix.rows)].detach()  # a head that does not run packed
-    if runner._kernels is not None:  # (the stack holds the norms: made anew with them)
-        runner._norms = fused.norm_weights(runner.model, runner.dtype)
-        runner._stack = fused.layer_stack(runner._kernels, runner._norms, runner)
+    if stack.kernels is not None:  # (the loop holds the norms: made anew with them)
+        stack.norms = fused.norm_weights(model, stack.dtype)
+        stack.layer_stack = fused.layer_stack(stack.kernels, stack.norms, stack)
     release_freed_memory()
     return released
 
 
-def read_embedding_from_head(runner: Any, head: Matrix) -> bool:
-    """Let ``runner``'s input embedding look its rows up in the tied ``head``'s native
+def read_embedding_from_head(embed: nn.Module, head: Matrix) -> bool:
+    """Let the input embedding ``embed`` look its rows up in the tied ``head``'s native
     packing (``Matrix.take``) rather than hold the table: whether it now does. The
     packing was made from the table itself, in its dtype, so every row is bitwise the
     table's; a lookup gathers from memory, where a file read takes a system call a row,
     and a GGUF served ``--quantize none`` has no safetensors file to read."""
-    embed = runner._inner.embed_tokens
     if (not isinstance(embed, Embedding) or embed.rows is not None or head.dense is None
             or head.dense.dtype != embed.weight.dtype
             or head.out_features != embed.weight.shape[0]):
@@ -105,9 +106,10 @@ def read_embedding_from_head(runner: Any, head: Matrix) -> bool:
     return True
 
 
-def read_embedding_from_file(runner: Any) -> bool:
-    """Let ``runner``'s input embedding read its rows from the safetensors file it was
-    filled from (``FileRows``) rather than hold the table: whether it now does.
+def read_embedding_from_file(embed: nn.Module, files: Sequence[Path]) -> bool:
+    """Let the input embedding ``embed`` read its rows from the safetensors file of
+    ``files`` it was filled from (``FileRows``) rather than hold the table: whether it
+    now does.
 
     A tied head multiplied packed (``weights.Matrix``) otherwise keeps the table twice,
     once packed and once as the embedding (57 MB each for the default model in bfloat16,
@@ -116,8 +118,6 @@ def read_embedding_from_file(runner: Any) -> bool:
     pages, not the process, so nothing grows with the tokens served (a mapping would:
     the pages it reads stay the process's). The file's rows converted to the embedding's
     dtype are checked bitwise against the table first."""
-    embed = runner._inner.embed_tokens
-    files = getattr(runner.model, "weight_files", ())
     if not isinstance(embed, Embedding) or embed.rows is not None:
         return False
     weight = embed.weight.detach()

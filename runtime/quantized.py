@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -125,7 +126,7 @@ class BlockMatrix:
     and AVX512-VNNI (or AVX2) sums the block exactly in int32 (docs/quantization.md, "Int8
     activations"). A row's result depends on that row alone, at any row count."""
 
-    def __init__(self, native: Any, codes: torch.Tensor, scale: torch.Tensor,
+    def __init__(self, native: ModuleType, codes: torch.Tensor, scale: torch.Tensor,
                  low: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = codes.shape
         self.bits = bits
@@ -135,13 +136,14 @@ class BlockMatrix:
         self._native = native
 
     @classmethod
-    def int4(cls, native: Any, rows: Int4Rows, bias: torch.Tensor | None = None) -> BlockMatrix:
+    def int4(cls, native: ModuleType, rows: Int4Rows, bias: torch.Tensor | None = None
+             ) -> BlockMatrix:
         if rows.group != 32:
             raise ValueError(f"block matrices take groups of 32 inputs; got {rows.group}")
         return cls(native, rows.codes, rows.scale, rows.low, 4, bias)
 
     @classmethod
-    def int8(cls, native: Any, codes: torch.Tensor, scale: torch.Tensor,
+    def int8(cls, native: ModuleType, codes: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None) -> BlockMatrix:
         """Signed 8-bit codes ``[out, in]`` with a scale per block of 32 (a GGUF's Q8_0):
         held as code + 128 with the minimum -128 scale."""
@@ -217,7 +219,7 @@ class BlockEmbedding(torch.nn.Module):
         return flat.view(*ids.shape, self.embedding_dim)
 
 
-def block_kernels(native: Any, int8_activations: bool) -> Any | None:
+def block_kernels(native: ModuleType | None, int8_activations: bool) -> ModuleType | None:
     """``native`` (the kernels module; every level has block products) where int8
     activations are wanted, else None (the matrices stay PyTorch's int4/int8/bfloat16
     ones)."""
@@ -275,7 +277,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-              blocks: Any = None) -> Int4Matrix | Int8Matrix | BlockMatrix:
+              blocks: ModuleType | None = None) -> Int4Matrix | Int8Matrix | BlockMatrix:
     """``weight`` (``[out, in]``) quantized by ``method`` (int4 or int8); int4 as a
     ``BlockMatrix`` when ``blocks`` (``block_kernels``) is given."""
     if method == "int4":

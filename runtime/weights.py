@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -112,7 +113,7 @@ class Matrix:
         self.cols = (rows.t().contiguous()
                      if cpu and self._slices is None and rows.dtype == torch.float32 else None)
 
-    def use_native(self, native: Any | None) -> None:
+    def use_native(self, native: ModuleType | None) -> None:
         """Multiply through ``native``'s ``dense_product`` (the kernels module, on a CPU,
         in float32 or bfloat16 with an even input size), which replaces oneDNN's packed
         copy: a row's result is one chain of multiply-adds over its inputs, and one token
@@ -282,7 +283,8 @@ class LayerWeights:
     window: int | None = None  # a sliding-window layer's window, or None
 
     @classmethod
-    def of(cls, layer: Any, quantize: str = "none", blocks: Any = None) -> LayerWeights:
+    def of(cls, layer: Any, quantize: str = "none", blocks: ModuleType | None = None
+           ) -> LayerWeights:
         """The layer's matrices, fused; quantized by ``quantize`` (int4, int8) unless
         ``none`` (then the modules' weights become views of the fused ones); ``blocks``:
         ``quantized``'s."""
@@ -349,7 +351,8 @@ def fuse(linears: Sequence[Any]) -> Matrix:
     return Matrix(fused, bias)
 
 
-def fuse_quantized(linears: Sequence[Any], method: str, blocks: Any = None) -> Product:
+def fuse_quantized(linears: Sequence[Any], method: str, blocks: ModuleType | None = None
+                   ) -> Product:
     """One quantized ``[sum(out), in]`` matrix for ``linears``; the modules' own weights
     are dropped (left on the meta device), since only the quantized copy runs."""
     from runtime.quantized import quantized
@@ -372,7 +375,8 @@ def drop_weight(module: Any) -> None:
     module.weight = torch.nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
 
 
-def head_product(model: Any, quantize: str = "none", blocks: Any = None) -> Product:
+def head_product(model: Any, quantize: str = "none", blocks: ModuleType | None = None
+                 ) -> Product:
     """The output head as a matrix, quantized by ``quantize`` unless ``none`` (``blocks``:
     ``quantized``'s)."""
     head = model.get_output_embeddings()

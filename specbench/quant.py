@@ -37,11 +37,12 @@ import torch
 
 from decoding.prompting import encode_chat
 from runtime import model_store
+from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.kernels import CHOICES as KERNEL_CHOICES
 from runtime.loading import PRECISIONS, load_target
 from runtime.quantized import BlockMatrix, Int4Matrix, Int8Matrix
-from runtime.weights import Matrix, Stacked
+from runtime.weights import Matrix, Product, Stacked
 from specbench.compare import load_prompts
 from specbench.concurrency import measure_bandwidth
 
@@ -50,7 +51,7 @@ CONTEXT = 300
 BF16_ACTIVATIONS = "-bf16act"  # a precision's suffix: no int8 activations
 
 
-def product_bytes(product: Any) -> int:
+def product_bytes(product: Product) -> int:
     """Bytes of one weight matrix as the step reads it."""
     if isinstance(product, Int4Matrix | Int8Matrix | BlockMatrix):
         return product.nbytes
@@ -61,11 +62,13 @@ def product_bytes(product: Any) -> int:
     raise TypeError(f"unknown matrix {type(product).__name__}")
 
 
-def step_bytes(target: Any) -> int:
+def step_bytes(target: CausalLM) -> int:
     """Bytes of weights a one-token step reads: every matrix and the head (the input
     embedding's one row and the norms are negligible)."""
-    total = product_bytes(target._head)
-    for layer in target._weights:
+    if not isinstance(target, BatchedLM):
+        raise TypeError(f"{target.name}: only the batched runner's matrices are counted")
+    total = product_bytes(target.stack.head)
+    for layer in target.stack.weights:
         total += sum(product_bytes(p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
     return total
 

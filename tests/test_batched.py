@@ -67,7 +67,7 @@ def test_attention_blocks_give_the_model_s_own_logits(
     heads of a multi-token row (on a GPU, of every row) folded onto their shared
     key/value heads, each row gets the logits the model's own (transformers) forward
     pass gives it."""
-    monkeypatch.setattr(tiny_target._attention, "_fold_single", fold_single)
+    monkeypatch.setattr(tiny_target.stack.attention, "_fold_single", fold_single)
     rng = random.Random(len(news) + sum(news))
     reference = tiny_reference
     prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in (5, 30, 12, 60, 2, 21)]
@@ -266,6 +266,35 @@ def test_buffers_grow_past_their_first_size(tiny_long_target: BatchedLM) -> None
     assert tiny_long_target.capacity < len(long_prompt)  # idle: the buffers shrank back
 
 
+def test_the_stack_holds_the_buffers_as_they_are_made_anew(
+        tiny_long_target: BatchedLM) -> None:
+    """The layer paths read the KV buffers through ``BatchedLM.stack``, one object for
+    the runner's life: when the runner makes them anew (more rows, more positions, back
+    to their first size when idle), the stack holds the new ones, and a pass writes there."""
+    target = tiny_long_target
+    stack = target.stack
+    first = stack.keys[0]
+    states = [target.new_state() for _ in range(3)]
+    prompt = list(range(1000, 1000 + target.capacity + 30))
+    target.prefill(states[2], prompt)
+    assert target.stack is stack and stack.keys[0] is not first
+    assert len(stack.keys) == len(stack.values) == len(stack.weights) == len(stack.layers)
+    for buffer in (*stack.keys, *stack.values):
+        assert buffer.shape[0] >= len(states) and buffer.shape[2] == target.capacity
+    row, n = states[2].row, len(prompt)
+    for (keys, values), k, v in zip(target.kv(states[2]), stack.keys, stack.values,
+                                    strict=True):
+        assert keys.data_ptr() == k[row].data_ptr() and values.data_ptr() == v[row].data_ptr()
+        assert k[row, :, :n].abs().sum() > 0 and v[row, :, :n].abs().sum() > 0
+    for state in states:
+        target.release(state)
+    assert stack.keys[0].shape[2] == target.capacity < n  # idle: smaller ones
+    state = target.new_state()
+    target.prefill(state, [5, 6, 7])
+    assert all(k[state.row, :, :3].abs().sum() > 0 for k in stack.keys)
+    target.release(state)
+
+
 def test_kv_round_trip(tiny_target: BatchedLM) -> None:
     ids = list(_ids(tiny_target, "prefix caching stores these keys and values"))
     state = tiny_target.new_state()
@@ -359,7 +388,7 @@ def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
             target.release(b)
 
     before = logits()
-    mats = [m for w in target._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+    mats = [m for w in target.stack.weights for m in (w.qkv, w.o, w.gate_up, w.down)]
     packed = [m for m in mats
               if isinstance(m, weights.Matrix) and (m.runs_native or m.packed is not None)]
     if not packed:
@@ -368,10 +397,11 @@ def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
     assert all(m.runs_native == (kernels == "auto") for m in packed)
     embed = target.model.model.embed_tokens
     table = embed.weight.detach().clone()
-    stack = target._stack
+    stack = target.stack.layer_stack
     released = target.release_plain_weights()
-    assert (target._stack is None) == (stack is None) and (stack is None or target._stack
-                                                           is not stack)  # made anew
+    remade = target.stack.layer_stack
+    assert (remade is None) == (stack is None) and (stack is None or remade
+                                                    is not stack)  # made anew
     assert released == sum(m.nbytes for m in packed) + table.nbytes
     assert all(m.rows is None for m in packed)
     layer = target.model.model.layers[0]
@@ -380,7 +410,7 @@ def test_releasing_the_plain_weights_keeps_every_logit(tiny_target_dir: object,
     assert target.model.lm_head.weight.device.type == "meta"
     assert embed.weight.numel() == 0 and embed.weight.dtype == table.dtype
     if kernels == "auto":  # the tied head's native packing holds the table's rows
-        assert embed.rows == target._head.take
+        assert embed.rows == target.stack.head.take
     else:
         assert isinstance(embed.rows, FileRows) and embed.rows.dtype == torch.float32  # the file's
     every = torch.arange(target.vocab_size)

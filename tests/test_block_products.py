@@ -184,17 +184,17 @@ def test_the_default_model_s_file_is_served_as_is(native: Any,
     path = model_store.default_gguf()
     model = GGUFModel(path)
     runner = model.runner("native")
-    assert runner.product_activations == "int8" and runner._stack is not None
+    assert runner.product_activations == "int8" and runner.stack.layer_stack is not None
     reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    for name, product in (("blk.3.ffn_down.weight", runner._weights[3].down),
-                          ("token_embd.weight", runner._head)):
+    for name, product in (("blk.3.ffn_down.weight", runner.stack.weights[3].down),
+                          ("token_embd.weight", runner.stack.head)):
         assert isinstance(product, BlockMatrix)
         tensor = reader[name]
         want = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         assert torch.equal(product.dequantize(), torch.from_numpy(want.copy()))
     plain = GGUFModel(path).runner("native", int8_activations=False)
     assert plain.product_activations == "bfloat16"
-    assert isinstance(plain._weights[0].down, Int4Matrix)
+    assert isinstance(plain.stack.weights[0].down, Int4Matrix)
 
 
 def test_a_tied_embedding_is_read_from_the_head_s_blocks(native: Any,
@@ -209,7 +209,7 @@ def test_a_tied_embedding_is_read_from_the_head_s_blocks(native: Any,
     model = GGUFModel(path)
     runner = model.runner("native")
     embed = runner.model.model.embed_tokens
-    assert isinstance(embed, BlockEmbedding) and embed.matrix is runner._head
+    assert isinstance(embed, BlockEmbedding) and embed.matrix is runner.stack.head
     assert not any(p.numel() for p in runner.model.model.parameters()
                    if p.dim() == 2 and p.shape[0] == embed.num_embeddings)
     assert (runner.device, runner.dtype) == (torch.device("cpu"), torch.bfloat16)
@@ -225,10 +225,11 @@ def test_a_tied_embedding_is_read_from_the_head_s_blocks(native: Any,
 def test_quantize_int4_runs_block_matrices(native: Any, tiny_target_dir: Path) -> None:
     runner = load_target(str(tiny_target_dir), "bfloat16", quantize="int4")
     assert isinstance(runner, BatchedLM) and runner.product_activations == "int8"
-    assert isinstance(runner._weights[0].qkv, BlockMatrix) and isinstance(runner._head, BlockMatrix)
+    assert isinstance(runner.stack.weights[0].qkv, BlockMatrix)
+    assert isinstance(runner.stack.head, BlockMatrix)
     torch_path = load_target(str(tiny_target_dir), "bfloat16", quantize="int4", kernels="torch")
     assert isinstance(torch_path, BatchedLM) and torch_path.product_activations == "bfloat16"
-    assert isinstance(torch_path._weights[0].qkv, Int4Matrix)
+    assert isinstance(torch_path.stack.weights[0].qkv, Int4Matrix)
 
 
 @pytest.mark.parametrize("kinds", [
@@ -246,7 +247,7 @@ def test_a_gguf_target_runs_its_blocks_with_int8_activations(
     target = load_target(str(path), quantize="auto")
     assert isinstance(target, BatchedLM) and target.product_activations == "int8"
     want = file_weights(path)
-    layer = target._weights[1]
+    layer = target.stack.weights[1]
     for product, names in ((layer.qkv, ("attn_q", "attn_k", "attn_v")),
                            (layer.down, ("ffn_down",))):
         expected = torch.cat([want[f"blk.1.{n}.weight"] for n in names])
@@ -310,8 +311,8 @@ def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Pa
 
     kinds = {"attn_q": GT.Q8_0, "attn_k": GT.Q8_0, "attn_v": GT.Q8_0, "ffn_down": GT.Q6_K}
     target = load_target(str(write_gguf(tmp_path, tiny_dir, kinds)), quantize="auto")
-    assert isinstance(target, BatchedLM) and target._stack is not None
-    layer = target._weights[0]
+    assert isinstance(target, BatchedLM) and target.stack.layer_stack is not None
+    layer = target.stack.weights[0]
     assert [fused.stack_kind(m, target.dtype)
             for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [
         8, 4, 4, 16]
@@ -327,8 +328,8 @@ def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Pa
             target.release(state)
 
     stacked = logits()
-    stack, target._stack = target._stack, None
+    stack, target.stack.layer_stack = target.stack.layer_stack, None
     try:
         assert torch.equal(logits(), stacked)
     finally:
-        target._stack = stack
+        target.stack.layer_stack = stack

@@ -74,7 +74,7 @@ def test_a_gemma3_model_runs_batched_with_transformers_logits(gemma_dir: Path) -
     own = BatchedLM.load(str(gemma_dir), dtype="float32")
     assert isinstance(own, BatchedLM) and isinstance(own.model, Skeleton)
     assert own.kernels == "torch"
-    assert [w.window for w in own._weights] == [WINDOW, None, WINDOW]
+    assert [w.window for w in own.stack.weights] == [WINDOW, None, WINDOW]
     full = own.score(own.new_state(), IDS)
     reference = CausalLM.load(str(gemma_dir), dtype="float32")  # transformers' forward
     want = reference.score(reference.new_state(), IDS)
@@ -191,9 +191,9 @@ def test_a_gemma3_gguf_file_serves_its_own_weights(tmp_path: Path, gemma_dir: Pa
     target = load_target(str(path), quantize="auto", int8_activations=int8_activations)
     assert isinstance(target, BatchedLM) and isinstance(target.model, Skeleton)
     assert target.weights_format == "gguf-q4_k+q5_0+q6_k+q8_0"
-    assert [w.window for w in target._weights] == [WINDOW, None, WINDOW]
-    assert isinstance(target._weights[0].qkv, BlockMatrix) == blocks
-    norm = target._weights[1].out_norms[0] if target._weights[1].out_norms else None
+    assert [w.window for w in target.stack.weights] == [WINDOW, None, WINDOW]
+    assert isinstance(target.stack.weights[0].qkv, BlockMatrix) == blocks
+    norm = target.stack.weights[1].out_norms[0] if target.stack.weights[1].out_norms else None
     assert isinstance(norm, GemmaNorm) and norm.offset == 0.0
     file_norm = next(t for t in gguf.GGUFReader(str(path)).tensors
                      if t.name == "blk.1.post_attention_norm.weight")

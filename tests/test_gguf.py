@@ -185,7 +185,7 @@ def test_gguf_target_serves_the_files_weights(tmp_path: Path, tiny_dir: Path,
     assert target.dtype == torch.bfloat16 and target.weights_format.startswith("gguf-")
     assert all(p.device.type == "meta" for p in target.model.model.layers[0].mlp.parameters())
     want = file_weights(path)
-    layer = target._weights[1]
+    layer = target.stack.weights[1]
     for product, names in ((layer.qkv, ("attn_q", "attn_k", "attn_v")),
                            (layer.down, ("ffn_down",))):
         expected = torch.cat([want[f"blk.1.{n}.weight"] for n in names])
@@ -301,11 +301,11 @@ def test_a_qwen_file_s_biases_and_norms_are_served(tmp_path: Path, default_model
     path = write_gguf(tmp_path / "gguf", model_dir, wide, arch=family)
     target = load_target(str(path), quantize="auto", int8_activations=False)
     assert isinstance(target, BatchedLM)
-    bias = target._weights[1].qkv.bias
+    bias = target.stack.weights[1].qkv.bias
     want = model.model.layers[1].self_attn
     assert bias is not None and torch.equal(
         bias, torch.cat([want.q_proj.bias, want.k_proj.bias, want.v_proj.bias]).bfloat16())
-    norms = target._weights[1].qk_norms
+    norms = target.stack.weights[1].qk_norms
     if family == "qwen3":
         assert norms is not None
         assert torch.equal(norms[0].weight, want.q_norm.weight.bfloat16())

@@ -404,7 +404,7 @@ def chain_drafts(model_dir: str) -> dict[str, Any]:
         drafts = runner.draft_chain(states, feeds, [5, 3, 1], runner.vocab_size)
         drafts += runner.draft_chain(states, [[d.tokens[-1]] for d in drafts], [4, 4, 2],
                                      runner.vocab_size)
-        keys = [runner._keys[0][s.row, :, : s.length].clone() for s in states]
+        keys = [runner.stack.keys[0][s.row, :, : s.length].clone() for s in states]
         out[f"{dtype}-{quantize}"] = ([(d.tokens, d.confidences, d.runner_up) for d in drafts],
                                       keys)
         for state in states:
@@ -484,8 +484,8 @@ def test_the_layer_stack_is_the_python_loop_bitwise(tiny_target_dir: Any, stack:
     dtype, quantize, int8_activations = STACKS[stack]
     runner = BatchedLM.load(str(tiny_target_dir), dtype=dtype, quantize=quantize,
                             int8_activations=int8_activations)
-    assert isinstance(runner, BatchedLM) and runner._stack is not None
-    stack = runner._stack
+    assert isinstance(runner, BatchedLM) and runner.stack.layer_stack is not None
+    stack = runner.stack.layer_stack
 
     def passes() -> list[torch.Tensor]:
         a, b = runner.new_state(), runner.new_state()
@@ -498,11 +498,11 @@ def test_the_layer_stack_is_the_python_loop_bitwise(tiny_target_dir: Any, stack:
         return out
 
     with_stack = passes()
-    runner._stack = None
+    runner.stack.layer_stack = None
     try:
         without = passes()
     finally:
-        runner._stack = stack
+        runner.stack.layer_stack = stack
     assert len(with_stack) == len(without) == 5
     for got, want in zip(with_stack, without, strict=True):
         assert torch.equal(got, want)
@@ -524,7 +524,7 @@ def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
     import threading
 
     runner = BatchedLM.load(str(tiny_target_dir), dtype=dtype, quantize=quantize)
-    assert isinstance(runner, BatchedLM) and runner._stack is not None
+    assert isinstance(runner, BatchedLM) and runner.stack.layer_stack is not None
 
     def passes(n: int) -> list[torch.Tensor]:
         torch.set_num_threads(n)
@@ -564,28 +564,30 @@ def test_the_layer_stack_checks_its_call_once_and_refuses_bad_ranges(tiny_target
     error, not a read or a write out of bounds."""
     runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4",
                             int8_activations=True)
-    if runner._stack is None:
+    loop = runner.stack.layer_stack
+    if loop is None:
         pytest.skip("these kernels were built without block products (AVX512-VNNI or AVX2)")
     state = runner.new_state()
     runner.forward_batch([BatchItem(state, [5, 6, 7], 1)])
     hidden = runner.model.model.embed_tokens(torch.tensor([8]))
-    cos, sin = runner._rotary(hidden, torch.tensor([3]))
-    capacity = runner._keys[0].shape[2]
+    cos, sin = runner.stack.rotary(hidden, torch.tensor([3]))
+    capacity = runner.stack.keys[0].shape[2]
     good = dict(rows=torch.tensor([state.row]), slots=torch.tensor([3]),
                 limits=torch.tensor([4]), extras=torch.tensor([-1]))
 
     def run(**change: Any) -> torch.Tensor:
-        keys = change.pop("keys", runner._keys)
+        keys = change.pop("keys", runner.stack.keys)
         args = {**good, **change}
-        return runner._stack.forward(hidden, cos, sin, keys, runner._values, args["rows"],
-                                     args["slots"], args["limits"], args["extras"])
+        return loop.forward(hidden, cos, sin, keys, runner.stack.values, args["rows"],
+                            args["slots"], args["limits"], args["extras"])
 
     assert run().shape == hidden.shape
     for bad in (dict(slots=torch.tensor([capacity])), dict(limits=torch.tensor([capacity + 1])),
                 dict(limits=torch.tensor([0])), dict(rows=torch.tensor([-1])),
                 dict(extras=torch.tensor([capacity])), dict(slots=torch.tensor([1, 2])),
-                dict(keys=[runner._keys[0], *(k[:, :, :4].contiguous() for k in runner._keys[1:])]),
-                dict(keys=[k.transpose(2, 3) for k in runner._keys])):
+                dict(keys=[runner.stack.keys[0],
+                           *(k[:, :, :4].contiguous() for k in runner.stack.keys[1:])]),
+                dict(keys=[k.transpose(2, 3) for k in runner.stack.keys])):
         with pytest.raises(RuntimeError):
             run(**bad)
     runner.release(state)
@@ -609,7 +611,7 @@ def test_the_prefix_cache_namespace_names_the_kernels(tiny_target: CausalLM) -> 
 def test_the_rotary_table_is_the_model_s_rotary_embedding_bitwise(tiny_target: CausalLM) -> None:
     """A pass looks its positions' cos/sin up in a table the model's own rotary embedding
     filled (grown as positions pass its end): bitwise what running it per pass gives."""
-    from runtime.fused import Rotary
+    from runtime.stack import Rotary
 
     assert isinstance(tiny_target, BatchedLM)
     module = tiny_target.model.model.rotary_emb
@@ -638,15 +640,15 @@ def test_the_layer_stack_refuses_matrices_of_the_wrong_kind(tiny_target_dir: Any
     a dense matrix called a block one, PyTorch's int4 mixed with native kinds, or an
     unknown kind is an error, not a misread."""
     runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16")
-    assert isinstance(runner, BatchedLM) and runner._stack is not None
-    mats = [m for w in runner._weights for m in (w.qkv, w.o, w.gate_up, w.down)]
+    assert isinstance(runner, BatchedLM) and runner.stack.layer_stack is not None
+    mats = [m for w in runner.stack.weights for m in (w.qkv, w.o, w.gate_up, w.down)]
     native = kernels.native()
 
     def make(kinds: list[int]) -> Any:
         packed = [m.dense for m in mats]
         return native.LayerStack(packed, packed, [m.out_features for m in mats],
-                                 [m.bias for m in mats], [w for w, _ in runner._norms],
-                                 [e for _, e in runner._norms], 32, runner.heads,
+                                 [m.bias for m in mats], [w for w, _ in runner.stack.norms],
+                                 [e for _, e in runner.stack.norms], 32, runner.heads,
                                  runner.kv_heads, runner.scaling, kinds)
 
     assert make([16] * len(mats)) is not None
@@ -665,8 +667,8 @@ def test_the_norms_the_kernels_hold_are_copies(tiny_target: CausalLM) -> None:
 
     assert isinstance(tiny_target, BatchedLM) and tiny_target.dtype == torch.float32
     modules = fused._norms(tiny_target.model)
-    assert len(modules) == len(tiny_target._norms)
-    for (weight, _), module in zip(tiny_target._norms, modules, strict=True):
+    assert len(modules) == len(tiny_target.stack.norms)
+    for (weight, _), module in zip(tiny_target.stack.norms, modules, strict=True):
         assert torch.equal(weight, module.weight)
         assert weight.untyped_storage().data_ptr() != module.weight.untyped_storage().data_ptr()
 

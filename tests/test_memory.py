@@ -120,7 +120,7 @@ def test_a_float32_target_and_its_bfloat16_draft_hold_no_embedding_table(
     if not target.release_plain_weights():
         pytest.skip("this PyTorch build packs no float32 matrix (no oneDNN)")
     embed = target.model.model.embed_tokens
-    assert isinstance(embed, Embedding) and embed.rows == target._head.take
+    assert isinstance(embed, Embedding) and embed.rows == target.stack.head.take
     assert embed.weight.numel() == 0
     assert torch.equal(embed(torch.arange(target.vocab_size)), table)
     assert torch.equal(logits(target), target_before)

@@ -72,7 +72,7 @@ def test_quantize_round_trip(tiny_target_dir: Path, tiny_target: CausalLM, metho
     assert target.dtype == torch.bfloat16
     layer = target.model.model.layers[0]
     assert layer.self_attn.q_proj.weight.device.type == "meta"
-    qkv = target._weights[0].qkv
+    qkv = target.stack.weights[0].qkv
     # int4: block matrices with int8 activations where the native kernels have them
     int4 = BlockMatrix if target.product_activations == "int8" else Int4Matrix
     assert isinstance(qkv, int4 if method == "int4" else Int8Matrix)
@@ -152,6 +152,7 @@ def test_shipped_draft_quantizes_beside_a_gguf_target() -> None:
     drafter = load_model_drafter("default-draft", target)
     runner = drafter.model
     assert isinstance(runner, BatchedLM) and runner.weights_format == "int4"
-    assert isinstance(runner._head, Int4Matrix | BlockMatrix) and runner._head_ids is not None
+    assert isinstance(runner.stack.head, Int4Matrix | BlockMatrix)
+    assert runner.stack.head_ids is not None
     request = _request(target, "Write a short poem about the sea.", n=32)
     assert _tokens(target, drafter, request, k=None) == _tokens(target, None, request)

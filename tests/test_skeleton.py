@@ -91,7 +91,7 @@ def test_a_qwen3_model_speculates_losslessly_in_batches(tmp_path: Path, default_
     path = str(tiny(tmp_path, default_model_dir, family, **extra))
     target = BatchedLM.load(path, dtype="bfloat16", kernels=kernels)
     assert isinstance(target, BatchedLM) and target.kernels == kernels
-    assert all(w.qk_norms is not None for w in target._weights)
+    assert all(w.qk_norms is not None for w in target.stack.weights)
     draft = ModelDrafter(BatchedLM.load(path, dtype="bfloat16", kernels=kernels), target)
     requests = _greedy(target, PROMPTS[:3], 24)
     plain = [_alone(target, None, r) for r in requests]
@@ -143,7 +143,7 @@ def test_a_phi3_model_runs_batched(tmp_path: Path, default_model_dir: Path,
                     pad_token_id=None, sliding_window=window))
     own = BatchedLM.load(path, dtype="float32")
     assert isinstance(own, BatchedLM) and isinstance(own.model, Skeleton)
-    assert [w.window for w in own._weights] == [window] * SMALL["num_hidden_layers"]
+    assert [w.window for w in own.stack.weights] == [window] * SMALL["num_hidden_layers"]
     assert own.kernels == ("native" if window is None else "torch")
     ids = [500 + 37 * i for i in range(24)]
     got = own.score(own.new_state(), ids)
