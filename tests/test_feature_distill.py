@@ -385,15 +385,15 @@ def test_a_data_only_resume_answers_for_the_data_settings_alone(tmp_path: Path) 
 def test_a_saved_head_is_evaluated_on_a_work_directory_as_its_run_reported(
         feature_run: tuple[Path, Path], tiny_target_dir: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m specdistill.feature_eval`` on the run's own head and data gives the
+    """``python -m specdistill.feature_report`` on the run's own head and data gives the
     figures the run's report holds at its end, and the later turns of conversations
     alone where the held-out rows have any."""
-    from specdistill import feature_eval
+    from specdistill import feature_eval, feature_report
 
     out, work = feature_run
     threads = torch.get_num_threads()
     try:
-        assert feature_eval.main(["--draft", str(out), "--work", str(work), "--target",
+        assert feature_report.main(["--draft", str(out), "--work", str(work), "--target",
                                   str(tiny_target_dir), "--threads", "1",
                                   "--json", str(tmp_path / "eval.json")]) == 0
     finally:
