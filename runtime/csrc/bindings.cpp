@@ -70,7 +70,7 @@ run(ids, positions, rows, slots, limits, extras, last, steps, cos, sin, keys, va
   tokens each sequence drafts. Each step takes each sequence's logits after its last token,
   picks the first of the largest (the lowest id among ties) and, while the sequence drafts
   more, feeds that token at the next position and slot of its cache row (limit + 1, no
-  extra). cos/sin: the rotary tables [positions, dim] by position (runtime.fused.Rotary's),
+  extra). cos/sin: the rotary tables [positions, dim] by position (runtime.stack.Rotary's),
   covering every position the steps reach. keys/values: the stack's cache per layer,
   [rows, kv_heads, capacity, dim], with room for the fed tokens and steps - 1 more; the cache
   grows by them. carried: [T, fuse_in - hidden] in the model's dtype with an input fusion,
