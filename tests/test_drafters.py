@@ -390,7 +390,7 @@ def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> N
     # the fake model drafts for free, so its measured cost is timing noise: at what a real
     # draft model's token costs (a tenth of a step) its drafts stop paying
     model_policy = decoder.drafting.policies["model"]
-    model_policy.draft_cost_per_token = max(model_policy.draft_cost_per_token, 0.1)
+    model_policy.cost.draft_per_token = max(model_policy.cost.draft_per_token, 0.1)
     assert model_policy.best_k() == 0, "the model's drafts stop paying"
     assert all(e.accepted_tokens == e.draft_tokens for s, e in rounds if s == "lookup")
     # the source was chosen before the round's length, and lookup proposed once per round
