@@ -121,9 +121,9 @@ class SequenceDecoder:
         start = time.perf_counter()
         self.prompt.store(self.target, self.state)  # after the first token went out
         if made is None:
-            drafting = time.perf_counter()
+            began = time.perf_counter()
             proposal = self._propose(k)
-            made = (proposal, time.perf_counter() - drafting)
+            made = (proposal, time.perf_counter() - began)
         proposal, seconds = made
         remaining = self.committed.remaining
         constrained = None
@@ -133,10 +133,11 @@ class SequenceDecoder:
                                              sampled=self.generator is not None)
             proposal = constrained.proposal
         tokens = tuple(proposal.tokens[: max(0, remaining - 1)])
-        policy = self.drafting.policy if self.drafting is not None else None
-        alternative = (proposal.alternative  # a draft token too: within the round's cap
-                       if policy is not None and tokens and len(tokens) < policy.max_tokens
-                       and self.drafting is not None and self.drafting.alternatives else None)
+        policy, alternative = None, None
+        if self.drafting is not None:
+            policy = self.drafting.policy
+            if tokens and len(tokens) < policy.max_tokens and self.drafting.alternatives:
+                alternative = proposal.alternative  # a draft token too: within the round's cap
         probs = proposal.probs[: len(tokens)] if proposal.probs is not None else None
         expected = policy.expected_tokens(len(tokens)) if policy is not None and tokens else []
         return Draft(tokens, probs, alternative, proposal, seconds, start, policy,
