@@ -58,6 +58,14 @@ class _Active:
     positions: int  # the most KV positions this request can need
 
 
+def _drafting(active: _Active) -> Drafting:
+    """What the batch plan reads of a running request about to draft."""
+    drafting = active.decoder.drafting
+    return Drafting(active.stream.drafter, drafting.source if drafting is not None else "",
+                    drafting.policy if drafting is not None else None,
+                    active.decoder.committed.remaining - 1)
+
+
 class Engine:
     def __init__(
         self,
@@ -230,7 +238,7 @@ class Engine:
         for active in (a for a in live if a.decoder.rounds == 0):
             if budget <= 0:
                 break
-            remaining = len(active.stream.request.prompt_ids) - active.decoder.prefilled
+            remaining = len(active.stream.request.prompt_ids) - active.decoder.prompt.prefilled
             prompts.append((active.decoder, budget))
             budget -= remaining
         decoding = [a for a in live if a.decoder.rounds > 0 and self._choose_source(a)]
@@ -262,9 +270,9 @@ class Engine:
             event = outcome.event
             if event is None:
                 continue
-            draft = outcome.draft
-            if draft is not None and draft.expected is not None:
-                self.scheduler.drafted(active.stream.drafter, active.decoder.source,
+            draft, drafting = outcome.draft, active.decoder.drafting
+            if draft is not None and draft.expected is not None and drafting is not None:
+                self.scheduler.drafted(active.stream.drafter, drafting.source,
                                        draft.expected, event.accepted_tokens)
             if event.finished:
                 self._finish(active, event)
@@ -296,10 +304,7 @@ class Engine:
 
     def _draft_lengths(self, decoding: list[_Active]) -> list[int]:
         """Per sequence: the draft length the scheduler plans, or its own policy's."""
-        plan = self.scheduler.plan([Drafting(
-            a.stream.drafter, a.decoder.source,
-            a.decoder.policy if a.decoder.drafter is not None else None,
-            a.decoder.max_new - len(a.decoder.output) - 1) for a in decoding])
+        plan = self.scheduler.plan([_drafting(a) for a in decoding])
         return [a.decoder.draft_length(k) for a, k in zip(decoding, plan, strict=True)]
 
     def _expire_waiting(self) -> None:
@@ -341,7 +346,8 @@ class Engine:
 
     def _finish(self, active: _Active, last: RoundEvent | None) -> None:
         active.decoder.close()
-        self.scheduler.finished(active.stream.drafter, active.decoder.policies)
+        if active.decoder.drafting is not None:  # its policies teach its drafter's priors
+            self.scheduler.finished(active.stream.drafter, active.decoder.drafting.policies)
         with self._lock:  # free the slot before the client can see the end
             if active in self._active:
                 self._active.remove(active)

@@ -48,6 +48,14 @@ class FeatureRows:
             self.start += drop
             self._count = self.window
 
+    def add_verified(self, pending: int,
+                     rows: torch.Tensor,  # [passed, H]: the pending token, drafts, alternative
+                     accepted: int, alternative_taken: bool) -> None:
+        """Hold the rows of a verify pass that verification kept: the pending token's (at
+        position ``pending``) and the ``accepted`` drafts', or the pending token's and the
+        alternative's (the pass's last) when the alternative was taken."""
+        self.add(pending, rows[[0, -1]] if alternative_taken else rows[: accepted + 1])
+
     def get(self, begin: int, end: int) -> torch.Tensor:  # [end - begin, H]
         """The rows of positions ``begin`` .. ``end - 1`` (all held)."""
         if not self.start <= begin <= end <= self.end or self._rows is None:

@@ -107,13 +107,13 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
     start = time.perf_counter()
     k = len(draft.tokens)
     scores = seq.process(logits[: k + 1], draft.tokens)  # [k + 1, vocab]
-    verdict = verify(draft.tokens, draft.probs, scores, seq.generator, len(seq.tokens),
+    verdict = verify(draft.tokens, draft.probs, scores, seq.generator, len(seq.committed.tokens),
                      alternative=draft.alternative,  # greedy, unpenalised: its row as given
                      after_alternative=logits[-1] if draft.alternative is not None else None,
                      cut_probs=draft.constrained.cut_row if draft.constrained else None)
     seq.keep(verdict, len(draft.tokens) + 1 + (draft.alternative is not None), features)
     timing = RoundTiming(draft.seconds, forward_s + time.perf_counter() - start, 0.0)
-    seq.learn(draft, verdict, timing)
+    draft.learn(verdict, timing)
     behind = (torch.stack([logits[0], logits[-1]]) if verdict.alternative_taken
               else logits)  # the logits each committed token came from
     drafted = k + (draft.alternative is not None)
@@ -133,9 +133,9 @@ def _check_invariance(check: InvarianceCheck, target: Target, seq: SequenceDecod
     alternative (whose cache was moved) are not checked."""
     state = seq.state
     if (event.finished or draft.alternative is not None or state is None
-            or state.length != len(seq.tokens) - 1 or not event.token_ids):
+            or state.length != len(seq.committed.tokens) - 1 or not event.token_ids):
         return
-    check.check(target, state, seq.tokens[-2], logits[len(event.token_ids) - 1],
+    check.check(target, state, seq.committed.tokens[-2], logits[len(event.token_ids) - 1],
                 seq.request.request_id)
 
 
@@ -147,17 +147,16 @@ def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: li
     made: list[tuple[DraftProposal, float] | None] = [None] * len(decoding)
     groups: dict[int, list[int]] = {}
     for i, (seq, k) in enumerate(decoding):
-        if k > 0 and seq.drafter is not None:
-            groups.setdefault(id(seq.drafter), []).append(i)
+        if k > 0 and seq.drafting is not None:
+            groups.setdefault(id(seq.drafting.drafter), []).append(i)
     for members in (m for m in groups.values() if len(m) > 1):
         seqs = [decoding[i][0] for i in members]
         ks = [decoding[i][1] for i in members]
         start = time.perf_counter()
         try:
-            drafter = seqs[0].drafter
-            assert drafter is not None
-            proposals = drafter.propose_many([s.draft_state for s in seqs],
-                                             [s.draft_context() for s in seqs], ks)
+            drafting = [s.drafting for s in seqs if s.drafting is not None]  # all (grouped so)
+            proposals = drafting[0].drafter.propose_many([d.state for d in drafting],
+                                                         [s.draft_context() for s in seqs], ks)
         except Exception:
             log.warning("drafting for %d requests together failed; each drafts alone",
                         len(members), exc_info=True)

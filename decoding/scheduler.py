@@ -104,7 +104,7 @@ class Scheduler:
             return [None] * len(streams)
         policies = [s.policy for s in streams]
         limits = [s.limit for s in streams]
-        draft_s = [s.policy.draft_s_per_token if s.policy is not None else 0.0
+        draft_s = [s.policy.cost.draft_s_per_token if s.policy is not None else 0.0
                    for s in streams]
         calibration = [self.prior(s.drafter or "", s.source).calibration
                        if s.policy is not None else 1.0 for s in streams]

@@ -1,8 +1,10 @@
-"""Incremental detokenization with stop strings.
+"""A sequence's committed output as text: incremental detokenization with stop strings,
+and where the output ends.
 
 Text goes out only once it is final: a trailing incomplete UTF-8 sequence and
 a trailing prefix of any stop string are held back until the next tokens
-resolve them, so nothing is ever emitted and then retracted.
+resolve them, so nothing is ever emitted and then retracted. ``Committed`` holds a
+sequence's tokens and ends them at a stop token, a stop string or the length cap.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from decoding.types import FinishReason
 
 REPLACEMENT = "\ufffd"
 
@@ -94,6 +98,58 @@ class TextStream:
                     hold = n
                     break
         return hold
+
+
+class Committed:
+    """A sequence's committed tokens (the prompt's, then the output's), their text as it
+    becomes final, and why the output ended: a stop token (kept, its text not), a stop
+    string (the text cut where it starts, the tokens after it dropped) or the length cap
+    of ``max_new`` output tokens."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop_ids: frozenset[int],
+                 max_new: int, stop: Sequence[str] = ()) -> None:
+        self.tokens: list[int] = list(prompt_ids)  # every committed token
+        self.output: list[int] = []  # the committed tokens after the prompt
+        self.stop_ids = stop_ids
+        self.max_new = max_new
+        self.text = TextStream(tokenizer, stop)
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        """Output tokens the length cap still allows."""
+        return self.max_new - len(self.output)
+
+    def add(self, new: Sequence[int]) -> tuple[list[int], str]:
+        """Commit a round's tokens up to the length cap and the first stop token or stop
+        string: the tokens committed, and the text that became final (with whatever was
+        held back, once the output has ended)."""
+        kept = list(new[: self.remaining])
+        finish: FinishReason | None = None
+        for i, token in enumerate(kept):
+            if token in self.stop_ids:
+                kept, finish = kept[: i + 1], FinishReason.STOP
+                break
+        update = self.text.push(kept[:-1] if finish is FinishReason.STOP else kept)
+        delta = update.delta
+        if update.stopped:
+            kept, finish = kept[: update.tokens_used], FinishReason.STOP
+        self.tokens.extend(kept)
+        self.output.extend(kept)
+        if finish is None and len(self.output) >= self.max_new:
+            finish = FinishReason.LENGTH
+        if finish is not None and not update.stopped:
+            delta += self.text.flush()
+        self.finish_reason = finish
+        return kept, delta
+
+    def flush(self) -> str:
+        """The text held back so far (for an output that ends without new tokens)."""
+        return self.text.flush()
 
 
 def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:

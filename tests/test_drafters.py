@@ -375,9 +375,9 @@ def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> N
     rounds = []
     while not decoder.finished:
         event = step(decoder)
-        rounds.append((decoder.source, event))
+        rounds.append((decoder.drafting.source, event))
     assert [t for _, event in rounds for t in event.token_ids] == plain
-    assert set(decoder.policies) == {"lookup", "model"}
+    assert set(decoder.drafting.policies) == {"lookup", "model"}
     later = rounds[len(rounds) // 2 :]
     assert max(e.draft_tokens for source, e in later if source == "lookup") >= 4, \
         "lookup's drafts were cut short by the model's rejections"
@@ -385,12 +385,12 @@ def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> N
     # attention block has two queries a row, so one rejected draft is nearly free)
     assert max(e.draft_tokens for source, e in later if source == "model") <= 2, \
         "the model kept drafting long runs on lookup's record"
-    assert decoder.policies["lookup"].alpha > 0.9
-    assert decoder.policies["model"].alpha < 0.5
+    assert decoder.drafting.policies["lookup"].alpha > 0.9
+    assert decoder.drafting.policies["model"].alpha < 0.5
     # the fake model drafts for free, so its measured cost is timing noise: at what a real
     # draft model's token costs (a tenth of a step) its drafts stop paying
-    model_policy = decoder.policies["model"]
-    model_policy.draft_cost_per_token = max(model_policy.draft_cost_per_token, 0.1)
+    model_policy = decoder.drafting.policies["model"]
+    model_policy.cost.draft_per_token = max(model_policy.cost.draft_per_token, 0.1)
     assert model_policy.best_k() == 0, "the model's drafts stop paying"
     assert all(e.accepted_tokens == e.draft_tokens for s, e in rounds if s == "lookup")
     # the source was chosen before the round's length, and lookup proposed once per round

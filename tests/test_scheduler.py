@@ -155,11 +155,11 @@ def test_a_new_request_starts_from_what_its_drafter_and_source_learned() -> None
     scheduler.finished("mixed", {"lookup": _policy(0.95), "model": _policy(0.05)})
     lookup, model = scheduler.new_policy("mixed", "lookup"), scheduler.new_policy("mixed", "model")
     assert lookup.informed and model.informed
-    assert lookup.position_rates()[0] > 0.8 > 0.2 > model.position_rates()[0]
+    assert lookup.acceptance.rates()[0] > 0.8 > 0.2 > model.acceptance.rates()[0]
     assert lookup.k > model.k
     fresh = AdaptiveSpeculation()
     assert not scheduler.new_policy("other", "lookup").informed  # another drafter's own
-    assert scheduler.new_policy("mixed", "").position_rates() == fresh.position_rates()
+    assert scheduler.new_policy("mixed", "").acceptance.rates() == fresh.acceptance.rates()
     scheduler.finished(None, {"": _policy(0.95)})  # no drafter: nothing to learn
     assert not scheduler.new_policy(None, "").informed
 

@@ -8,15 +8,9 @@ drafter to new ones.
 
 from __future__ import annotations
 
-from decoding.policy.cost import StepCost, ema
-from decoding.policy.speculation import (
-    MAX_DRAFT_TOKENS,
-    MIN_DRAFT_TOKENS,
-    MIN_GAIN,
-    VERIFY_COST_PER_TOKEN,
-    AdaptiveSpeculation,
-    bin_midpoints,
-)
+from decoding.policy.acceptance import bin_midpoints
+from decoding.policy.cost import MAX_DRAFT_TOKENS, VERIFY_COST_PER_TOKEN, StepCost, ema
+from decoding.policy.speculation import MIN_DRAFT_TOKENS, MIN_GAIN, AdaptiveSpeculation
 
 BATCH_MIN_GAIN = 1.05  # a batch plan must promise this much over plain batched decoding
 CALIBRATION_DECAY = 0.98  # weight of older rounds in a drafter's calibration (~50 rounds)
@@ -73,20 +67,20 @@ class SpeculationPrior:
         w = min(1.0, rounds / 8)  # a short request counts for less
         self._weight = self.decay * self._weight + w
         share = w / self._weight
-        rates = policy.position_rates()
+        rates = policy.acceptance.rates()
         self._rates = [(1 - share) * old + share * new
                        for old, new in zip(self._rates, rates, strict=True)]
         if policy.confident:
             self._confident = True
             self._calibration = [(1 - share) * old + share * new for old, new in
-                                 zip(self._calibration, policy.calibration(), strict=True)]
+                                 zip(self._calibration, policy.calibration.curve(), strict=True)]
             self._gain = (1 - share) * self._gain + share * policy.realised_gain
-        if policy.alternatives:
+        if policy.alternatives.verified:
             self._alternatives = ((1 - share) * self._alternatives
-                                  + share * policy.alternative_calibration)
-        if policy.draft_s_per_token > 0:
-            self._draft_s = ema(self._draft_s, policy.draft_s_per_token)
-        self._verify = (1 - share) * self._verify + share * policy.verify.per_token
+                                  + share * policy.alternatives.calibration)
+        if policy.cost.draft_s_per_token > 0:
+            self._draft_s = ema(self._draft_s, policy.cost.draft_s_per_token)
+        self._verify = (1 - share) * self._verify + share * policy.cost.verify.per_token
 
     def new_policy(self) -> AdaptiveSpeculation:
         policy = AdaptiveSpeculation()
@@ -150,7 +144,7 @@ def plan_batch(
     if n == 1 and policies[0] is not None and not fresh[0]:
         return [_best_single(policies[0], limits[0], cost, draft_s[0])]
     scale = calibration or [1.0] * n
-    rates = [[r * scale[i] if j == 0 else r for j, r in enumerate(p.position_rates())]
+    rates = [[r * scale[i] if j == 0 else r for j, r in enumerate(p.acceptance.rates())]
              if p is not None else [] for i, p in enumerate(policies)]
     run = [1.0] * n  # chance that every draft so far in sequence i is kept
     expected = float(n)  # each sequence commits at least one token

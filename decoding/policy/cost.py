@@ -1,10 +1,10 @@
 """What a target pass costs, fitted online: one weighted least-squares line of seconds
-against tokens, read two ways.
+against tokens, read two ways; and what a draft token costs a sequence's round.
 
 ``StepCost`` is the engine's: a whole pass against the tokens in it, for the batch plan.
 ``VerifyCost`` is a sequence's own: its rounds against the draft tokens they verified,
 in target steps, for the draft length. Both decay older passes so the line follows the
-machine's load and the context's growth.
+machine's load and the context's growth. ``RoundCost`` adds drafting to ``VerifyCost``.
 """
 
 from __future__ import annotations
@@ -148,3 +148,34 @@ class StepCost:
             return self._single
         fixed, slope = self.line()
         return fixed + slope * tokens
+
+
+@dataclass
+class RoundCost:
+    """What a draft token costs one sequence's round, in target steps: verifying it
+    (``verify``, fitted from the sequence's rounds) and drafting it (measured as rounds go;
+    a drafter's first round, which also feeds it the whole prompt, is not a draft step's
+    cost and is not measured)."""
+
+    draft_per_token: float = 0.0  # a draft step, in target steps
+    verify: VerifyCost = field(default_factory=VerifyCost)
+    draft_s_per_token: float = 0.0  # a draft step, in seconds
+    _draft_steps_seen: int = 0
+
+    @property
+    def per_token(self) -> float:
+        """Drafting and verifying one more token, in target steps."""
+        return self.verify.per_token + self.draft_per_token
+
+    def observe(self, verified: int, steps: int, draft_s: float, verify_s: float) -> None:
+        """A round that ran ``steps`` draft steps in ``draft_s`` seconds and verified
+        ``verified`` tokens in ``verify_s``."""
+        self.verify.observe(verified, verify_s)
+        if steps == 0:
+            return
+        first = self._draft_steps_seen == 0
+        self._draft_steps_seen += steps
+        if draft_s > 0 and not first:
+            self.draft_s_per_token = ema(self.draft_s_per_token, draft_s / steps)
+        if draft_s > 0 and self.verify.step_s > 0 and not first:
+            self.draft_per_token = ema(self.draft_per_token, draft_s / steps / self.verify.step_s)
