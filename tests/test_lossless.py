@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
 
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
-from decoding.policy import AdaptiveSpeculation, FixedSpeculation
+from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
 from decoding.round import decode
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.passes import BatchItem
+from tests.policies import SteadyTimingPolicy
 
 GREEDY = SamplingParams(temperature=0.0)
 TINY_PROMPTS = [
@@ -214,23 +213,6 @@ def test_real_model_fp32_lossless(
     plain = _run(default_target, None, request)
     for drafter in (NgramDrafter(), ModelDrafter(tiny_draft, default_target)):
         assert _run(default_target, drafter, request)[:2] == plain[:2], drafter.name
-
-
-class SteadyTimingPolicy(AdaptiveSpeculation):
-    """The adaptive policy told fixed timings (a draft step a tenth of a target step, a
-    verified token a twentieth more), not the measured ones: the lengths it picks then
-    depend on the drafter's confidences alone, not on how fast or loaded the machine is."""
-
-    STEP_S = 0.01
-
-    def update(self, drafted: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.0,
-               confidences: Sequence[float] = (), alternative: float | None = None,
-               alternative_taken: bool = False) -> None:
-        verified = drafted + (alternative is not None)
-        steps = max(drafted, len(confidences))
-        super().update(drafted, accepted, steps * self.STEP_S / 10,
-                       self.STEP_S * (1 + verified / 20), confidences, alternative,
-                       alternative_taken)
 
 
 @pytest.mark.real_model
