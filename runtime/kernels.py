@@ -196,6 +196,9 @@ def _compile(level: str, directory: Path) -> None:
         baton.release()
 
 
+_loaded: ModuleType | None = None  # what native() loaded last (loaded())
+
+
 @functools.cache
 def build(level: str) -> ModuleType | None:
     """The kernels module of ``level``, built here if it was not before (None for a
@@ -219,32 +222,28 @@ def build(level: str) -> ModuleType | None:
 def native() -> ModuleType:
     """The compiled kernels module of ``capability()``; raises ``KernelsUnavailable``
     saying why not."""
+    global _loaded
     module = build(capability())
     if module is None:  # capability() names only levels this host runs
         raise KernelsUnavailable(f"the {capability()} kernels cannot run on this CPU")
+    _loaded = module
     return module
 
 
-def built() -> ModuleType | None:
-    """The kernels module of ``capability()`` where it is built already (never building
+def loaded() -> ModuleType | None:
+    """The kernels module ``native()`` loaded in this process (never loading or building
     it here), else None."""
-    level = capability()
-    if level not in host_levels() or not (build_dir(level) / f"{_module_name(level)}.so").is_file():
-        return None
-    try:
-        return build(level)
-    except KernelsUnavailable:
-        return None
+    return _loaded
 
 
 def first_largest(scores: torch.Tensor) -> list[int]:
     """Each row's first largest score's index, as ``scores.float().argmax(-1)``: on the
-    built kernels for a float32 or bfloat16 CPU tensor (one thread and no widened copy,
-    so no other thread a busy machine holds up can delay it: docs/performance.md), else
-    torch's."""
+    kernels this process loaded, for a float32 or bfloat16 CPU tensor (one thread and no
+    widened copy, so no other thread a busy machine holds up can delay it:
+    docs/performance.md), else torch's."""
     import torch
 
-    module = built() if scores.device.type == "cpu" else None
+    module = _loaded if scores.device.type == "cpu" else None
     if (module is not None and scores.dim() == 2 and scores.shape[1] > 0
             and scores.dtype in (torch.float32, torch.bfloat16)):
         picked: list[int] = module.argmax_rows(scores).tolist()

@@ -161,6 +161,7 @@ def test_argmax_rows_is_torch_s_argmax(native: Any, dtype: torch.dtype) -> None:
         got = native.argmax_rows(x)
         assert got.dtype == torch.int64 and torch.equal(got, want), row[:8]
     x = torch.randn(5, 3000, generator=g).to(dtype)
+    assert kernels.loaded() is native  # (what first_largest runs on)
     assert kernels.first_largest(x) == x.float().argmax(-1).tolist()
     assert kernels.first_largest(x[:, ::2]) == x[:, ::2].float().argmax(-1).tolist()
     with pytest.raises(RuntimeError, match="scores must be"):
