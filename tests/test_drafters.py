@@ -135,6 +135,31 @@ def test_model_drafter_reports_its_confidence_and_drafts_as_far_as_its_judge_say
     assert free.alternative is None and short.alternative is None  # no judge / judge says no
 
 
+def test_a_chained_round_drafts_one_step_past_what_the_judge_let_through_before(
+        tiny_target: BatchedLM) -> None:
+    """A round's first native call makes one step more than the judge kept the round
+    before (a judge that keeps one token wastes one step a round, not three); a round
+    that wants more drafts on in a further call, with the same tokens."""
+    drafter = ModelDrafter(tiny_target, tiny_target)
+    assert drafter.can_chain()
+    tokens = [10, 11, 12, 13]
+    reference = drafter.begin(tokens)
+    free = drafter.propose(reference, DraftContext(tokens, GREEDY, None), 6)
+    drafter.release(reference)
+    state = drafter.begin(tokens)
+    one = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(keep=1)), 6)
+    assert one.tokens == free.tokens[:1] and state.judged == 1
+    assert state.cache.length == len(tokens) + CHAIN_STEPS - 1  # the first round: 4 steps
+    again = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(keep=1)), 6)
+    assert again.tokens == free.tokens[:1]
+    assert state.cache.length == len(tokens) + 1  # two steps: one fed back
+    more = drafter.propose(state, DraftContext(tokens, GREEDY, None, _Judge(keep=9)), 6)
+    assert more.tokens == free.tokens and state.judged == 6  # calls of 2 then 4 steps
+    assert state.cache.length == len(tokens) + 5
+    drafter.release(state)
+    assert tiny_target.rows_in_use == 0
+
+
 CHAIN_MODELS = {"dense-float32": ("float32", "none"), "blocks-bfloat16": ("bfloat16", "int4")}
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.drafters.base import DraftContext
-from decoding.drafters.model import ModelDrafter
+from decoding.drafters.model import CHAIN_STEPS, ModelDrafter
 from runtime.batched import BatchedState, DraftSteps
 from runtime.causal_lm import CausalLM
 from runtime.feature_draft import FeatureDraft
@@ -33,6 +33,7 @@ class FeatureDraftState:
     real: int = 0  # leading entries fed beside the target's own states
     last: torch.Tensor | None = None  # [H]: the draft's state after its last entry
     pending: torch.Tensor | None = None  # [n, H]: the target's states for the next feed
+    judged: int = CHAIN_STEPS  # tokens the judge let through the last chained round
 
 
 class FeatureDrafter(ModelDrafter):

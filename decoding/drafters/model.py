@@ -20,7 +20,8 @@ from runtime.passes import BatchItem
 
 # The most greedy draft steps one native call makes: the chain drafts every step it is
 # given before the judge sees any, so a longer call wastes the steps after the judge's
-# stop; a shorter one pays a Python call more (not yet fitted: docs/performance.md)
+# stop; a shorter one pays a call more. A round's first call makes one step more than the
+# judge let through the sequence's round before (docs/performance.md)
 CHAIN_STEPS = 4
 
 
@@ -49,6 +50,7 @@ class DraftModel(Protocol):
 class ModelDraftState:
     cache: Any  # the draft model's KV cache state
     fed: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
+    judged: int = CHAIN_STEPS  # tokens the judge let through the last chained round
 
 
 class ModelDrafter(BaseDrafter):
@@ -116,8 +118,12 @@ class ModelDrafter(BaseDrafter):
         sure: list[list[float]] = [[] for _ in states]
         second: list[tuple[int, float] | None] = [None for _ in states]
         active = list(range(len(states)))
+        first = True
         while active:
-            steps = [min(ks[i] - len(proposed[i]), CHAIN_STEPS) for i in active]
+            # a round's first call: one step past what the judge let through last round
+            steps = [min(ks[i] - len(proposed[i]), CHAIN_STEPS,
+                         states[i].judged + 1 if first else CHAIN_STEPS) for i in active]
+            first = False
             drafted = self._chain_steps([states[i] for i in active],
                                         [feeds[i] for i in active], steps)
             still = []
@@ -128,6 +134,8 @@ class ModelDrafter(BaseDrafter):
                     feeds[i] = [got.tokens[-1]]
                     still.append(i)
             active = still
+        for state, tokens in zip(states, proposed, strict=True):
+            state.judged = len(tokens)
         return [self._proposal(p, [], c, s, context.judge)
                 for p, c, s, context in zip(proposed, sure, second, contexts, strict=True)]
 
