@@ -28,11 +28,11 @@ import torch
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import load_model_drafter
-from decoding.features import FeatureRows
 from decoding.types import SamplingParams
 from runtime.batched import BatchedLM
 from runtime.loading import load_target
 from runtime.passes import BatchItem
+from specbench.acceptance import target_features
 from specbench.compare import json_output, write_json
 
 MS = 1000.0
@@ -59,23 +59,6 @@ def _target_step_ms(target: BatchedLM, repeats: int) -> float:
         target.release(state)
 
 
-def _rows(target: BatchedLM, tokens: list[int]) -> FeatureRows:
-    """The target's states for ``tokens`` as a verify pass hands them to a feature head
-    (its final states, then the layers it captures)."""
-    state = target.new_state()
-    try:
-        prepared = target.prepare_pass([BatchItem(state, tokens, 1, features=True)])
-        target.run_pass(prepared)
-    finally:
-        target.release(state)
-    final = prepared.features[0]
-    layers = prepared.layers[0] if prepared.layers else None
-    assert final is not None
-    rows = FeatureRows()
-    rows.add(0, final if layers is None else torch.cat([final, layers], dim=1))
-    return rows
-
-
 def _round_ms(target: BatchedLM, drafter: ModelDrafter, streams: int, k: int, path: str,
               repeats: int) -> tuple[float, list[tuple[int, ...]]]:
     """Median ms of drafting ``k`` tokens for ``streams`` sequences (each past its
@@ -85,7 +68,7 @@ def _round_ms(target: BatchedLM, drafter: ModelDrafter, streams: int, k: int, pa
     greedy = SamplingParams(temperature=0.0)
     prompts = [_prompt(s) for s in range(streams)]
     grown_ids = [[*p, 321] for p in prompts]
-    rows = ([_rows(target, ids) for ids in grown_ids] if drafter.reads_features
+    rows = ([target_features(target, ids) for ids in grown_ids] if drafter.reads_features
             else [None] * streams)
     contexts = [DraftContext(p, greedy, None, features=r)
                 for p, r in zip(prompts, rows, strict=True)]

@@ -20,6 +20,7 @@ from runtime import draft_format, feature_draft
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.passes import BatchItem
+from specbench.acceptance import target_features
 
 
 def make_feature_draft(target: BatchedLM, out: Path, seed: int = 0, top: int = 4096,
@@ -309,15 +310,8 @@ def test_the_native_chain_drafts_the_feature_head_s_step_loop_tokens(
     sampling = SamplingParams(temperature=0.0)
 
     def rows_for(tokens: list[int]) -> FeatureRows:
-        state = own_target.new_state()
-        prepared = own_target.prepare_pass([BatchItem(state, tokens[:-1], 1, features=True)])
-        own_target.run_pass(prepared)
-        own_target.release(state)
-        final = prepared.features[0]
-        layers = prepared.layers[0] if prepared.layers else None
-        assert final is not None
-        rows = FeatureRows()
-        rows.add(0, final if layers is None else torch.cat([final, layers], dim=1))
+        rows = target_features(own_target, tokens[:-1])  # as the verify passes hand them
+        assert rows is not None
         return rows
 
     def rounds(paths: list[bool]) -> list[list[tuple[object, ...]]]:
@@ -360,14 +354,8 @@ def test_the_shipped_feature_head_chains_natively_beside_the_served_target() -> 
     assert isinstance(drafter, FeatureDrafter) and drafter.can_chain()
     sampling = SamplingParams(temperature=0.0)
     tokens = [*_request(target, "Name three primary colours.", sampling).prompt_ids]
-    state = target.new_state()
-    prepared = target.prepare_pass([BatchItem(state, tokens[:-1], 1, features=True)])
-    target.run_pass(prepared)
-    target.release(state)
-    final, layers = prepared.features[0], prepared.layers[0] if prepared.layers else None
-    assert final is not None
-    rows = FeatureRows()
-    rows.add(0, final if layers is None else torch.cat([final, layers], dim=1))
+    rows = target_features(target, tokens[:-1])
+    assert rows is not None
     drafted = {}
     for chain in (False, True):
         drafter.native_chain = chain
