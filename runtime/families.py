@@ -4,9 +4,12 @@ family's config says of its layers (windows, activation, attention sizes, KV byt
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 BATCHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"})
 # families whose layers are Gemma's: norms of (1 + weight) after attention and around the MLP,
@@ -36,7 +39,7 @@ def unsupported_family(model_type: str | None, supported: Collection[str]) -> st
     return f"{line}: {gap}" if gap else line
 
 
-def supports(model: Any) -> str | None:
+def supports(model: PreTrainedModel) -> str | None:
     """Why ``model`` cannot run batched (``batched.BatchedLM``), or None when it can."""
     reason = unbatchable(model.config)
     if reason is not None:
@@ -50,7 +53,7 @@ def supports(model: Any) -> str | None:
     return None
 
 
-def needs_skeleton(config: Any) -> bool:
+def needs_skeleton(config: PretrainedConfig) -> bool:
     """Whether the runner takes a model of ``config`` only as ``skeleton.Skeleton``'s
     modules (which ``BatchedLM.wrap`` rebuilds from transformers' model)."""
     family = getattr(config, "model_type", None)
@@ -58,7 +61,7 @@ def needs_skeleton(config: Any) -> bool:
             or any(layer_window(config, i) for i in range(int(config.num_hidden_layers))))
 
 
-def layer_window(config: Any, index: int) -> int | None:
+def layer_window(config: PretrainedConfig, index: int) -> int | None:
     """How many positions up to its own a query of layer ``index`` sees (its own
     included), or None: all of them."""
     family = getattr(config, "model_type", None)
@@ -72,13 +75,13 @@ def layer_window(config: Any, index: int) -> int | None:
     return None
 
 
-def activation(config: Any) -> str:
+def activation(config: PretrainedConfig) -> str:
     """The MLP's activation as a config names it (Gemma's ``hidden_activation``)."""
     return str(getattr(config, "hidden_activation", None)
                or getattr(config, "hidden_act", None) or "silu")
 
 
-def unbatchable(config: Any) -> str | None:
+def unbatchable(config: PretrainedConfig) -> str | None:
     """Why a model of ``config`` cannot run batched, or None when its family and
     attention can."""
     model_type = getattr(config, "model_type", None)
@@ -102,7 +105,7 @@ def unbatchable(config: Any) -> str | None:
     return None
 
 
-def _gemma_gap(config: Any) -> str | None:
+def _gemma_gap(config: PretrainedConfig) -> str | None:
     """Why a Gemma 3 model cannot run batched (its sliding-window layers can), or None."""
     if getattr(config, "use_bidirectional_attention", False):
         return "its attention is bidirectional"
@@ -115,7 +118,7 @@ def _gemma_gap(config: Any) -> str | None:
     return None
 
 
-def attention_dims(config: Any) -> tuple[int, int, int]:
+def attention_dims(config: PretrainedConfig) -> tuple[int, int, int]:
     """Query heads, key/value heads and the size of a head, from a transformers config."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -123,7 +126,7 @@ def attention_dims(config: Any) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def kv_position_bytes(config: Any, dtype: torch.dtype) -> int:
+def kv_position_bytes(config: PretrainedConfig, dtype: torch.dtype) -> int:
     """The keys and values of every layer for one position of one sequence, in bytes."""
     _, kv_heads, head_dim = attention_dims(config)
     element = torch.empty((), dtype=dtype).element_size()

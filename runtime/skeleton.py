@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from runtime.families import (
 )
 from runtime.model_config import model_config, tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -50,7 +53,7 @@ META = torch.device("meta")
 DERIVED = ("rotary_emb.inv_freq",)
 
 
-def unbuildable(config: Any) -> str | None:
+def unbuildable(config: PretrainedConfig) -> str | None:
     """Why ``config``'s model cannot be built from these modules, or None."""
     reason = unbatchable(config)
     if reason is not None:
@@ -95,7 +98,7 @@ class GemmaNorm(nn.Module):
         return (wide * (self.offset + self.weight.float())).to(x.dtype)
 
 
-def _norm(config: Any, size: int, dtype: torch.dtype) -> nn.Module:
+def _norm(config: PretrainedConfig, size: int, dtype: torch.dtype) -> nn.Module:
     kind = GemmaNorm if config.model_type in GEMMA_FAMILIES else RMSNorm
     return kind(size, float(config.rms_norm_eps), dtype)
 
@@ -107,7 +110,7 @@ class Rotary(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, config: Any, layer_type: str | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, layer_type: str | None = None) -> None:
         super().__init__()
         self.config = config
         params = config.rope_parameters
@@ -190,7 +193,7 @@ def _linear(inputs: int, outputs: int, bias: bool, dtype: torch.dtype) -> nn.Lin
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, index: int) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         heads, kv_heads, self.head_dim = attention_dims(config)
         hidden = int(config.hidden_size)
@@ -212,7 +215,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, inner = int(config.hidden_size), int(config.intermediate_size)
         bias = config.model_type == "llama" and bool(getattr(config, "mlp_bias", False))
@@ -226,7 +229,7 @@ class Layer(nn.Module):
     """A decoder layer. Gemma's norm attention's output (``post_attention_layernorm``)
     and the MLP's input and output (``pre_``/``post_feedforward_layernorm``) too."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, index: int) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, dtype, index)
         self.mlp = MLP(config, dtype)
@@ -239,7 +242,7 @@ class Layer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device=META,
                                         dtype=dtype)
@@ -263,7 +266,7 @@ class Skeleton(nn.Module):
     weight_files: tuple[Path, ...] = ()  # the safetensors files it was filled from
     is_skeleton = True  # (``families.supports``: these modules, not transformers')
 
-    def __init__(self, config: Any, dtype: torch.dtype,
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype,
                  generation: Mapping[str, Any] | None = None, name: str = "model") -> None:
         super().__init__()
         reason = unbuildable(config)
@@ -316,7 +319,7 @@ class Skeleton(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
-def split_fused(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+def split_fused(state: Mapping[str, torch.Tensor], config: PretrainedConfig) -> dict[str, torch.Tensor]:
     """``state`` with fused projections (Phi-3's ``qkv_proj``, ``gate_up_proj``) as the
     separate ones the skeleton has: views of their rows."""
     heads, kv_heads, dim = attention_dims(config)
@@ -337,7 +340,7 @@ def split_fused(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, tor
     return out
 
 
-def rebuilt(model: Any, name: str) -> Skeleton:
+def rebuilt(model: PreTrainedModel, name: str) -> Skeleton:
     """transformers' ``model`` (a batched family's) as a skeleton over the same tensors, for
     the models the runner takes only as a skeleton (``families.needs_skeleton``)."""
     eos = getattr(model.generation_config, "eos_token_id", None)
