@@ -13,11 +13,17 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 MAX_CACHED_GRAMMARS = 128
 MAX_CACHED_BYTES = 32 << 20  # grammar source kept in the cache, all entries together
@@ -78,7 +84,7 @@ class Grammar:
 class GuidanceConstraint:
     """``Constraint`` on an llguidance matcher."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_id: int,
+    def __init__(self, matcher: LLMatcher, vocab_size: int, eos_id: int,
                  stop_ids: frozenset[int] = frozenset()) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
@@ -130,7 +136,8 @@ class GuidanceConstraint:
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and caches them (thread-safe)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_id: int | None = None,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 eos_id: int | None = None,
                  max_entries: int = MAX_CACHED_GRAMMARS,
                  max_bytes: int = MAX_CACHED_BYTES,
                  stop_ids: frozenset[int] = frozenset()) -> None:
@@ -141,15 +148,15 @@ class GrammarCompiler:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._engine_tokenizer: Any = None
-        self._cache: OrderedDict[str, tuple[Grammar, Any]] = OrderedDict()
+        self._engine_tokenizer: LLTokenizer | None = None
+        self._cache: OrderedDict[str, tuple[Grammar, LLMatcher]] = OrderedDict()
         self._bytes = 0
         self.hits = 0
         self.misses = 0
 
     # -- building grammars ------------------------------------------------------------
 
-    def json_schema(self, schema: Any) -> Grammar:
+    def json_schema(self, schema: object) -> Grammar:
         """A grammar for JSON values matching ``schema`` (compact, no extra whitespace)."""
         if not isinstance(schema, dict):
             raise GrammarError("the JSON schema must be an object")
@@ -187,7 +194,7 @@ class GrammarCompiler:
         return GuidanceConstraint(template.deep_copy(), self.vocab_size, self.eos_id,
                                   self.stop_ids)
 
-    def _cached(self, key: str, source: Any) -> Grammar:
+    def _cached(self, key: str, source: Callable[[], str]) -> Grammar:
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
@@ -208,7 +215,7 @@ class GrammarCompiler:
                 self._bytes -= len(old_key) + len(old.source)
         return grammar
 
-    def _compile(self, source: str) -> Any:
+    def _compile(self, source: str) -> LLMatcher:
         """A matcher at the grammar's start, with its first mask computed (so a grammar
         whose lexer blows up fails here, not on the model thread)."""
         llg = _llguidance()
@@ -225,13 +232,14 @@ class GrammarCompiler:
         vocabulary; separate, so that a compile's time limit does not count it)."""
         self._tokenizer()
 
-    def _tokenizer(self) -> Any:
+    def _tokenizer(self) -> LLTokenizer:
         with self._lock:
             if self._engine_tokenizer is None:
                 import llguidance.hf
 
                 self._engine_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_id)
+                    cast("PreTrainedTokenizerFast", self.tokenizer), n_vocab=self.vocab_size,
+                    eos_token=self.eos_id)
             return self._engine_tokenizer
 
     @property
@@ -239,7 +247,7 @@ class GrammarCompiler:
         return len(self._cache)
 
 
-def _llguidance() -> Any:
+def _llguidance() -> ModuleType:
     try:
         import llguidance
     except ImportError as exc:  # pragma: no cover - a dependency of the package
@@ -247,7 +255,7 @@ def _llguidance() -> Any:
     return llguidance
 
 
-def _limits(llg: Any) -> Any:
+def _limits(llg: ModuleType) -> LLParserLimits:
     return llg.LLParserLimits(
         initial_lexer_fuel=LEXER_FUEL, step_lexer_fuel=STEP_LEXER_FUEL,
         step_max_items=STEP_MAX_ITEMS, max_lexer_states=MAX_LEXER_STATES,

@@ -7,11 +7,14 @@ it; the core never builds a target, it is handed one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Target(Protocol):
@@ -20,7 +23,7 @@ class Target(Protocol):
     length. ``CausalLM`` (one sequence per pass) and ``BatchedLM`` implement it."""
 
     name: str
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
     vocab_size: int

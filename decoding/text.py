@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from decoding.types import FinishReason
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT = "\ufffd"
 
@@ -26,7 +30,7 @@ class TextUpdate:
 
 
 class TextStream:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.token_ids: list[int] = []
@@ -106,8 +110,8 @@ class Committed:
     string (the text cut where it starts, the tokens after it dropped) or the length cap
     of ``max_new`` output tokens."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop_ids: frozenset[int],
-                 max_new: int, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int],
+                 stop_ids: frozenset[int], max_new: int, stop: Sequence[str] = ()) -> None:
         self.tokens: list[int] = list(prompt_ids)  # every committed token
         self.output: list[int] = []  # the committed tokens after the prompt
         self.stop_ids = stop_ids
@@ -152,7 +156,7 @@ class Committed:
         return self.text.flush()
 
 
-def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int]], str]:
     """``ids -> text`` without special tokens or clean-up, as streamed text is decoded.
 
     Where ``tokenizer`` is a transformers tokenizer whose decoding is its ``tokenizers``
@@ -163,11 +167,11 @@ def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     backend = _backend(tokenizer)
     if backend is not None:
         return lambda ids: str(backend.decode(list(ids), skip_special_tokens=True))
-    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True,
+    return lambda ids: str(tokenizer.decode(cast("list[int]", ids), skip_special_tokens=True,
                                             clean_up_tokenization_spaces=False))
 
 
-def _backend(tokenizer: Any) -> Any:
+def _backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers: decode through the wrapper

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 from runtime.quantized import BlockMatrix, block_kernels, load_quantized
 from runtime.stack import Rotary, Stack
 from runtime.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ class BatchedLM(CausalLM):
                                                           or self.stack.kernels is not None),
                                   features=True)
 
-    def __init__(self, model: Any, tokenizer: Any, name: str = "model", *,
+    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, name: str = "model", *,
                  quantize: str = "none", weights: Sequence[LayerWeights] | None = None,
                  head: Product | None = None, weights_format: str | None = None,
                  kernels: str = "auto", int8_activations: bool = True) -> None:
@@ -146,7 +149,8 @@ class BatchedLM(CausalLM):
                    kernels=kernels, int8_activations=int8_activations)
 
     @classmethod
-    def wrap(cls, model: Any, tokenizer: Any, name: str, kernels: str = "auto") -> CausalLM:
+    def wrap(cls, model: Any, tokenizer: PreTrainedTokenizerBase, name: str,
+             kernels: str = "auto") -> CausalLM:
         """Batched when the model's architecture allows, else a plain ``CausalLM``
         (``BatchedLM.load`` loads either)."""
         if (needs_skeleton(model.config) and not isinstance(model, skeleton.Skeleton)

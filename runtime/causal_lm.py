@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
 
 from runtime.families import attention_dims, kv_position_bytes
 from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class CausalLM:
 
     capabilities = TargetCapabilities(batched=False, branches=False)
 
-    def __init__(self, model: Any, tokenizer: Any, name: str = "model") -> None:
+    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, name: str = "model") -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -72,7 +75,7 @@ class CausalLM:
         return cls.wrap(*pretrained(path, dtype, device), name=str(path))
 
     @classmethod
-    def wrap(cls, model: Any, tokenizer: Any, name: str) -> CausalLM:
+    def wrap(cls, model: Any, tokenizer: PreTrainedTokenizerBase, name: str) -> CausalLM:
         """The runner for a loaded model (a subclass may fall back to this class)."""
         return cls(model, tokenizer, name=name)
 
@@ -167,7 +170,7 @@ class CausalLM:
         return out.logits[0]  # [keep, vocab]
 
 
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "eos_token_id", None) if source is not None else None
@@ -180,7 +183,8 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def check_same_vocabulary(target_tokenizer: Any, draft_tokenizer: Any, draft_name: str) -> None:
+def check_same_vocabulary(target_tokenizer: PreTrainedTokenizerBase,
+                          draft_tokenizer: PreTrainedTokenizerBase, draft_name: str) -> None:
     """Refuse a draft whose tokenizer differs from the target's."""
     target_vocab = target_tokenizer.get_vocab()
     draft_vocab = draft_tokenizer.get_vocab()

@@ -319,7 +319,8 @@ class Skeleton(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
-def split_fused(state: Mapping[str, torch.Tensor], config: PretrainedConfig) -> dict[str, torch.Tensor]:
+def split_fused(state: Mapping[str, torch.Tensor],
+                config: PretrainedConfig) -> dict[str, torch.Tensor]:
     """``state`` with fused projections (Phi-3's ``qkv_proj``, ``gate_up_proj``) as the
     separate ones the skeleton has: views of their rows."""
     heads, kv_heads, dim = attention_dims(config)

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -242,8 +242,8 @@ def generate(target_dir: str, data_dir: Path, settings: DataSettings,
             replies = answer_all(target, [encode(texts[i]) for i in asks], ASK_MAX_NEW_TOKENS,
                                  1, settings.batch_size, ASK_TEMPERATURE, seeds)
             for i, reply in zip(asks, replies, strict=True):
-                text = target.tokenizer.decode(reply.answer_ids.tolist(),
-                                               skip_special_tokens=True)
+                text = cast(str, target.tokenizer.decode(reply.answer_ids.tolist(),
+                                                         skip_special_tokens=True))
                 question = prompt_source.extract_question(text)
                 if question is not None:
                     texts[i] = question

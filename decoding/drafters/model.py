@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -17,6 +17,9 @@ from decoding.sampling import SamplingKey, logits_to_probs
 from runtime.batched import BatchedLM, DraftSteps
 from runtime.causal_lm import CausalLM, check_same_vocabulary
 from runtime.passes import BatchItem
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # The most greedy draft steps one native call makes: the chain drafts every step it is
 # given before the judge sees any, so a longer call wastes the steps after the judge's
@@ -31,7 +34,7 @@ class DraftModel(Protocol):
 
     name: str
     vocab_size: int
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
     def new_state(self) -> Any: ...
 
@@ -57,7 +60,7 @@ class ModelDrafter(BaseDrafter):
     native_chain = True  # greedy rounds in one native call where the model offers it
 
     def __init__(self, model: DraftModel, target: CausalLM | None = None,
-                 tokenizer: Any = None, name: str = "draft") -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None, name: str = "draft") -> None:
         tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         if target is not None:
             check_same_vocabulary(target.tokenizer, tokenizer, model.name)
