@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from runtime import dense
@@ -269,17 +270,17 @@ class LayerWeights:
     sees its rows), so only the ``[in, out]`` copies take extra memory. The norms
     and the activation are the layer's own."""
 
-    input_norm: Any
-    post_norm: Any
-    act: Any
+    input_norm: nn.Module
+    post_norm: nn.Module
+    act: nn.Module
     qkv: Product
     o: Product
     gate_up: Product
     down: Product
-    qk_norms: tuple[Any, Any] | None = None  # each head's q and k norms (Qwen3), or None
+    qk_norms: tuple[nn.Module, nn.Module] | None = None  # each head's q and k norms (Qwen3), or None
     # Gemma's norms of attention's output and of the MLP's (post_norm is then the MLP's
     # input norm), or None
-    out_norms: tuple[Any, Any] | None = None
+    out_norms: tuple[nn.Module, nn.Module] | None = None
     window: int | None = None  # a sliding-window layer's window, or None
 
     @classmethod
@@ -306,13 +307,13 @@ def layer_norms(layer: Any) -> dict[str, Any]:
             "out_norms": (layer.post_attention_layernorm, layer.post_feedforward_layernorm)}
 
 
-def qk_norms(attention: Any) -> tuple[Any, Any] | None:
+def qk_norms(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """An attention module's per-head q and k norms (Qwen3's), or None."""
     q, k = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
     return (q, k) if q is not None and k is not None else None
 
 
-def norm_heads(qkv: torch.Tensor, norms: tuple[Any, Any], heads: int, kv_heads: int,
+def norm_heads(qkv: torch.Tensor, norms: tuple[nn.Module, nn.Module], heads: int, kv_heads: int,
                dim: int) -> torch.Tensor:
     """``qkv`` ``[T, (heads + 2 kv_heads) dim]`` with each head of q and of k normed by
     ``norms`` (the values as they are), contiguous."""
@@ -322,7 +323,7 @@ def norm_heads(qkv: torch.Tensor, norms: tuple[Any, Any], heads: int, kv_heads: 
     return torch.cat((q, k, v), dim=-1)
 
 
-def linear_modules(layer: Any) -> dict[str, tuple[Any, ...]]:
+def linear_modules(layer: Any) -> dict[str, tuple[nn.Linear, ...]]:
     """A decoder layer's linear modules by the fused ``LayerWeights`` matrix they make."""
     attention, mlp = layer.self_attn, layer.mlp
     return {"qkv": (attention.q_proj, attention.k_proj, attention.v_proj),
@@ -330,7 +331,7 @@ def linear_modules(layer: Any) -> dict[str, tuple[Any, ...]]:
             "down": (mlp.down_proj,)}
 
 
-def fuse(linears: Sequence[Any]) -> Matrix:
+def fuse(linears: Sequence[nn.Linear]) -> Matrix:
     """One ``[sum(out), in]`` matrix for ``linears``; each module's weight (and bias)
     becomes a view of its rows."""
     weights = [m.weight.detach() for m in linears]
@@ -351,7 +352,7 @@ def fuse(linears: Sequence[Any]) -> Matrix:
     return Matrix(fused, bias)
 
 
-def fuse_quantized(linears: Sequence[Any], method: str, blocks: ModuleType | None = None
+def fuse_quantized(linears: Sequence[nn.Linear], method: str, blocks: ModuleType | None = None
                    ) -> Product:
     """One quantized ``[sum(out), in]`` matrix for ``linears``; the modules' own weights
     are dropped (left on the meta device), since only the quantized copy runs."""
@@ -370,7 +371,7 @@ def fuse_quantized(linears: Sequence[Any], method: str, blocks: ModuleType | Non
     return matrix
 
 
-def drop_weight(module: Any) -> None:
+def drop_weight(module: nn.Linear | nn.Embedding) -> None:
     """Replace ``module``'s weight by a meta tensor of its shape (its memory is freed)."""
     module.weight = torch.nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
 
