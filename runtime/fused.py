@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from runtime import kernels
 from runtime.families import GEMMA_FAMILIES, activation
@@ -128,7 +129,7 @@ def layer_segments(native: ModuleType, norms: list[Norm], stack: Stack,
     return out
 
 
-def embedding_source(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
+def embedding_source(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
     """What ``DraftChain`` reads an input embedding from, where a lookup of ``module`` in a
     model of ``dtype`` is a row of a table or of a block matrix, rounded once to
     ``dtype``: (the table, 0) or (the packed matrix, its bits); else None."""

@@ -5,9 +5,8 @@ kernels' path): the matrix products over the packed tokens, attention per padded
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch import nn
 
 from runtime.attention import rotate
 from runtime.layout import Layout
@@ -62,7 +61,7 @@ def forward(stack: Stack, batch: Layout, inputs: torch.Tensor | None = None) -> 
     return hidden
 
 
-def _cos_sin(rotary: Any, hidden: torch.Tensor, positions: torch.Tensor
+def _cos_sin(rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, 1, D] each
     cos, sin = rotary(hidden, positions[None])  # [1, T, D]
     return cos[0, :, None], sin[0, :, None]

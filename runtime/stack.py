@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from runtime.attention import GroupedAttention
 from runtime.weights import LayerWeights, Product
@@ -43,7 +44,7 @@ class Rotary:
     positions up: bitwise what running it per pass gives (each value is one product and
     its cos/sin), 10 us a pass instead of 36 (one token, one thread)."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.static = getattr(module, "rope_type", "default") in STATIC_ROPE
         self._cos: torch.Tensor | None = None
@@ -82,7 +83,7 @@ class Stack:
     loops. The first group is fixed at load; the rest ``BatchedLM`` replaces here."""
 
     model: Any  # the causal LM (transformers' or ``skeleton``'s) whose modules these are
-    layers: list[Any]  # its decoder layers' modules, in order
+    layers: list[nn.Module]  # its decoder layers' modules, in order
     weights: list[LayerWeights]  # [layer] the matrices a pass multiplies by, and the norms
     head: Product  # the output head (over ``head_ids`` where that is not None)
     head_ids: torch.Tensor | None  # [K]: the vocabulary ids of a subset head's rows

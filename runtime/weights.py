@@ -277,7 +277,7 @@ class LayerWeights:
     o: Product
     gate_up: Product
     down: Product
-    qk_norms: tuple[nn.Module, nn.Module] | None = None  # each head's q and k norms (Qwen3), or None
+    qk_norms: tuple[nn.Module, nn.Module] | None = None  # each head's q and k norms (Qwen3)
     # Gemma's norms of attention's output and of the MLP's (post_norm is then the MLP's
     # input norm), or None
     out_norms: tuple[nn.Module, nn.Module] | None = None
