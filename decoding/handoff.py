@@ -18,16 +18,19 @@ docs/performance.md, "Handing events over".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from decoding.streams import RequestStream
 
 
 class Outbox:
     """What the model thread has for streams and has not handed over yet, in order."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[Any, object]] = []
+        self._items: list[tuple[RequestStream, object]] = []
 
-    def send(self, stream: Any, item: object) -> None:
+    def send(self, stream: RequestStream, item: object) -> None:
         """Queue ``item`` (an event, or ``END``) for ``stream`` (a ``RequestStream``)."""
         self._items.append((stream, item))
 

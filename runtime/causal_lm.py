@@ -198,7 +198,7 @@ def check_same_vocabulary(target_tokenizer: PreTrainedTokenizerBase,
     )
 
 
-def pretrained(path: str, dtype: str, device: str) -> tuple[Any, Any]:
+def pretrained(path: str, dtype: str, device: str) -> tuple[Any, PreTrainedTokenizerBase]:
     """A model directory's (or hub id's) model in ``dtype`` on ``device``, and its tokenizer."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")

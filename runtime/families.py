@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PreTrainedModel
+
+    from runtime.model_config import ModelConfig
 
 BATCHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"})
 # families whose layers are Gemma's: norms of (1 + weight) after attention and around the MLP,
@@ -53,7 +55,7 @@ def supports(model: PreTrainedModel) -> str | None:
     return None
 
 
-def needs_skeleton(config: PretrainedConfig) -> bool:
+def needs_skeleton(config: ModelConfig) -> bool:
     """Whether the runner takes a model of ``config`` only as ``skeleton.Skeleton``'s
     modules (which ``BatchedLM.wrap`` rebuilds from transformers' model)."""
     family = getattr(config, "model_type", None)
@@ -61,7 +63,7 @@ def needs_skeleton(config: PretrainedConfig) -> bool:
             or any(layer_window(config, i) for i in range(int(config.num_hidden_layers))))
 
 
-def layer_window(config: PretrainedConfig, index: int) -> int | None:
+def layer_window(config: ModelConfig, index: int) -> int | None:
     """How many positions up to its own a query of layer ``index`` sees (its own
     included), or None: all of them."""
     family = getattr(config, "model_type", None)
@@ -75,13 +77,13 @@ def layer_window(config: PretrainedConfig, index: int) -> int | None:
     return None
 
 
-def activation(config: PretrainedConfig) -> str:
+def activation(config: ModelConfig) -> str:
     """The MLP's activation as a config names it (Gemma's ``hidden_activation``)."""
     return str(getattr(config, "hidden_activation", None)
                or getattr(config, "hidden_act", None) or "silu")
 
 
-def unbatchable(config: PretrainedConfig) -> str | None:
+def unbatchable(config: ModelConfig) -> str | None:
     """Why a model of ``config`` cannot run batched, or None when its family and
     attention can."""
     model_type = getattr(config, "model_type", None)
@@ -105,7 +107,7 @@ def unbatchable(config: PretrainedConfig) -> str | None:
     return None
 
 
-def _gemma_gap(config: PretrainedConfig) -> str | None:
+def _gemma_gap(config: ModelConfig) -> str | None:
     """Why a Gemma 3 model cannot run batched (its sliding-window layers can), or None."""
     if getattr(config, "use_bidirectional_attention", False):
         return "its attention is bidirectional"
@@ -118,7 +120,7 @@ def _gemma_gap(config: PretrainedConfig) -> str | None:
     return None
 
 
-def attention_dims(config: PretrainedConfig) -> tuple[int, int, int]:
+def attention_dims(config: ModelConfig) -> tuple[int, int, int]:
     """Query heads, key/value heads and the size of a head, from a transformers config."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -126,7 +128,7 @@ def attention_dims(config: PretrainedConfig) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def kv_position_bytes(config: PretrainedConfig, dtype: torch.dtype) -> int:
+def kv_position_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """The keys and values of every layer for one position of one sequence, in bytes."""
     _, kv_heads, head_dim = attention_dims(config)
     element = torch.empty((), dtype=dtype).element_size()

@@ -14,9 +14,12 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 MAGIC = b"GGUF"
 # metadata value types: the size of each scalar type, by its number (8: string, 9: array)
@@ -35,7 +38,7 @@ class Tensor:
     """A GGUF tensor record."""
 
     name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
+    tensor_type: GGMLQuantizationType
     shape: np.ndarray  # GGUF order: inputs first
     data: np.ndarray  # a view of the mapped file: numbers, or [..., bytes per row] of blocks
 

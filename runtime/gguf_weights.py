@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,11 @@ from runtime.quantized import (
 )
 from runtime.skeleton import Skeleton
 from runtime.weights import LayerWeights, Matrix, Product, Stacked, layer_norms
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from runtime.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +298,7 @@ def byte_codes(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.astype(np.int8), blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
 
 
-def config_and_tokenizer(file: Path) -> tuple[Any, Any]:
+def config_and_tokenizer(file: Path) -> tuple[ModelConfig, PreTrainedTokenizerBase]:
     """The model's config and tokenizer: from a model directory holding the file (the
     default model keeps its GGUF beside its converted directory's), else from the file,
     converted by transformers once and kept (``converted``)."""
@@ -319,7 +324,7 @@ def converted(file: Path) -> Path:
     return model_store.home() / "gguf" / key.hexdigest()[:20]
 
 
-def _keep(directory: Path, config: Any, tokenizer: Any) -> None:
+def _keep(directory: Path, config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Save the converted config and tokenizer to ``directory``, whole or not at all (a
     failure costs the next start the conversion, never this one)."""
     staging = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")

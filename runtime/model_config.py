@@ -10,7 +10,13 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    # transformers' config class, or ``read_config``'s namespace of the same fields
+    ModelConfig: TypeAlias = PretrainedConfig | SimpleNamespace
 
 # What a config.json may leave out, as transformers' config classes fill it in
 DEFAULTS: dict[str, Any] = {
@@ -47,7 +53,7 @@ def read_config(values: Mapping[str, Any]) -> SimpleNamespace | None:
     return SimpleNamespace(**config)
 
 
-def model_config(directory: Path) -> Any:
+def model_config(directory: Path) -> ModelConfig:
     """The directory's config: ``read_config``'s, else transformers' ``AutoConfig``."""
     light = read_config(json.loads((directory / "config.json").read_text()))
     if light is not None:
@@ -57,7 +63,7 @@ def model_config(directory: Path) -> Any:
     return AutoConfig.from_pretrained(directory)
 
 
-def tokenizer(directory: Path, config: Any) -> Any:
+def tokenizer(directory: Path, config: ModelConfig) -> PreTrainedTokenizerBase:
     """The directory's tokenizer by ``AutoTokenizer``, given ``config`` where it names its
     tokenizer class itself (else AutoTokenizer reads the model's config, by its class)."""
     from transformers import AutoTokenizer

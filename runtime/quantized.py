@@ -13,10 +13,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 INT4_GROUP = 32  # weights sharing a scale and a zero along the input dimension
 INT4_TILES = 2  # the kernel's inner K tiles (K must be a multiple of 16 x this)
@@ -290,7 +293,8 @@ def quantized(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
     raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
 
 
-def load_quantized(path: str, method: str, device: str = "cpu") -> tuple[Any, Any]:
+def load_quantized(path: str, method: str, device: str = "cpu"
+                   ) -> tuple[Any, PreTrainedTokenizerBase]:
     """A model directory's model in bfloat16 (its matrices to be quantized by ``method``)
     and its tokenizer."""
     from runtime import skeleton

@@ -41,7 +41,9 @@ from runtime.families import (
 from runtime.model_config import model_config, tokenizer
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from runtime.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ META = torch.device("meta")
 DERIVED = ("rotary_emb.inv_freq",)
 
 
-def unbuildable(config: PretrainedConfig) -> str | None:
+def unbuildable(config: ModelConfig) -> str | None:
     """Why ``config``'s model cannot be built from these modules, or None."""
     reason = unbatchable(config)
     if reason is not None:
@@ -98,7 +100,7 @@ class GemmaNorm(nn.Module):
         return (wide * (self.offset + self.weight.float())).to(x.dtype)
 
 
-def _norm(config: PretrainedConfig, size: int, dtype: torch.dtype) -> nn.Module:
+def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> nn.Module:
     kind = GemmaNorm if config.model_type in GEMMA_FAMILIES else RMSNorm
     return kind(size, float(config.rms_norm_eps), dtype)
 
@@ -110,7 +112,7 @@ class Rotary(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, config: PretrainedConfig, layer_type: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_type: str | None = None) -> None:
         super().__init__()
         self.config = config
         params = config.rope_parameters
@@ -193,7 +195,7 @@ def _linear(inputs: int, outputs: int, bias: bool, dtype: torch.dtype) -> nn.Lin
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, index: int) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         heads, kv_heads, self.head_dim = attention_dims(config)
         hidden = int(config.hidden_size)
@@ -215,7 +217,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, inner = int(config.hidden_size), int(config.intermediate_size)
         bias = config.model_type == "llama" and bool(getattr(config, "mlp_bias", False))
@@ -229,7 +231,7 @@ class Layer(nn.Module):
     """A decoder layer. Gemma's norm attention's output (``post_attention_layernorm``)
     and the MLP's input and output (``pre_``/``post_feedforward_layernorm``) too."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, index: int) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, dtype, index)
         self.mlp = MLP(config, dtype)
@@ -242,7 +244,7 @@ class Layer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device=META,
                                         dtype=dtype)
@@ -266,7 +268,7 @@ class Skeleton(nn.Module):
     weight_files: tuple[Path, ...] = ()  # the safetensors files it was filled from
     is_skeleton = True  # (``families.supports``: these modules, not transformers')
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  generation: Mapping[str, Any] | None = None, name: str = "model") -> None:
         super().__init__()
         reason = unbuildable(config)
@@ -320,7 +322,7 @@ class Skeleton(nn.Module):
 
 
 def split_fused(state: Mapping[str, torch.Tensor],
-                config: PretrainedConfig) -> dict[str, torch.Tensor]:
+                config: ModelConfig) -> dict[str, torch.Tensor]:
     """``state`` with fused projections (Phi-3's ``qkv_proj``, ``gate_up_proj``) as the
     separate ones the skeleton has: views of their rows."""
     heads, kv_heads, dim = attention_dims(config)
@@ -371,7 +373,7 @@ def safetensors_files(directory: Path) -> list[Path]:
     return [directory / name for name in shards]
 
 
-def pretrained(path: str, dtype: str, device: str) -> tuple[Any, Any]:
+def pretrained(path: str, dtype: str, device: str) -> tuple[Any, PreTrainedTokenizerBase]:
     """A model directory's model in ``dtype`` on ``device`` and its tokenizer: a skeleton
     where it can be one (a batched family in safetensors), else transformers' model
     (``target.pretrained``)."""
