@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from decoding.features import FeatureRows
 from decoding.sampling import Randomness
 from decoding.types import SamplingParams
+
+StateT = TypeVar("StateT")  # a drafter's per-sequence state
 
 
 @dataclass(frozen=True)
@@ -64,26 +66,26 @@ class DraftJudge(Protocol):
         ...
 
 
-class Drafter(Protocol):
+class Drafter(Protocol[StateT]):
     """Proposes up to k tokens per round; keeps per-sequence state it can roll back.
     ``BaseDrafter`` gives the optional members their plain meaning."""
 
     name: str
     reads_features: bool  # proposes from the target's hidden states (DraftContext.features)
 
-    def begin(self, prompt_ids: Sequence[int]) -> Any:
+    def begin(self, prompt_ids: Sequence[int]) -> StateT:
         """Start a sequence; returns the drafter's state for it."""
         ...
 
-    def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal: ...
+    def propose(self, state: StateT, context: DraftContext, k: int) -> DraftProposal: ...
 
-    def propose_many(self, states: Sequence[Any], contexts: Sequence[DraftContext],
+    def propose_many(self, states: Sequence[StateT], contexts: Sequence[DraftContext],
                      ks: Sequence[int]) -> list[DraftProposal]:
         """Proposals for several sequences: together where the drafter can (a batched
         draft model runs each draft step for all of them in one pass)."""
         ...
 
-    def source(self, state: Any, context: DraftContext) -> str:
+    def source(self, state: StateT, context: DraftContext) -> str:
         """Which of the drafter's sources drafts the next round ("" for a drafter with
         one). A drafter that combines sources (lookup, a model) names the one it will use
         before the round's length is chosen, so that each source gets a length policy of
@@ -91,11 +93,11 @@ class Drafter(Protocol):
         runs of another."""
         ...
 
-    def rollback(self, state: Any, length: int) -> None:
+    def rollback(self, state: StateT, length: int) -> None:
         """The sequence now has ``length`` committed tokens; forget anything beyond."""
         ...
 
-    def release(self, state: Any) -> None:
+    def release(self, state: StateT) -> None:
         """The sequence is finished; free what its state holds."""
         ...
 
@@ -104,21 +106,21 @@ class Drafter(Protocol):
         ...
 
 
-class BaseDrafter:
+class BaseDrafter(Generic[StateT]):
     """The optional members of ``Drafter``, in their plain form: one source, proposals
     one sequence after another, nothing to warm up."""
 
     name: str = "drafter"
     reads_features: bool = False
 
-    def propose(self, state: Any, context: DraftContext, k: int) -> DraftProposal:
+    def propose(self, state: StateT, context: DraftContext, k: int) -> DraftProposal:
         raise NotImplementedError
 
-    def propose_many(self, states: Sequence[Any], contexts: Sequence[DraftContext],
+    def propose_many(self, states: Sequence[StateT], contexts: Sequence[DraftContext],
                      ks: Sequence[int]) -> list[DraftProposal]:
         return [self.propose(s, c, k) for s, c, k in zip(states, contexts, ks, strict=True)]
 
-    def source(self, state: Any, context: DraftContext) -> str:
+    def source(self, state: StateT, context: DraftContext) -> str:
         return ""
 
     def warmup(self) -> None:

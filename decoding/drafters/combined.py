@@ -59,7 +59,7 @@ class CombinedState:
     round: _Round | None = None  # this round's decision, once made
 
 
-class CombinedDrafter(BaseDrafter):
+class CombinedDrafter(BaseDrafter[CombinedState]):
     def __init__(self, cheap: Sequence[Drafter], model: Drafter | None = None) -> None:
         if not cheap and model is None:
             raise ValueError("CombinedDrafter needs at least one drafter")

@@ -13,7 +13,7 @@ from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
 from decoding.prefix_cache import PrefixCache
 
 
-class ContinuationDrafter(BaseDrafter):
+class ContinuationDrafter(BaseDrafter[None]):
     name = "cache"
 
     def __init__(self, cache: PrefixCache, vocab_size: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 # judge let through the sequence's round before (docs/performance.md)
 CHAIN_STEPS = 4
 
+CacheT = TypeVar("CacheT")  # a draft model's per-sequence KV cache state
 
-class DraftModel(Protocol):
+
+class DraftModel(Protocol[CacheT]):
     """Decoding steps of a causal LM over KV caches it can roll back: a PyTorch runner
     (``CausalLM``) or an exported step (``trt/``)."""
 
@@ -36,15 +38,15 @@ class DraftModel(Protocol):
     vocab_size: int
     tokenizer: PreTrainedTokenizerBase
 
-    def new_state(self) -> Any: ...
+    def new_state(self) -> CacheT: ...
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
         """Each item's tokens appended to its cache; each item's kept logits."""
         ...
 
-    def rollback(self, state: Any, length: int) -> None: ...
+    def rollback(self, state: CacheT, length: int) -> None: ...
 
-    def release(self, state: Any) -> None: ...
+    def release(self, state: CacheT) -> None: ...
 
     def warmup(self) -> None: ...
 
@@ -56,7 +58,7 @@ class ModelDraftState:
     judged: int = CHAIN_STEPS  # tokens the judge let through the last chained round
 
 
-class ModelDrafter(BaseDrafter):
+class ModelDrafter(BaseDrafter[ModelDraftState]):
     native_chain = True  # greedy rounds in one native call where the model offers it
 
     def __init__(self, model: DraftModel, target: CausalLM | None = None,

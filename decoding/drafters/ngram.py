@@ -21,7 +21,7 @@ class NgramState:
     indexed: int = 0  # positions [0, indexed) have been entered
 
 
-class NgramDrafter(BaseDrafter):
+class NgramDrafter(BaseDrafter[NgramState]):
     name = "ngram"
 
     def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM):
