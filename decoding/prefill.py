@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from decoding.logprobs import PromptLogprobs
 from decoding.prefix_cache import PrefixCache
 from decoding.prefix_use import load_prefix, remember_continuation, store_prefix
-from decoding.target import Target
+from decoding.target import StateT, Target
 from decoding.types import FinishReason, PromptChunk, TokenLogprob
 
 _REMEMBERED = (FinishReason.STOP, FinishReason.LENGTH)
@@ -43,7 +42,7 @@ class PromptPrefill:
         """Prompt tokens in the target's cache."""
         return self._prefilled or 0
 
-    def next_chunk(self, target: Target, state: Any, limit: int = 0) -> PromptChunk:
+    def next_chunk(self, target: Target[StateT], state: StateT, limit: int = 0) -> PromptChunk:
         """The next at most ``limit`` prompt tokens to prefill (0: all the rest). The first
         call loads the longest cached prefix into ``state`` (none when the prompt's
         log-probabilities are asked for: a cached position's logits were never computed)."""
@@ -75,14 +74,14 @@ class PromptPrefill:
         """The prompt's log-probabilities scored so far, once (for the first event)."""
         return self.logprobs.take() if self.logprobs is not None else ()
 
-    def store(self, target: Target, state: Any) -> None:
+    def store(self, target: Target[StateT], state: StateT) -> None:
         """Store the prompt's blocks that did not come from the cache (once)."""
         if self._store_pending:
             self._store_pending = False
             assert self.cache is not None
             store_prefix(self.cache, target, state, self.prompt_ids, self.cached_tokens)
 
-    def ended(self, target: Target, state: Any, tokens: Sequence[int],
+    def ended(self, target: Target[StateT], state: StateT, tokens: Sequence[int],
               reason: FinishReason) -> None:
         """The output ended: the prompt's blocks stored if they were not yet, and, after a
         stop or the length cap, what followed the prompt (``tokens``: prompt and output)

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from decoding.prefix_cache import PrefixCache
-from decoding.target import Target
+from decoding.target import StateT, Target
 
 log = logging.getLogger(__name__)
 
 
-def load_prefix(cache: PrefixCache | None, target: Target, state: Any,
+def load_prefix(cache: PrefixCache | None, target: Target[StateT], state: StateT,
                 prompt_ids: Sequence[int]) -> int:
     """Reuse the KV of the longest cached prefix of ``prompt_ids``; the tokens reused."""
     if cache is None:
@@ -32,8 +31,8 @@ def load_prefix(cache: PrefixCache | None, target: Target, state: Any,
         return 0
 
 
-def store_prefix(cache: PrefixCache, target: Target, state: Any, prompt_ids: Sequence[int],
-                 cached_tokens: int) -> None:
+def store_prefix(cache: PrefixCache, target: Target[StateT], state: StateT,
+                 prompt_ids: Sequence[int], cached_tokens: int) -> None:
     """Store the prompt's blocks that did not come from the cache."""
     try:
         cache.store_prefix(prompt_ids, target.kv(state),

@@ -7,7 +7,7 @@ it; the core never builds a target, it is handed one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -16,8 +16,10 @@ from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+StateT = TypeVar("StateT")  # a target's per-sequence state: its KV cache's handle
 
-class Target(Protocol):
+
+class Target(Protocol[StateT]):
     """The model that scores drafts: a forward pass over a batch of (sequence, new
     tokens) gives logits for every kept position; each sequence's KV rolls back to a
     length. ``CausalLM`` (one sequence per pass) and ``BatchedLM`` implement it."""
@@ -34,7 +36,7 @@ class Target(Protocol):
     @property
     def num_layers(self) -> int: ...
 
-    def new_state(self) -> Any: ...
+    def new_state(self) -> StateT: ...
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
         """Each item's tokens appended to its sequence; each item's kept logits,
@@ -48,20 +50,20 @@ class Target(Protocol):
 
     def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]: ...
 
-    def rollback(self, state: Any, length: int) -> None:
+    def rollback(self, state: StateT, length: int) -> None:
         """Forget every cached position at or after ``length``."""
         ...
 
-    def adopt_alternative(self, state: Any, start: int, n: int) -> None:
+    def adopt_alternative(self, state: StateT, start: int, n: int) -> None:
         """Keep ``token_ids[0]`` and the alternative of a pass of ``n`` tokens from
         ``start`` (only with ``capabilities.branches``)."""
         ...
 
-    def release(self, state: Any) -> None: ...
+    def release(self, state: StateT) -> None: ...
 
-    def load_kv(self, state: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
+    def load_kv(self, state: StateT, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
 
-    def kv(self, state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    def kv(self, state: StateT) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
     def kv_bytes(self, rows: int, positions: int) -> int: ...
 
