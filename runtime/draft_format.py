@@ -19,7 +19,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from runtime.batched import BatchedLM
 from runtime.causal_lm import DTYPES, CausalLM
 from runtime.model_config import read_config
 from runtime.skeleton import ConvertedEmbedding, Skeleton
+
+if TYPE_CHECKING:
+    from runtime.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +50,21 @@ class DraftFormatError(ValueError):
     """A draft directory is malformed or was made for another target."""
 
 
+class TargetIdentity(TypedDict):
+    """``draft.json``'s ``target``: what identifies the target a draft was made for."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    embedding_probe: list[float]  # [PROBE_ROWS] the norms of its first embedding rows
+
+
 @dataclass(frozen=True)
 class DraftInfo:
     """``draft.json``."""
 
-    target: dict[str, Any]  # name, vocab_size, hidden_size, num_layers, embedding_probe
+    target: TargetIdentity
     model: dict[str, Any]  # the draft's transformers (Llama) config
     source_layers: list[int]  # the target layers the draft's layers started from
     vocab_top_k: int | None  # rows of the output head; None: the full vocabulary
@@ -133,14 +146,14 @@ def default_draft_fits(target: CausalLM) -> bool:
     return True
 
 
-def embedding_rows(embed: Any, count: int) -> torch.Tensor:  # [count, hidden]
+def embedding_rows(embed: nn.Module, count: int) -> torch.Tensor:  # [count, hidden]
     """The first ``count`` rows of an input embedding (an ``nn.Embedding``, or a
     ``quantized.BlockEmbedding`` that holds no table), by looking them up."""
     anchor = next(embed.parameters())
     return embed(torch.arange(count, device=anchor.device))
 
 
-def target_identity(target_model: Any, name: str) -> dict[str, Any]:
+def target_identity(target_model: Any, name: str) -> TargetIdentity:
     embed = target_model.get_input_embeddings()
     probe = embedding_rows(embed, PROBE_ROWS).float().norm(dim=-1)  # [PROBE_ROWS]
     config = target_model.config
@@ -166,7 +179,7 @@ def check_target(info: DraftInfo, target_model: Any, where: Path | str) -> None:
             "this target's; a distilled draft only works with the target it was made for")
 
 
-def draft_config(target_config: Any, layers: int) -> Any:
+def draft_config(target_config: ModelConfig, layers: int) -> Any:
     """transformers' config for a draft of ``layers`` of the target's layers (a target
     config ``model_config.read_config`` read becomes transformers' class)."""
     if isinstance(target_config, SimpleNamespace):
@@ -208,7 +221,7 @@ def stored_state(draft: Any) -> dict[str, torch.Tensor]:
     return state
 
 
-def save(draft: Any, info: DraftInfo, directory: Path) -> None:
+def save(draft: nn.Module, info: DraftInfo, directory: Path) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)

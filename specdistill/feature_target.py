@@ -70,6 +70,6 @@ def last_layer_weights(target: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def identity(target: Any) -> dict[str, Any]:
+def identity(target: Any) -> draft_format.TargetIdentity:
     """The same target identity block ``runtime.draft_format`` writes."""
     return draft_format.target_identity(target.model, Path(str(target.name)).name)
