@@ -4,13 +4,11 @@ family's config says of its layers (windows, activation, attention sizes, KV byt
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
     from runtime.model_config import ModelConfig
 
 BATCHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"})
@@ -33,6 +31,13 @@ FAMILY_GAPS = {
 }
 
 
+class ConfiguredModel(Protocol):
+    """A causal LM with its config: transformers' model or a ``skeleton.Skeleton``."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+
 def unsupported_family(model_type: str | None, supported: Collection[str]) -> str:
     """One line: the model type is not a batched family, and where it is a known one, what
     its layers do that the batched runner's do not."""
@@ -41,7 +46,7 @@ def unsupported_family(model_type: str | None, supported: Collection[str]) -> st
     return f"{line}: {gap}" if gap else line
 
 
-def supports(model: PreTrainedModel) -> str | None:
+def supports(model: ConfiguredModel) -> str | None:
     """Why ``model`` cannot run batched (``batched.BatchedLM``), or None when it can."""
     reason = unbatchable(model.config)
     if reason is not None:
