@@ -211,7 +211,7 @@ def embed(stack: Stack, batch: Layout, inputs: torch.Tensor | None = None) -> Em
     """What a pass computes before its layers: ``batch``'s tokens embedded ``[T, H]``
     (or the given ``inputs`` rows), and their rotary tables ``[T, D]``."""
     hidden = stack.inner.embed_tokens(batch.ids) if inputs is None else inputs
-    return (hidden, *stack.rotary(hidden, batch.positions))
+    return (hidden, *stack.rotary(hidden, batch.positions, batch.positions_end))
 
 
 def forward(stack: Stack, batch: Layout, embedded: Embedded, capture: Sequence[int] = (),

@@ -118,6 +118,7 @@ class Layout:
     # alternative's own key); -1: none
     limits: torch.Tensor  # [T]
     extras: torch.Tensor  # [T]
+    positions_end: int | None = None  # one past the largest of ``positions`` (None: none)
 
     @classmethod
     def build(cls, items: Sequence[BatchItem], device: torch.device,
@@ -168,7 +169,7 @@ class Layout:
         return cls(ids=table[0], positions=table[1], cache_slots=table[2],
                    cache_rows=table[3], offsets=offsets, groups=groups,
                    bulk_from=bulk_from, contiguous=contiguous, limits=table[4],
-                   extras=table[5])
+                   extras=table[5], positions_end=max(positions) + 1 if positions else None)
 
     def inputs(self, items: Sequence[BatchItem], embed: torch.nn.Module,
                dtype: torch.dtype) -> torch.Tensor | None:

@@ -50,12 +50,15 @@ class Rotary:
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+                 needed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``needed``: one past the largest of ``positions`` where the caller knows it
+        (else it is read from the tensor)."""
         if not self.static:
             cos, sin = self.module(hidden, positions[None])  # [1, T, D]
             return cos[0].contiguous(), sin[0].contiguous()
-        needed = int(positions.max()) + 1
+        if needed is None:
+            needed = int(positions.max()) + 1
         if self._cos is None or self._cos.shape[0] < needed:
             size = max(1024, 1 << (needed - 1).bit_length())
             every = torch.arange(size, device=positions.device)[None]

@@ -27,8 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("attend", &attend, "attention of each token over the keys it may see", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
-  m.def("argmax_rows", &argmax_rows, "the first of the largest scores of each row",
-        release());
+  // holds the GIL: tens of microseconds, and a thread that took the GIL meanwhile would
+  // hold up the model thread for its whole turn
+  m.def("argmax_rows", &argmax_rows, "the first of the largest scores of each row");
   m.def("block_pack", &block_pack, "a 4- or 8-bit block matrix packed for block_product");
   m.def("block_rows", &block_rows, "rows of a block matrix, dequantized");
   m.def("block_product", &block_product, "x times a block matrix, with int8 activations",
