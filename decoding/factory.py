@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+from decoding.draft_choice import read_choice
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.continuation import ContinuationDrafter
@@ -110,19 +111,35 @@ def resolve_auto(spec: str, target: CausalLM, prefix_cache: PrefixCache | None) 
     """``spec``, with ``auto`` replaced by what it means for ``target``."""
     if spec != AUTO:
         return spec
-    resolved = auto_draft(target, prefix_cache=prefix_cache is not None)
-    log.info("draft auto: %s", resolved)
+    resolved, reason = auto_choice(target, prefix_cache=prefix_cache is not None)
+    log.info("draft auto: %s (%s)", resolved, reason)
     return resolved
 
 
 def auto_draft(target: CausalLM, prefix_cache: bool) -> str:
-    """What ``auto`` means for ``target``: n-gram lookup and (with a prefix cache)
-    continuation drafts, plus the draft shipped for the default model when ``target``
-    is the model it was made for (a draft refuses any other)."""
-    parts = [NGRAM, *([CACHE] if prefix_cache else [])]
-    if distilled.default_draft_fits(target):
-        parts.append(distilled.DEFAULT_DRAFT)
-    return "+".join(parts)
+    """What ``auto`` means for ``target`` (``auto_choice``)."""
+    return auto_choice(target, prefix_cache)[0]
+
+
+def auto_choice(target: CausalLM, prefix_cache: bool) -> tuple[str, str]:
+    """What ``auto`` means for ``target``, and why: the mix measured fastest for it where
+    a measurement is stored (``decoding.draft_choice``), else n-gram lookup plus the draft
+    shipped for the default model when ``target`` is the model it was made for (a draft
+    refuses any other); with a prefix cache, continuation drafts join either."""
+    fits = distilled.default_draft_fits(target)
+    measured = read_choice() if fits else None
+    if measured is not None:
+        parts = draft_parts(measured.spec) if measured.spec != NO_DRAFT else []
+        reason = measured.reason()
+    elif fits:
+        parts = [NGRAM, distilled.DEFAULT_DRAFT]
+        reason = "lookup and the draft made for this target; no measured choice is stored"
+    else:
+        parts = [NGRAM]
+        reason = "lookup; no draft was made for this target"
+    if prefix_cache:
+        parts.insert(parts.index(NGRAM) + 1 if NGRAM in parts else 0, CACHE)
+    return "+".join(parts) or NO_DRAFT, reason
 
 
 def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32",

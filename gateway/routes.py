@@ -120,6 +120,7 @@ def _card(state: GatewayState) -> ModelCard:
             "dtype": engine.info.get("activations", settings.dtype),
             "weights": engine.info.get("weights", settings.dtype),
             "draft_dtype": engine.info.get("draft_dtype"),
+            "draft_auto": engine.info.get("draft_auto"),  # with --draft auto: why that mix
             "kernels": engine.info.get("kernels", "torch"),
             "product_activations": engine.info.get("product_activations", settings.dtype),
             "aliases": sorted(state.aliases),

@@ -31,7 +31,16 @@ from transformers.utils import logging as transformers_logging
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
-from decoding.factory import CACHE, NGRAM, NO_DRAFT, DraftLoader, load_drafter, torch_draft_loader
+from decoding.factory import (
+    AUTO,
+    CACHE,
+    NGRAM,
+    NO_DRAFT,
+    DraftLoader,
+    auto_choice,
+    load_drafter,
+    torch_draft_loader,
+)
 from decoding.invariance import InvarianceCheck
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.threads import default_decode_threads
@@ -162,6 +171,8 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     draft_dtype = draft_model_dtype(drafters.get(default or ""))
     if draft_dtype is not None:
         info["draft_dtype"] = draft_dtype
+    if settings.draft == AUTO:  # what auto chose, and why
+        info["draft_auto"] = auto_choice(target, prefix_cache=cache is not None)[1]
     engine = Engine(target, drafters, default, max_queue=settings.max_queue,
                     max_active=settings.max_active, prefix_cache=cache,
                     info=info, prefill_chunk=settings.prefill_chunk,

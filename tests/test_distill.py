@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 import re
 from pathlib import Path
@@ -518,9 +519,63 @@ def test_the_shipped_default_draft_is_small_and_lossless(default_target: CausalL
 
 
 def test_auto_adds_the_shipped_draft_only_for_the_target_it_fits(
-        default_target: CausalLM, tiny_target: CausalLM) -> None:
+        default_target: CausalLM, tiny_target: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a stored measurement (as for any target but the default model), ``auto``
+    is lookup plus the draft made for the target."""
+    from decoding import factory
+
+    monkeypatch.setattr(factory, "read_choice", lambda: None)
     assert auto_draft(default_target, prefix_cache=True) == \
         f"ngram+cache+{distilled.DEFAULT_DRAFT}"
     assert auto_draft(default_target, prefix_cache=False) == f"ngram+{distilled.DEFAULT_DRAFT}"
     assert auto_draft(tiny_target, prefix_cache=True) == "ngram+cache"
     assert load_drafter("auto", tiny_target).name == "ngram"  # type: ignore[union-attr]
+
+
+def test_auto_serves_the_stored_measured_choice_for_the_default_model(
+        default_target: CausalLM, tiny_target: CausalLM) -> None:
+    """The shipped measurement names the mix ``auto`` serves the default model, the
+    continuation cache joining it where a prefix cache runs; it never applies to another
+    target."""
+    from decoding.draft_choice import choice_path, read_choice
+    from decoding.factory import auto_choice
+    from specbench import draft_choice
+
+    measured = read_choice()
+    assert measured is not None, f"{choice_path()} is shipped and readable"
+    stored = json.loads(choice_path().read_text())
+    assert measured.spec == stored["choice"]
+    assert measured.spec == draft_choice.choose(stored["mixes"])
+    spec, reason = auto_choice(default_target, prefix_cache=False)
+    assert spec == measured.spec and "fastest measured mix" in reason
+    with_cache, _ = auto_choice(default_target, prefix_cache=True)
+    parts = with_cache.split("+")
+    assert "cache" in parts and [p for p in parts if p != "cache"] == \
+        ([] if measured.spec == "none" else measured.spec.split("+"))
+    assert load_drafter(spec, default_target) is not None or spec == "none"
+    assert auto_choice(tiny_target, prefix_cache=True)[0] == "ngram+cache"
+
+
+def test_a_stored_choice_that_cannot_be_read_is_ignored_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from decoding.draft_choice import CHOICE_FORMAT, read_choice
+
+    assert read_choice(tmp_path / "missing.json") is None
+    good = {"format": CHOICE_FORMAT, "version": 1, "choice": "ngram", "threads": 2,
+            "command": "python -m specbench.draft_choice", "machine": {"cpu": "a CPU"},
+            "mixes": [{"spec": "ngram", "speedup": {"chat": 1.1, "grounded": 1.5}}]}
+    path = tmp_path / "choice.json"
+    path.write_text(json.dumps(good))
+    measured = read_choice(path)
+    assert measured is not None and measured.spec == "ngram"
+    assert "chat 1.10x, grounded 1.50x" in measured.reason()
+    for broken in ({**good, "version": 99}, {**good, "choice": "ngram+default-draft"},
+                   {k: v for k, v in good.items() if k != "mixes"}):
+        path.write_text(json.dumps(broken))
+        with caplog.at_level(logging.WARNING, logger="decoding.draft_choice"):
+            assert read_choice(path) is None
+        assert "ignoring the stored draft choice" in caplog.text
+        caplog.clear()
+    path.write_text("{ not json")
+    assert read_choice(path) is None

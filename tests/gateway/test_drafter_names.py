@@ -23,6 +23,28 @@ def test_auto_on_the_default_model_uses_the_names_of_the_flag(default_target: Ca
     assert all(drafter.name == name for name, drafter in drafters.items())
 
 
+async def test_models_say_what_auto_chose_and_why(tiny_target_dir: Path) -> None:
+    """With ``--draft auto``, ``/v1/models`` says which mix auto serves and why; a target
+    no draft was made for gets lookup, and says so."""
+    engine = build_engine(tiny_settings(target=str(tiny_target_dir), draft="auto"))
+    try:
+        app = create_app(tiny_settings(draft="auto"), engine=engine)
+        async with in_process(app) as client:
+            (card,) = (await client.get("/v1/models")).json()["data"]
+            assert card["metadata"]["default_drafter"] == "ngram+cache"
+            assert card["metadata"]["draft_auto"] == "lookup; no draft was made for this target"
+    finally:
+        engine.shutdown()
+    engine = build_engine(tiny_settings(target=str(tiny_target_dir), draft="ngram"))
+    try:
+        app = create_app(tiny_settings(draft="ngram"), engine=engine)
+        async with in_process(app) as client:
+            (card,) = (await client.get("/v1/models")).json()["data"]
+            assert card["metadata"]["draft_auto"] is None  # not asked for auto
+    finally:
+        engine.shutdown()
+
+
 async def test_a_draft_directory_is_named_as_typed(tiny_target_dir: Path,
                                                    tiny_draft_dir: Path) -> None:
     spec = f"ngram+{tiny_draft_dir}"
