@@ -4,7 +4,8 @@ measurement was stored (``python -m specbench.draft_choice --write``), else a ru
 The measurement is stored beside the draft shipped for the default model, so it applies
 to the target that draft was made for. It names the mix whose geometric mean of
 speed-ups over plain decoding, on the shipped ``chat`` and ``grounded`` sets, was the
-highest, with outputs equal to plain decoding's. The continuation cache joins the mix
+highest (of mixes within a run's noise of it, the one faster on chat), with outputs
+equal to plain decoding's. The continuation cache joins the mix
 wherever a prefix cache runs: it drafts only on a cache hit, so it costs nothing where
 it has nothing to offer, and distinct benchmark prompts cannot measure it.
 """
@@ -42,7 +43,7 @@ class Measured:
 
     def reason(self) -> str:
         gains = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in self.speedup.items())
-        return (f"fastest measured mix ({gains} against none; {self.cpu}, "
+        return (f"chosen by measurement ({gains} against none; {self.cpu}, "
                 f"{self.threads} threads; {self.command})")
 
 
