@@ -14,7 +14,10 @@ The sources are written once in one vector type (``csrc/vec.h``) and built once 
 level, as ATen builds its ``native/cpu`` kernels per ``CPU_CAPABILITY``: ``default``
 (no vector extensions), ``avx2``, ``avx512`` and ``avx512_vnni``. The host's best level
 is loaded (from its CPU's flags); ``SPECSERVE_CPU_CAPABILITY`` forces a lower one. Every
-level computes bitwise the same results, only at its own speed.
+level computes bitwise the same results, only at its own speed. ``amx_emulated``, a
+build for tests only and never loaded by the server, runs the block products' AMX tile
+code (``csrc/tiles.h``) with the tile instructions emulated in C++ on an AVX512-VNNI
+host.
 
 They need a C++ compiler (g++) and ninja when first built; where either is missing, or
 ``--kernels torch`` is set, the runner keeps its PyTorch path.
@@ -62,6 +65,12 @@ LEVELS: dict[str, tuple[list[str], frozenset[str]]] = {
                                "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
                                "avx512_vnni"})),
 }
+# Builds for tests only, never chosen by capability(): the block products' tile code with
+# each tile instruction emulated in C++ (csrc/tiles.h), run on an avx512_vnni host
+EMULATED: dict[str, tuple[list[str], frozenset[str]]] = {
+    "amx_emulated": ([*LEVELS["avx512_vnni"][0], "-DSPECSERVE_AMX_EMULATE"],
+                     LEVELS["avx512_vnni"][1]),
+}
 
 
 class KernelsUnavailable(RuntimeError):
@@ -84,9 +93,13 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _x86_64() -> bool:
+    return platform.machine().lower() in {"x86_64", "amd64"}
+
+
 def host_levels() -> list[str]:
     """The levels this host runs, lowest first (only ``default`` off x86-64)."""
-    if platform.machine().lower() not in {"x86_64", "amd64"}:
+    if not _x86_64():
         return ["default"]
     flags = _cpu_flags()
     return [level for level, (_, needs) in LEVELS.items() if needs <= flags]
@@ -125,7 +138,7 @@ def _cflags(level: str) -> list[str]:
     # no contraction of a * b + c into one instruction behind the sources' back: a fused
     # multiply-add is written as one, so every level computes the same
     return ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
-            *LEVELS[level][0],
+            *{**LEVELS, **EMULATED}[level][0],
             f"-DSPECSERVE_CAPABILITY={level}", *_openmp()]
 
 
@@ -206,7 +219,10 @@ def build(level: str) -> ModuleType | None:
     saying why not."""
     directory = build_dir(level)
     name = _module_name(level)
-    runs = level in host_levels()
+    if level in EMULATED:  # tests' builds: the instructions of the level they run on
+        runs = _x86_64() and EMULATED[level][1] <= _cpu_flags()
+    else:
+        runs = level in host_levels()
     try:
         if not (directory / f"{name}.so").is_file():
             _compile(level, directory)
