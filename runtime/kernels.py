@@ -12,9 +12,14 @@ shares it (docs/performance.md, "Native kernels").
 
 The sources are written once in one vector type (``csrc/vec.h``) and built once per
 level, as ATen builds its ``native/cpu`` kernels per ``CPU_CAPABILITY``: ``default``
-(no vector extensions), ``avx2``, ``avx512`` and ``avx512_vnni``. The host's best level
-is loaded (from its CPU's flags); ``SPECSERVE_CPU_CAPABILITY`` forces a lower one. Every
-level computes bitwise the same results, only at its own speed.
+(no vector extensions), ``avx2``, ``avx512``, ``avx512_vnni`` and ``amx`` (AVX512-VNNI
+with the block products of a few tokens as AMX tile products, ``csrc/tiles.h``). The
+host's best level is loaded (from its CPU's flags; ``amx`` only once Linux has let the
+process use tile data, else ``avx512_vnni`` with a log line saying why);
+``SPECSERVE_CPU_CAPABILITY`` forces a lower one. Every level computes bitwise the same
+results, only at its own speed. ``amx_emulated``, a build for tests only and never
+loaded by the server, runs the amx level's tile code with the tile instructions
+emulated in C++ on an AVX512-VNNI host.
 
 They need a C++ compiler (g++) and ninja when first built; where either is missing, or
 ``--kernels torch`` is set, the runner keeps its PyTorch path.
@@ -22,6 +27,7 @@ They need a C++ compiler (g++) and ninja when first built; where either is missi
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib.util
@@ -61,7 +67,23 @@ LEVELS: dict[str, tuple[list[str], frozenset[str]]] = {
                     frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm",
                                "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
                                "avx512_vnni"})),
+    # and the process's permission to use tile data (amx_refusal)
+    "amx": (["-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+            frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm",
+                       "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
+                       "avx512_vnni", "amx_tile", "amx_int8"})),
 }
+# Builds for tests only, never chosen by capability(): the amx level's tile code with each
+# tile instruction emulated in C++ (csrc/tiles.h), run on an avx512_vnni host
+EMULATED: dict[str, tuple[list[str], frozenset[str]]] = {
+    "amx_emulated": ([*LEVELS["avx512_vnni"][0], "-DSPECSERVE_AMX_EMULATE"],
+                     LEVELS["avx512_vnni"][1]),
+}
+
+# arch_prctl(2): Linux lets a process use AMX tile data (XSAVE feature 18) once it asks
+SYS_ARCH_PRCTL = 158  # x86-64's syscall number
+ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+XFEATURE_XTILEDATA = 18
 
 
 class KernelsUnavailable(RuntimeError):
@@ -84,12 +106,61 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def host_levels() -> list[str]:
-    """The levels this host runs, lowest first (only ``default`` off x86-64)."""
-    if platform.machine().lower() not in {"x86_64", "amd64"}:
+def _x86_64() -> bool:
+    return platform.machine().lower() in {"x86_64", "amd64"}
+
+
+def _arch_prctl(option: int, argument: int) -> tuple[int, int]:
+    """The arch_prctl system call: (its result, errno)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(option),
+                          ctypes.c_ulong(argument))
+    return int(result), ctypes.get_errno()
+
+
+@functools.cache
+def amx_refusal() -> str | None:
+    """Asks Linux, once a process, to let it use AMX tile data (arch_prctl
+    ARCH_REQ_XCOMP_PERM for XTILEDATA, which every thread of the process then holds) and
+    checks that it did (ARCH_GET_XCOMP_PERM): None where it did, else why not."""
+    if not sys.platform.startswith("linux") or not _x86_64():
+        return "AMX tiles are asked for on Linux on x86-64 only"
+    result, error = _arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    if result != 0:
+        return f"Linux refused the AMX tile data permission ({os.strerror(error)})"
+    granted = ctypes.c_ulong(0)
+    result, error = _arch_prctl(ARCH_GET_XCOMP_PERM, ctypes.addressof(granted))
+    if result != 0:
+        return f"the AMX tile data permission could not be read back ({os.strerror(error)})"
+    if not granted.value >> XFEATURE_XTILEDATA & 1:
+        return "Linux did not grant the AMX tile data permission it was asked for"
+    return None
+
+
+@functools.cache
+def _log_amx_fallback(reason: str) -> None:
+    log.warning("%s; the native kernels run at avx512_vnni instead of amx", reason)
+
+
+def _cpu_levels() -> list[str]:
+    """The levels this host's CPU has the instructions for, lowest first."""
+    if not _x86_64():
         return ["default"]
     flags = _cpu_flags()
     return [level for level, (_, needs) in LEVELS.items() if needs <= flags]
+
+
+def host_levels() -> list[str]:
+    """The levels this host runs, lowest first (only ``default`` off x86-64): its CPU's,
+    less ``amx`` where the process may not use tile data (asked for here, before the level
+    is ever loaded; refused, a log line says why)."""
+    levels = _cpu_levels()
+    if "amx" in levels:
+        reason = amx_refusal()
+        if reason is not None:
+            _log_amx_fallback(reason)
+            levels.remove("amx")
+    return levels
 
 
 def capability() -> str:
@@ -103,8 +174,10 @@ def capability() -> str:
         raise KernelsUnavailable(f"{CAPABILITY_VARIABLE}={wanted!r} is not a level; choose one "
                                  f"of {list(LEVELS)}")
     if wanted not in runs:
-        raise KernelsUnavailable(f"{CAPABILITY_VARIABLE}={wanted!r}: this CPU runs only "
-                                 f"{runs}")
+        why = amx_refusal() if wanted == "amx" and wanted in _cpu_levels() else None
+        raise KernelsUnavailable(f"{CAPABILITY_VARIABLE}={wanted!r}: "
+                                 + (f"{why}; this process runs only {runs}" if why else
+                                    f"this CPU runs only {runs}"))
     return wanted
 
 
@@ -125,7 +198,7 @@ def _cflags(level: str) -> list[str]:
     # no contraction of a * b + c into one instruction behind the sources' back: a fused
     # multiply-add is written as one, so every level computes the same
     return ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
-            *LEVELS[level][0],
+            *{**LEVELS, **EMULATED}[level][0],
             f"-DSPECSERVE_CAPABILITY={level}", *_openmp()]
 
 
@@ -206,7 +279,10 @@ def build(level: str) -> ModuleType | None:
     saying why not."""
     directory = build_dir(level)
     name = _module_name(level)
-    runs = level in host_levels()
+    if level in EMULATED:  # tests' builds: the instructions of the level they run on
+        runs = _x86_64() and EMULATED[level][1] <= _cpu_flags()
+    else:
+        runs = level in host_levels()
     try:
         if not (directory / f"{name}.so").is_file():
             _compile(level, directory)

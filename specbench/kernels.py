@@ -128,10 +128,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 # int8 multiply-adds a core's cycle gives in the block product at each level, one vector
 # multiply a cycle: avx512_vnni's vpdpbusd (64 on 512 bits); avx512 and avx2 build the
-# 256-bit pair vpmaddubsw + vpmaddwd (32 per two multiplies); default is scalar
-INT8_MACS_PER_CYCLE = {"avx512_vnni": 64, "avx512": 16, "avx2": 16, "default": 1}
+# 256-bit pair vpmaddubsw + vpmaddwd (32 per two multiplies); default is scalar; amx (a
+# pass of 2 or more tokens) one TDPBSUD of 16 tokens x 16 rows x a block of 32 inputs
+# every 16 cycles (the throughput Intel's optimization manual gives; unmeasured here)
+INT8_MACS_PER_CYCLE = {"amx": 512, "avx512_vnni": 64, "avx512": 16, "avx2": 16, "default": 1}
 # float32 multiply-adds a core's cycle gives in the dense products, one vector FMA a cycle
-FLOAT_MACS_PER_CYCLE = {"avx512_vnni": 16, "avx512": 16, "avx2": 8, "default": 1}
+FLOAT_MACS_PER_CYCLE = {"amx": 16, "avx512_vnni": 16, "avx512": 16, "avx2": 8, "default": 1}
 
 
 def clock_ghz() -> float | None:

@@ -282,12 +282,13 @@ def test_the_level_is_the_host_s_best_unless_a_lower_one_is_named(
 
 
 def lower_levels() -> list[Any]:
-    """Each level below this host's best, skipped (with the reason) where the CPU
-    cannot run it."""
+    """Each level below this host's best, skipped (with the reason) where the host
+    cannot run it (the amx level: a CPU with AMX, and Linux's permission to use its
+    tiles)."""
     best = kernels.capability()
     runs = kernels.host_levels()
     return [pytest.param(level, marks=pytest.mark.skipif(
-                level not in runs, reason=f"this CPU cannot run the {level} kernels"))
+                level not in runs, reason=f"this host cannot run the {level} kernels"))
             for level in kernels.LEVELS if level != best]
 
 
@@ -685,7 +686,7 @@ def test_a_level_above_the_cpu_s_is_refused_on_every_host(
     assert kernels.capability() == "avx2"
     monkeypatch.setenv(kernels.CAPABILITY_VARIABLE, "default")
     assert kernels.capability() == "default"
-    for level in ("avx512", "avx512_vnni"):
+    for level in ("avx512", "avx512_vnni", "amx"):
         monkeypatch.setenv(kernels.CAPABILITY_VARIABLE, level)
         with pytest.raises(kernels.KernelsUnavailable, match="this CPU runs only"):
             kernels.capability()

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "tiles.h"
 
 #if !defined(SPECSERVE_CAPABILITY)
 #define SPECSERVE_CAPABILITY default
@@ -21,6 +22,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace specserve;
   using release = py::call_guard<py::gil_scoped_release>;  // the HTTP loop runs meanwhile
   m.def("capability", &capability, "the instruction-set level this build was compiled for");
+  m.def("tiles", &specserve::amx::kind,
+        "what the block products of 2 to 16 tokens run on: amx (tiles this process may use), "
+        "amx_emulated (tests' build) or none (vector instructions)");
+#if defined(SPECSERVE_AMX_EMULATE)
+  m.def("emulated_tile_products", [] { return specserve::amx::products.load(); },
+        "the tile products (TDPBSUD) the emulated tiles have run in this process");
+#endif
   m.def("add_rms_norm", &add_rms_norm, "(hidden + delta, RMS norm of it times weight)",
         release());
   m.def("rope_store", &rope_store, "rotary embedding; keys and values into the cache",

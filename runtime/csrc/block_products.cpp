@@ -11,9 +11,15 @@
 // eight 64-byte groups (group j: inputs 4j..4j+3 of the 16 rows, four bytes a row; 4-bit
 // codes hold group j + 4 in the high nibbles of group j's bytes), then the 16 scales and
 // the 16 minimums in float16.
+//
+// Built for the amx level, a pass of 2 to 16 tokens takes each tile's block as one AMX
+// tile product (TDPBSUD: the tokens' int8 codes by the block's eight groups, which are
+// a B tile's rows as they lie; 4-bit codes unpacked to bytes first), whose 16 x 16 int32
+// sums are stored and scaled by the same float steps as every other level's.
 
 #include "common.h"
 #include "kernels.h"
+#include "tiles.h"
 
 namespace specserve {
 
@@ -171,6 +177,63 @@ inline void block_tile(const uint8_t* w, int64_t blocks, const int8_t* codes, co
 }
 
 constexpr int kBlockRows = 8;  // the most tokens a pass over the matrix serves: 8 x 2 sums and a group in registers
+
+#if defined(SPECSERVE_TILES)
+constexpr int kTileRows = 16;  // the most tokens a tile product takes (a tile's 16 rows)
+
+// The tiles of a pass of `rows` tokens: C (tile 0) their [rows, 16] int32 sums, A (tile 1)
+// their 32 activation codes of a block, B (tile 2) a block's eight 64-byte code groups
+inline void configure_tiles(int rows) {
+  amx::Config config;
+  config.rows[0] = static_cast<uint8_t>(rows);
+  config.colsb[0] = kTile * 4;
+  config.rows[1] = static_cast<uint8_t>(rows);
+  config.colsb[1] = kBlock;
+  config.rows[2] = kBlock / 4;
+  config.colsb[2] = 64;
+  amx::load_config(&config);
+}
+
+// block_tile's result by tile products (on tiles configure_tiles(R) shaped): per block, the
+// R x 16 int32 sums of one TDPBSUD, then block_tile's float steps in its order
+template <int R, int BITS>
+inline void block_tile_amx(const uint8_t* w, int64_t blocks, const int8_t* codes,
+                           const float* scale, const float* sum, int64_t k, float* out,
+                           int64_t ldo) {
+  constexpr int64_t size = (BITS == 4 ? 256 : 512) + 64;
+  alignas(64) uint8_t unpacked[8 * 64];  // a 4-bit block's groups, a byte a code
+  alignas(64) int32_t dots[R][kTile];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b, w += size) {
+    prefetch_row(w + kPrefetchBytes, size);
+    const uint8_t* groups = w;
+    if (BITS == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i bytes = _mm512_loadu_si512(w + 64 * j);
+        _mm512_store_si512(unpacked + 64 * j, _mm512_and_si512(bytes, nibble));
+        _mm512_store_si512(unpacked + 64 * (j + 4),
+                           _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
+      }
+      groups = unpacked;
+    }
+    amx::zero<0>();
+    amx::load<1>(codes + b * kBlock, k);
+    amx::load<2>(groups, 64);
+    amx::dpbsud<0, 1, 2>();
+    amx::store<0>(dots, sizeof dots[0]);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + size - 64)));
+    const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + size - 32)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(scale[r * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[r])), ds, acc[r]);
+      acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(sum[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // With AVX2: vpmaddubsw and vpmaddwd sum the same four code x activation products per
 // int32 lane as vpdpbusd (8-bit codes as two nibbles, so no 16-bit sum saturates), half a
@@ -281,7 +344,32 @@ void block_tile_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* c
   TORCH_CHECK(false, "block_tile_rows: ", rows, " rows");
 }
 
+#if defined(SPECSERVE_TILES)
+// block_tile_amx for a run-time number of rows (2 to kTileRows)
+template <int BITS>
+void block_tile_amx_rows(int rows, const uint8_t* w, int64_t blocks, const int8_t* codes,
+                         const float* scale, const float* sum, int64_t k, float* out,
+                         int64_t ldo) {
+  switch (rows) {
+#define SPECSERVE_ROWS(R) \
+  case R:                 \
+    return block_tile_amx<R, BITS>(w, blocks, codes, scale, sum, k, out, ldo);
+    SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4) SPECSERVE_ROWS(5)
+    SPECSERVE_ROWS(6) SPECSERVE_ROWS(7) SPECSERVE_ROWS(8) SPECSERVE_ROWS(9)
+    SPECSERVE_ROWS(10) SPECSERVE_ROWS(11) SPECSERVE_ROWS(12) SPECSERVE_ROWS(13)
+    SPECSERVE_ROWS(14) SPECSERVE_ROWS(15) SPECSERVE_ROWS(16)
+#undef SPECSERVE_ROWS
+  }
+  TORCH_CHECK(false, "block_tile_amx_rows: ", rows, " rows");
+}
+#endif
+
 constexpr int64_t kGroupTiles = 16;  // tiles whose results are stored together
+#if defined(SPECSERVE_TILES)
+constexpr int64_t kPassRows = kTileRows;  // the most tokens a pass over the matrix takes
+#else
+constexpr int64_t kPassRows = kBlockRows;
+#endif
 
 }  // namespace
 
@@ -311,15 +399,25 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
   if (quantized) split(0, tokens, kTokenGrain, quantize);
   // tiles in groups whose results are written out a token's row at a time (rows of
   // a wide output lie a multiple of 4 KiB apart: tile by tile, the stores alias); at
-  // most kBlockRows tokens a pass over the matrix, the passes evenly filled. Groups of at
-  // most kGroupTiles tiles, and at least kChunksPerThread a thread where the matrix has
-  // the tiles, which the threads claim one at a time (split)
+  // most kBlockRows tokens a pass over the matrix (kTileRows with tile products), the
+  // passes evenly filled. Groups of at most kGroupTiles tiles, and at least
+  // kChunksPerThread a thread where the matrix has the tiles, which the threads claim one
+  // at a time (split)
   const int64_t threads = split_threads();
   int64_t groups = std::max((tiles + kGroupTiles - 1) / kGroupTiles,
                             std::min(tiles, threads * kChunksPerThread));
   const int64_t group_tiles = (tiles + groups - 1) / groups;
   groups = (tiles + group_tiles - 1) / group_tiles;
-  const int64_t passes = (tokens + kBlockRows - 1) / kBlockRows;
+#if defined(SPECSERVE_TILES)
+  // passes of up to 16 tokens as tile products where this process may use tiles; a token
+  // alone keeps the vector path (its product is bound by reading the matrix, and a tile
+  // product would leave 15 of its 16 rows idle)
+  const bool tiled = tokens > 1 && amx::permitted();
+  const int64_t most = tiled ? kTileRows : kBlockRows;
+#else
+  const int64_t most = kBlockRows;
+#endif
+  const int64_t passes = (tokens + most - 1) / most;
   const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
   // one parallel region for all passes; each group's tiles (at most ~250 KB) stay in the
   // core's cache from one pass to the next
@@ -328,16 +426,33 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
       quantize(0, tokens);
       quantized = true;
     }
-    alignas(64) float buffer[kBlockRows * kGroupTiles * kTile];
+    alignas(64) float buffer[kPassRows * kGroupTiles * kTile];
     constexpr int64_t ldo = kGroupTiles * kTile;
     for (int64_t g = lo; g < hi; ++g) {
       const int64_t first = g * group_tiles, last = std::min(tiles, first + group_tiles);
       const int64_t col = first * kTile, width = std::min(n, last * kTile) - col;
       for (int64_t r = 0; r < tokens; r += per_pass) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
+#if defined(SPECSERVE_TILES)
+        // whichever thread claims this chunk configures its own tiles (and releases them
+        // below): a tile instruction on a thread without a configuration faults
+        const bool tile_pass = tiled && rows > 1;
+        if (tile_pass) configure_tiles(rows);
+#endif
         for (int64_t t = first; t < last; ++t) {
           const uint8_t* w = wp + t * blocks * size;
           float* out = buffer + (t - first) * kTile;
+#if defined(SPECSERVE_TILES)
+          if (tile_pass) {
+            if (bits == 4)
+              block_tile_amx_rows<4>(rows, w, blocks, cp + r * k, scale + r * blocks,
+                                     sum + r * blocks, k, out, ldo);
+            else
+              block_tile_amx_rows<8>(rows, w, blocks, cp + r * k, scale + r * blocks,
+                                     sum + r * blocks, k, out, ldo);
+            continue;
+          }
+#endif
           if (bits == 4)
             block_tile_rows<4>(rows, w, blocks, cp + r * k, scale + r * blocks,
                                sum + r * blocks, k, out, ldo);
@@ -350,6 +465,9 @@ void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* w
                     width);
       }
     }
+#if defined(SPECSERVE_TILES)
+    if (tiled) amx::release();
+#endif
   });
 }
 
