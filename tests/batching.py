@@ -167,3 +167,19 @@ def check_alternatives(target: BatchedLM, reference: CausalLM, prompts: list[lis
                                    rtol=1e-4, atol=1e-4)
     for state in states:
         target.release(state)
+
+
+def mixed_passes(runner: BatchedLM, prompt: Sequence[int]) -> list[torch.Tensor]:
+    """The logits of a mix of passes two new sequences make: ``prompt`` for one and a
+    short prompt for the other, a step, verify passes of 3 and 16 tokens beside the other
+    sequence's 1 and 2; both released after."""
+    a, b = runner.new_state(), runner.new_state()
+    out = runner.forward_batch([BatchItem(a, list(prompt), 1)])
+    out += runner.forward_batch([BatchItem(b, list(range(5, 12)), 1)])
+    out += runner.forward_batch([BatchItem(a, [7], 1)])
+    out += runner.forward_batch([BatchItem(a, [8, 9, 10], 3), BatchItem(b, [11], 1)])
+    out += runner.forward_batch([BatchItem(a, list(range(40, 56)), 16),
+                                 BatchItem(b, [12, 13], 2)])
+    runner.release(a)
+    runner.release(b)
+    return out

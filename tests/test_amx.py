@@ -20,7 +20,7 @@ import torch
 
 from runtime import kernels
 from runtime.batched import BatchedLM
-from runtime.passes import BatchItem
+from tests.batching import mixed_passes
 
 # (out rows, inputs): one whole tile, tiles and a ragged last one, one block to ten
 SHAPES = [(16, 32), (53, 96), (40, 64), (200, 320)]
@@ -109,16 +109,7 @@ def test_emulated_tiles_give_the_model_s_logits_bitwise(emulated: Any, threads: 
     def passes() -> list[torch.Tensor]:
         runner = BatchedLM.load(str(tiny_target_dir), dtype="bfloat16", quantize="int4")
         assert isinstance(runner, BatchedLM) and runner.stack.layer_stack is not None
-        a, b = runner.new_state(), runner.new_state()
-        out = runner.forward_batch([BatchItem(a, list(range(30, 70)), 1),
-                                    BatchItem(b, list(range(5, 12)), 2)])
-        out += runner.forward_batch([BatchItem(a, [7], 1)])
-        out += runner.forward_batch([BatchItem(a, [8, 9, 10], 3), BatchItem(b, [11], 1)])
-        out += runner.forward_batch([BatchItem(a, list(range(40, 56)), 16),
-                                     BatchItem(b, [12, 13], 2)])
-        runner.release(a)
-        runner.release(b)
-        return out
+        return mixed_passes(runner, range(30, 70))
 
     with torch.inference_mode():
         want = passes()

@@ -23,6 +23,7 @@ from runtime.attention import rotate
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.passes import BatchItem
+from tests.batching import mixed_passes
 
 
 @pytest.fixture(scope="module")
@@ -530,16 +531,7 @@ def test_the_layer_stack_gives_the_same_logits_on_any_team(tiny_target_dir: Any,
 
     def passes(n: int) -> list[torch.Tensor]:
         torch.set_num_threads(n)
-        a, b = runner.new_state(), runner.new_state()
-        out = runner.forward_batch([BatchItem(a, list(range(30, 100)), 1)])  # > 64 tokens
-        out += runner.forward_batch([BatchItem(b, list(range(5, 12)), 1)])
-        out += runner.forward_batch([BatchItem(a, [7], 1)])
-        out += runner.forward_batch([BatchItem(a, [8, 9, 10], 3), BatchItem(b, [11], 1)])
-        out += runner.forward_batch([BatchItem(a, list(range(40, 56)), 16),
-                                     BatchItem(b, [12, 13], 2)])
-        runner.release(a)
-        runner.release(b)
-        return out
+        return mixed_passes(runner, range(30, 100))  # a prompt of > 64 tokens
 
     results: dict[str, list[torch.Tensor]] = {}
     with torch.inference_mode():
