@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 NO_DRAFT = "none"
 NGRAM = "ngram"
 CACHE = "cache"
-AUTO = "auto"  # lookup, plus the shipped draft model where it fits the target
+AUTO = "auto"  # the mix measured fastest for the target, else lookup (auto_choice)
 CHEAP_DRAFTS = frozenset({NO_DRAFT, NGRAM, CACHE})  # drafters that run no model
 
 

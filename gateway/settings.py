@@ -173,8 +173,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                         "help": "Prometheus metrics port (SPECSERVE_METRICS_PORT, default 9100)"}),
     ("--target", {"help": "target model: 'default', a model directory or a hub id "
                           "(SPECSERVE_TARGET)"}),
-    ("--draft", {"help": "'auto' (n-gram lookup, continuations when the prefix cache is on, "
-                         "and for the default target its shipped draft model), 'none', "
+    ("--draft", {"help": "'auto' (for the default target the mix of its drafters measured "
+                         "fastest, else n-gram lookup; continuations when the prefix cache is "
+                         "on), 'none', "
                          "'ngram', 'cache' (continuations), 'default-draft', a draft model "
                          "directory sharing the target's tokenizer, or several joined by '+' "
                          "(SPECSERVE_DRAFT, default auto)"}),

@@ -156,8 +156,9 @@ def _acceptance_command(sub: Any) -> None:
 def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto") -> None:
     p.add_argument("--target", default="default", help="model directory, hub id or 'default'")
     p.add_argument("--draft", default=draft_default,
-                   help="'auto' (n-gram lookup, plus the shipped draft model for the default "
-                        "target), 'none', 'ngram', 'default-draft', a draft model directory "
+                   help="'auto' (for the default target the mix of its drafters measured "
+                        "fastest, else n-gram lookup), 'none', 'ngram', 'default-draft', a "
+                        "draft model directory "
                         "(same tokenizer), 'default-truncated:N', an export directory, or "
                         "several joined by '+'")
     p.add_argument("--draft-backend", default="auto", choices=BACKENDS,
