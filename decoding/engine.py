@@ -140,7 +140,6 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
-        self._outbox.close(timeout=30)  # every event handed over reaches its stream
 
     @property
     def accepting(self) -> bool:

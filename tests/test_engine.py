@@ -224,20 +224,16 @@ def test_the_round_calls_starting_between_the_pass_s_preparation_and_its_run(
 
 def test_events_leave_while_the_next_pass_runs(tiny_target: CausalLM,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A round's event is handed over while the next pass is prepared and about to run
-    its long native call, not between passes where the event loop would hold up the
-    model thread; the last ones leave when the engine has nothing more to run. The
-    courier thread, not the model thread, delivers them (decoding.handoff). Every event
-    arrives, in order."""
+    """A round's event reaches its stream while the next pass is prepared and about to
+    run its long native call, not between passes where the event loop would hold up the
+    model thread; the last ones leave when the engine has nothing more to run. Every
+    event arrives, in order."""
     import threading
 
-    from decoding.handoff import Outbox
     from decoding.streams import RequestStream
 
     inside = threading.local()
-    pending: list[object] = []  # sent by the model thread, not yet handed over
-    handed: list[tuple[bool, list[object]]] = []  # (between prepare and run, items)
-    delivered_by: list[str] = []
+    puts: list[tuple[bool, object]] = []
     prepare, run = tiny_target.prepare_pass, tiny_target.run_pass
 
     def prepare_pass(items: Any) -> Any:
@@ -249,26 +245,15 @@ def test_events_leave_while_the_next_pass_runs(tiny_target: CausalLM,
         inside.flag = False
         return run(prepared)
 
-    send, hand_over, put = Outbox.send, Outbox.hand_over, RequestStream._put
-
-    def recording_send(self: Outbox, stream: RequestStream, item: object) -> None:
-        pending.append(item)
-        send(self, stream, item)
-
-    def recording_hand_over(self: Outbox) -> None:
-        if pending:
-            handed.append((getattr(inside, "flag", False), list(pending)))
-            pending.clear()
-        hand_over(self)
+    put = RequestStream._put
 
     def recording_put(self: RequestStream, item: object) -> None:
-        delivered_by.append(threading.current_thread().name)
+        if threading.current_thread().name == "specserve-model":
+            puts.append((getattr(inside, "flag", False), item))
         put(self, item)
 
     monkeypatch.setattr(tiny_target, "prepare_pass", prepare_pass)
     monkeypatch.setattr(tiny_target, "run_pass", run_pass)
-    monkeypatch.setattr(Outbox, "send", recording_send)
-    monkeypatch.setattr(Outbox, "hand_over", recording_hand_over)
     monkeypatch.setattr(RequestStream, "_put", recording_put)
     engine = Engine(tiny_target)
     engine.start()
@@ -280,11 +265,10 @@ def test_events_leave_while_the_next_pass_runs(tiny_target: CausalLM,
         engine.shutdown()
     alone = [t for e in decode(tiny_target, None, request) for t in e.token_ids]
     assert [t for e in events for t in e.token_ids] == alone
-    assert [item for _, items in handed for item in items][:-1] == events  # then END
+    assert [item for _, item in puts][:-1] == events  # then END
     assert len(events) == 12
-    # each event but the last is handed over within the next round's pass
-    assert [during for during, items in handed for _ in items] == [True] * 11 + [False, False]
-    assert delivered_by == ["specserve-courier"] * 13
+    # each event but the last leaves within the next round's pass
+    assert [during for during, _ in puts] == [True] * 11 + [False, False]
 
 
 IDLE_HAND_OVER_S = 5.0  # the stream's end after the engine goes idle: at once, with room
