@@ -451,3 +451,24 @@ def test_a_family_the_batched_runner_lacks_is_named_with_what_it_needs(
     got = runner.forward_batch([BatchItem(state, ids, len(ids))])[0]
     want = model(torch.tensor([ids])).logits[0]
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_layout_knows_its_largest_position_and_the_rotary_rows_agree(
+        tiny_target: BatchedLM) -> None:
+    """``Layout.positions_end`` is one past the largest position, an alternative's
+    included, and the rotary rows looked up with it are the rows read from the tensor."""
+    a, b = tiny_target.new_state(), tiny_target.new_state()
+    try:
+        tiny_target.forward_batch([BatchItem(a, list(range(5, 25)), 1),
+                                   BatchItem(b, list(range(5, 9)), 1)])
+        items = [BatchItem(a, [7, 8, 9], 3, alternative=True), BatchItem(b, [6, 5], 2)]
+        batch = layout.Layout.build(items, tiny_target.device, native=True)
+        assert batch.positions_end == int(batch.positions.max()) + 1 == 22  # 20, 21, 21
+        hidden = torch.zeros(len(batch.positions), 1, dtype=tiny_target.dtype)
+        rotary = tiny_target.stack.rotary
+        for got, want in zip(rotary(hidden, batch.positions, batch.positions_end),
+                             rotary(hidden, batch.positions), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        tiny_target.release(a)
+        tiny_target.release(b)
