@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from decoding.draft_choice import read_choice
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.continuation import ContinuationDrafter
@@ -18,6 +17,7 @@ from runtime import draft_format as distilled
 from runtime import feature_draft, model_store
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
+from runtime.draft_choice import read_choice
 from runtime.loading import quantized_target, torch_draft_dtype
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def auto_draft(target: CausalLM, prefix_cache: bool) -> str:
 
 def auto_choice(target: CausalLM, prefix_cache: bool) -> tuple[str, str]:
     """What ``auto`` means for ``target``, and why: the mix measured fastest for it where
-    a measurement is stored (``decoding.draft_choice``), else n-gram lookup plus the draft
+    a measurement is stored (``runtime.draft_choice``), else n-gram lookup plus the draft
     shipped for the default model when ``target`` is the model it was made for (a draft
     refuses any other); with a prefix cache, continuation drafts join either."""
     fits = distilled.default_draft_fits(target)

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from decoding.draft_choice import CHOICE_FORMAT, CHOICE_VERSION, choice_path
 from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from runtime import draft_format, feature_draft
 from runtime.causal_lm import CausalLM
+from runtime.draft_choice import CHOICE_FORMAT, CHOICE_VERSION, choice_path
 from runtime.loading import load_target
 from specbench.compare import load_prompts
 from specbench.methods import Generation, engine_runner

@@ -538,8 +538,8 @@ def test_auto_serves_the_stored_measured_choice_for_the_default_model(
     """The shipped measurement names the mix ``auto`` serves the default model, the
     continuation cache joining it where a prefix cache runs; it never applies to another
     target."""
-    from decoding.draft_choice import choice_path, read_choice
     from decoding.factory import auto_choice
+    from runtime.draft_choice import choice_path, read_choice
     from specbench import draft_choice
 
     measured = read_choice()
@@ -559,7 +559,7 @@ def test_auto_serves_the_stored_measured_choice_for_the_default_model(
 
 def test_a_stored_choice_that_cannot_be_read_is_ignored_with_a_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from decoding.draft_choice import CHOICE_FORMAT, read_choice
+    from runtime.draft_choice import CHOICE_FORMAT, read_choice
 
     assert read_choice(tmp_path / "missing.json") is None
     good = {"format": CHOICE_FORMAT, "version": 1, "choice": "ngram", "threads": 2,
@@ -573,7 +573,7 @@ def test_a_stored_choice_that_cannot_be_read_is_ignored_with_a_warning(
     for broken in ({**good, "version": 99}, {**good, "choice": "ngram+default-draft"},
                    {k: v for k, v in good.items() if k != "mixes"}):
         path.write_text(json.dumps(broken))
-        with caplog.at_level(logging.WARNING, logger="decoding.draft_choice"):
+        with caplog.at_level(logging.WARNING, logger="runtime.draft_choice"):
             assert read_choice(path) is None
         assert "ignoring the stored draft choice" in caplog.text
         caplog.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from decoding.draft_choice import CHOICE_FORMAT, read_choice
+from runtime.draft_choice import CHOICE_FORMAT, read_choice
 from specbench import draft_choice
 
 
