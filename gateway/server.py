@@ -119,19 +119,21 @@ def build_prefix_cache(settings: Settings, target: CausalLM) -> PrefixCache | No
 
 
 def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | None,
-                   draft_loader: DraftLoader = torch_draft_loader,
+                   draft_loader: DraftLoader = torch_draft_loader, draft: str | None = None,
                    ) -> tuple[dict[str, Drafter], str | None, str]:
     """Every drafter a request may ask for by name, the default one, and the backend
-    its draft model runs on (``builtin`` when no model runs)."""
+    its draft model runs on (``builtin`` when no model runs). ``draft``: the default's
+    spec where the caller has resolved it (else ``settings.draft``)."""
+    draft = settings.draft if draft is None else draft
     cheap = [NGRAM, *([CACHE] if cache is not None else [])]
     drafters: dict[str, Drafter] = {}
     for spec in dict.fromkeys([*cheap, "+".join(cheap)]):  # free: no model behind them
         drafter = load_drafter(spec, target, settings.dtype, cache)
         assert drafter is not None
         drafters[drafter.name] = drafter
-    if settings.draft == NO_DRAFT:
+    if draft == NO_DRAFT:
         return drafters, None, "none"
-    default, backend = draft_loader(settings.draft, target, settings.draft_backend,
+    default, backend = draft_loader(draft, target, settings.draft_backend,
                                     settings.dtype, cache, draft_dtype=settings.draft_dtype)
     assert default is not None
     drafters.setdefault(default.name, default)
@@ -160,7 +162,11 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     if isinstance(target, BatchedLM):
         target.batch_invariant = settings.batch_invariance
     cache = build_prefix_cache(settings, target)
-    drafters, default, backend = build_drafters(settings, target, cache, draft_loader)
+    draft, auto_reason = settings.draft, None
+    if draft == AUTO:  # resolved once: the drafters load it, /v1/models says why
+        draft, auto_reason = auto_choice(target, prefix_cache=cache is not None)
+        log.info("draft auto: %s (%s)", draft, auto_reason)
+    drafters, default, backend = build_drafters(settings, target, cache, draft_loader, draft)
     if isinstance(target, BatchedLM):  # the drafts took what they share of it
         target.release_plain_weights()
     info = {"draft_backend": backend, "weights": target_precision(target),
@@ -171,8 +177,8 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     draft_dtype = draft_model_dtype(drafters.get(default or ""))
     if draft_dtype is not None:
         info["draft_dtype"] = draft_dtype
-    if settings.draft == AUTO:  # what auto chose, and why
-        info["draft_auto"] = auto_choice(target, prefix_cache=cache is not None)[1]
+    if auto_reason is not None:
+        info["draft_auto"] = auto_reason
     engine = Engine(target, drafters, default, max_queue=settings.max_queue,
                     max_active=settings.max_active, prefix_cache=cache,
                     info=info, prefill_chunk=settings.prefill_chunk,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 
 from gateway.server import build_drafters, build_engine, build_prefix_cache, create_app
@@ -41,6 +42,25 @@ async def test_models_say_what_auto_chose_and_why(tiny_target_dir: Path) -> None
         async with in_process(app) as client:
             (card,) = (await client.get("/v1/models")).json()["data"]
             assert card["metadata"]["draft_auto"] is None  # not asked for auto
+    finally:
+        engine.shutdown()
+
+
+def test_a_measured_choice_of_none_serves_plain_decoding(
+        default_target: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the stored measurement found no mix faster than plain decoding, ``auto`` on
+    the default model without a prefix cache has no default drafter, and says why."""
+    from decoding import factory
+    from runtime.draft_choice import Measured
+
+    measured = Measured("none", {"chat": 1.0, "grounded": 1.0}, "a CPU", 2, "a command")
+    monkeypatch.setattr(factory, "read_choice", lambda: measured)
+    engine = build_engine(Settings(draft="auto", prefix_cache=False, served_model_name=TINY,
+                                   api_keys=[], cors_origins=[]))
+    try:
+        assert engine.default_drafter is None
+        assert engine.info["draft_auto"] == measured.reason()
+        assert set(engine.drafters) == {"ngram"}
     finally:
         engine.shutdown()
 
