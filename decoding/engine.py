@@ -23,11 +23,15 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from decoding.drafters.base import Drafter
 from decoding.handoff import Outbox
 from decoding.invariance import InvarianceCheck
 from decoding.kv_budget import KvBudget
+from decoding.policy.cost import VerifyCurve
+from decoding.policy.curve import describe as describe_curve
+from decoding.policy.curve import measure as measure_curve
 from decoding.prefix_cache import PrefixCache
 from decoding.round import RoundResult, speculative_round, warm_up
 from decoding.scheduler import Drafting, Scheduler
@@ -98,6 +102,8 @@ class Engine:
         self.forward_passes = 0
         self.prefix_cache = prefix_cache
         self.info = dict(info or {})  # descriptive facts for clients (e.g. the draft backend)
+        # the measured verify curve and the ceilings it promises (measure_verify_curve)
+        self.speculation_profile: dict[str, Any] | None = None
         self.drafters = dict(drafters or {})
         if default_drafter is not None and default_drafter not in self.drafters:
             raise UnknownDrafterError(f"default drafter {default_drafter!r} is not loaded")
@@ -181,6 +187,17 @@ class Engine:
     def warmup(self) -> None:
         """Prepare the target and the drafters (``round.warm_up``), outside the thread."""
         warm_up(self.target, list(self.drafters.values()))
+
+    def measure_verify_curve(self) -> VerifyCurve:
+        """Measure what verifying k draft tokens costs the target (``decoding.policy.curve``),
+        before the model thread starts; every draft-length policy prices rounds by it from
+        then on, and ``info`` shows it with the ceiling it promises."""
+        if self._thread is not None:
+            raise RuntimeError("the verify curve is measured before the engine starts")
+        curve = measure_curve(self.target)
+        self.scheduler.verify_curve = curve
+        self.speculation_profile = describe_curve(curve, {"lookup": 0.0})
+        return curve
 
     def _drafter_name(self, request: GenerationRequest) -> str | None:
         spec = request.speculation

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from decoding.kv_budget import KvBudget
 from decoding.policy import AdaptiveSpeculation, SpeculationPrior, StepCost, plan_batch
+from decoding.policy.cost import VerifyCurve
 from decoding.streams import RequestStream
 
 
@@ -59,6 +60,7 @@ class Scheduler:
         self.batched = batched
         self.clock = clock  # what request deadlines are measured by
         self.step_cost = StepCost()  # a decoding pass's time by its tokens
+        self.verify_curve: VerifyCurve | None = None  # the target's, where measured
         # per drafter and draft source, from finished requests
         self._priors: dict[tuple[str, str], SpeculationPrior] = {}
 
@@ -116,7 +118,10 @@ class Scheduler:
 
     def prior(self, drafter: str, source: str) -> SpeculationPrior:
         """What finished requests learned of a drafter's source."""
-        return self._priors.setdefault((drafter, source), SpeculationPrior())
+        prior = self._priors.get((drafter, source))
+        if prior is None:
+            prior = self._priors[drafter, source] = SpeculationPrior(curve=self.verify_curve)
+        return prior
 
     def new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:
         """A new request's policy for a source of its drafter, from earlier requests."""

@@ -282,7 +282,11 @@ def test_position_acceptance_counts_the_positions_up_to_the_first_rejection() ->
     rates = acceptance.rates()
     assert 0.3 < rates[0] < 0.7 and min(rates[1:4]) > 0.85
     measured = [0.9, 0.7, 0.5, 0.4, 0.3, 0.3, 0.2, 0.2]
-    assert PositionAcceptance.starting_at(measured).rates() == pytest.approx(measured, abs=0.05)
+    started = PositionAcceptance.starting_at(measured).rates()
+    assert len(started) == MAX_DRAFT_TOKENS
+    assert started[: len(measured)] == pytest.approx(measured, abs=0.05)
+    assert started[len(measured):] == pytest.approx(
+        [measured[-1]] * (MAX_DRAFT_TOKENS - len(measured)), abs=0.05)
 
 
 def test_confidence_calibration_leans_on_the_drafter_s_word_until_measured() -> None:

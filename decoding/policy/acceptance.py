@@ -64,7 +64,10 @@ class PositionAcceptance:
 
     @classmethod
     def starting_at(cls, rates: Sequence[float]) -> PositionAcceptance:
-        """Rates earlier requests measured, worth INITIAL_WEIGHT rounds at every position."""
+        """Rates earlier requests measured, worth INITIAL_WEIGHT rounds at every position
+        (positions past the measured ones like the last measured)."""
+        rates = [*rates[:MAX_DRAFT_TOKENS]]
+        rates += [rates[-1] if rates else INITIAL_ALPHA] * (MAX_DRAFT_TOKENS - len(rates))
         return cls([INITIAL_WEIGHT] * MAX_DRAFT_TOKENS, [INITIAL_WEIGHT * r for r in rates])
 
     def rates(self) -> list[float]:

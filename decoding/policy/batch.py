@@ -9,7 +9,13 @@ drafter to new ones.
 from __future__ import annotations
 
 from decoding.policy.acceptance import bin_midpoints
-from decoding.policy.cost import MAX_DRAFT_TOKENS, VERIFY_COST_PER_TOKEN, StepCost, ema
+from decoding.policy.cost import (
+    MAX_DRAFT_TOKENS,
+    VERIFY_COST_PER_TOKEN,
+    StepCost,
+    VerifyCurve,
+    ema,
+)
 from decoding.policy.speculation import MIN_DRAFT_TOKENS, MIN_GAIN, AdaptiveSpeculation
 
 BATCH_MIN_GAIN = 1.05  # a batch plan must promise this much over plain batched decoding
@@ -28,8 +34,9 @@ class SpeculationPrior:
     no longer spend their first rounds finding that out again.
     """
 
-    def __init__(self, decay: float = 0.9) -> None:
+    def __init__(self, decay: float = 0.9, curve: VerifyCurve | None = None) -> None:
         self.decay = decay
+        self.curve = curve  # the target's measured verify curve, handed to every policy
         self._weight = 0.0
         self._rates = [0.0] * MAX_DRAFT_TOKENS
         self._draft_s = 0.0
@@ -84,8 +91,9 @@ class SpeculationPrior:
 
     def new_policy(self) -> AdaptiveSpeculation:
         policy = AdaptiveSpeculation()
+        policy.cost.verify.curve = self.curve
         if self.known:
-            policy.start_from(self._rates, self._draft_s, self._verify)
+            policy.start_from(self._rates, self._draft_s, self._verify, self.curve)
         if self._confident:
             policy.start_confident(self._calibration, self._gain, self._alternatives)
         return policy

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_DRAFT_TOKENS = 8
+MAX_DRAFT_TOKENS = 16
 # Extra verify time per draft token, in target steps (measured: docs/performance.md)
 VERIFY_COST_PER_TOKEN = 0.02
 VERIFY_FIT_DECAY = 0.95  # weight of older rounds in a sequence's verify-cost fit
@@ -55,6 +55,39 @@ class LineFit:
         return mean_x, mean_y, slope
 
 
+@dataclass(frozen=True)
+class VerifyCurve:
+    """What a pass verifying k draft tokens costs this target on this host, in one-token
+    steps: ``steps[k]`` for k = 0 .. len - 1 (``steps[0]`` is 1), measured once
+    (``decoding.policy.curve``). A CPU's products read the weights once for a few tokens
+    and again for the next few, so the curve is a table, not a line; past its end it grows
+    by its last step."""
+
+    steps: tuple[float, ...]
+
+    def at(self, k: int) -> float:
+        if k < len(self.steps):
+            return self.steps[k]
+        last = len(self.steps) - 1
+        slope = self.steps[last] - self.steps[last - 1] if last > 0 else 0.0
+        return self.steps[last] + slope * (k - last)
+
+    def ceiling(self, acceptance: float, draft_cost: float, most: int = MAX_DRAFT_TOKENS
+                ) -> tuple[int, float]:
+        """The best draft length and its speed-up over plain decoding for a drafter whose
+        tokens are each accepted with chance ``acceptance`` and cost ``draft_cost`` steps:
+        (1 - a^(k+1)) / ((1 - a)(k c + V(k))) (Leviathan et al. 2023, eq. 1, with the
+        measured V); (0, 1.0) where no length pays."""
+        best_k, best = 0, 1.0
+        for k in range(1, most + 1):
+            tokens = float(k + 1) if acceptance >= 1 else (
+                (1 - acceptance ** (k + 1)) / (1 - acceptance))
+            gain = tokens / (k * draft_cost + self.at(k))
+            if gain > best:
+                best_k, best = k, gain
+        return best_k, best
+
+
 @dataclass
 class VerifyCost:
     """What verifying costs, fitted from a sequence's own rounds: seconds of a pass as
@@ -64,7 +97,21 @@ class VerifyCost:
     more, and speculation must then be surer to pay. Starts on the ``prior`` line."""
 
     prior: float = VERIFY_COST_PER_TOKEN
+    curve: VerifyCurve | None = None  # the target's measured curve, where there is one
     _fit: LineFit = field(default_factory=LineFit)
+
+    def steps(self, verified: int) -> float:
+        """A pass verifying ``verified`` draft tokens, in one-token steps: the measured
+        curve where there is one, else the fitted line."""
+        if self.curve is not None:
+            return self.curve.at(verified)
+        return 1 + self.per_token * verified
+
+    def marginal(self, verified: int) -> float:
+        """What the ``verified``-th draft token adds to its pass, in one-token steps."""
+        if self.curve is not None:
+            return self.curve.at(verified) - self.curve.at(verified - 1)
+        return self.per_token
 
     def observe(self, verified: int, seconds: float) -> None:
         if seconds <= 0:
@@ -166,6 +213,10 @@ class RoundCost:
     def per_token(self) -> float:
         """Drafting and verifying one more token, in target steps."""
         return self.verify.per_token + self.draft_per_token
+
+    def steps(self, drafted: int) -> float:
+        """A round that drafts and verifies ``drafted`` tokens, in target steps."""
+        return self.verify.steps(drafted) + self.draft_per_token * drafted
 
     def observe(self, verified: int, steps: int, draft_s: float, verify_s: float) -> None:
         """A round that ran ``steps`` draft steps in ``draft_s`` seconds and verified

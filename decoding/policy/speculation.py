@@ -6,11 +6,14 @@ round costs (``decoding.policy.cost.RoundCost``: verifying and drafting a token,
 steps), the policy picks the k that maximises expected committed tokens per unit of time:
 
     tokens(k) = 1 + sum_{j<k} prod_{i<=j} p_i    (the 1 is the recovered or bonus token)
-    cost(k)   = 1 + (verify_cost_per_token + draft_cost_per_token) * k
+    cost(k)   = V(k) + draft_cost_per_token * k
 
-With equal p_i this is Leviathan et al. (2023), eq. 1. The verify cost per token is
-measured from the sequence's own rounds, starting from VERIFY_COST_PER_TOKEN or what
-earlier requests measured. k grows while drafts are accepted, shrinks after early
+With equal p_i this is Leviathan et al. (2023), eq. 1. V(k), a pass verifying k draft
+tokens in one-token steps, is the target's measured curve where the engine has one
+(``decoding.policy.curve``: products read the weights once per few tokens, so V is a
+table with steps, not a line); else the line 1 + verify_cost_per_token * k, fitted from
+the sequence's own rounds, starting from VERIFY_COST_PER_TOKEN or what earlier requests
+measured. k grows while drafts are accepted, shrinks after early
 rejections, and falls back to plain decoding (k = 0) when speculation stops paying; it
 probes again every PROBE_INTERVAL rounds.
 
@@ -32,7 +35,13 @@ from decoding.policy.acceptance import (
     ConfidenceCalibration,
     PositionAcceptance,
 )
-from decoding.policy.cost import MAX_DRAFT_TOKENS, VERIFY_COST_PER_TOKEN, RoundCost, VerifyCost
+from decoding.policy.cost import (
+    MAX_DRAFT_TOKENS,
+    VERIFY_COST_PER_TOKEN,
+    RoundCost,
+    VerifyCost,
+    VerifyCurve,
+)
 
 MIN_DRAFT_TOKENS = 1
 MIN_GAIN = 1.02  # speculate only when expected to be at least 2% faster than plain
@@ -82,7 +91,7 @@ class AdaptiveSpeculation:
             return True
         run, tokens, cost = self._round_so_far(confidences[:-1])
         chance = run * self.calibration.accept_chance(confidences[-1])
-        return chance * cost >= self.cost.verify.per_token * tokens
+        return chance * cost >= self.cost.verify.marginal(len(confidences)) * tokens
 
     def worth_continuing(self, confidences: Sequence[float]) -> bool:
         """Whether to draft another token after ``confidences`` (all proposed), before
@@ -91,7 +100,8 @@ class AdaptiveSpeculation:
         far already says would be withheld."""
         run, tokens, cost = self._round_so_far(confidences)
         chance = run * self.calibration.mean_acceptance()
-        return chance * cost >= self.cost.per_token * tokens
+        more = self.cost.verify.marginal(len(confidences) + 1) + self.cost.draft_per_token
+        return chance * cost >= more * tokens
 
     def worth_alternative(self, confidences: Sequence[float], confidence: float) -> bool:
         """Whether to verify the drafter's second choice for the first token beside a draft
@@ -99,18 +109,17 @@ class AdaptiveSpeculation:
         token to the verify pass, so it must beat that token's cost at the rate the round
         promises (as ``worth_proposing``; its drafting cost is already paid)."""
         _, tokens, cost = self._round_so_far(confidences)
-        return self.alternatives.chance(confidence) * cost >= self.cost.verify.per_token * tokens
+        more = self.cost.verify.marginal(len(confidences) + 1)
+        return self.alternatives.chance(confidence) * cost >= more * tokens
 
     def _round_so_far(self, confidences: Sequence[float]) -> tuple[float, float, float]:
         """(chance that every draft so far is accepted, expected committed tokens, cost
         in target steps) of a round whose proposed drafts had ``confidences``."""
-        per_token = self.cost.per_token
-        run = tokens = cost = 1.0
+        run = tokens = 1.0
         for confidence in confidences:
             run *= self.calibration.accept_chance(confidence)
             tokens += run
-            cost += per_token
-        return run, tokens, cost
+        return run, tokens, self.cost.steps(len(confidences))
 
     @property
     def realised_gain(self) -> float:
@@ -160,7 +169,7 @@ class AdaptiveSpeculation:
         promised (calibrated), not those it made (as unbiased, and far steadier over a
         few rounds), against its cost."""
         _, tokens, _ = self._round_so_far(confidences[:drafted])
-        cost = 1 + self.cost.verify.per_token * drafted + self.cost.draft_per_token * steps
+        cost = self.cost.verify.steps(drafted) + self.cost.draft_per_token * steps
         self._gain_tokens = HISTORY_DECAY * self._gain_tokens + tokens
         self._gain_cost = HISTORY_DECAY * self._gain_cost + cost
 
@@ -176,18 +185,19 @@ class AdaptiveSpeculation:
     def best_k(self) -> int:
         best_k, best_rate = 0, 1.0
         for k, tokens in enumerate(self.expected_tokens(self.max_tokens), start=1):
-            cost = 1 + self.cost.per_token * k
+            cost = self.cost.steps(k)
             if tokens / cost > best_rate * (MIN_GAIN if best_k == 0 else 1.0):
                 best_k, best_rate = k, tokens / cost
         return best_k
 
     def start_from(self, rates: Sequence[float], draft_s_per_token: float,
-                   verify_per_token: float = VERIFY_COST_PER_TOKEN) -> None:
+                   verify_per_token: float = VERIFY_COST_PER_TOKEN,
+                   curve: VerifyCurve | None = None) -> None:
         """Start from the per-position acceptance rates earlier requests measured (worth
         INITIAL_WEIGHT rounds, so this request's own rounds soon dominate)."""
         self.acceptance = PositionAcceptance.starting_at(rates)
         self.cost.draft_s_per_token = draft_s_per_token
-        self.cost.verify = VerifyCost(prior=verify_per_token)
+        self.cost.verify = VerifyCost(prior=verify_per_token, curve=curve)
         self.k = max(self.best_k(), MIN_DRAFT_TOKENS)  # one token to measure itself
         self.informed = True
 

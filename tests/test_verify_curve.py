@@ -1,0 +1,75 @@
+"""The verify curve: what a pass of k draft tokens costs, measured on a real target, and
+how the draft-length policy prices rounds by it."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoding.policy import MAX_DRAFT_TOKENS, AdaptiveSpeculation, SpeculationPrior
+from decoding.policy.cost import VerifyCost, VerifyCurve
+from decoding.policy.curve import describe, from_seconds, measure
+from runtime.causal_lm import CausalLM
+
+
+def _line(slope: float, most: int = MAX_DRAFT_TOKENS) -> VerifyCurve:
+    return VerifyCurve(tuple(1 + slope * k for k in range(most + 1)))
+
+
+def test_the_ceiling_is_the_formula_at_its_best_length() -> None:
+    curve = _line(0.2)
+    k, gain = curve.ceiling(0.8, 0.45)
+    by_hand = max((1 - 0.8 ** (j + 1)) / ((1 - 0.8) * (j * 0.45 + 1 + 0.2 * j))
+                  for j in range(1, MAX_DRAFT_TOKENS + 1))
+    assert gain == pytest.approx(by_hand)
+    assert (1 - 0.8 ** (k + 1)) / (0.2 * (k * 0.45 + 1 + 0.2 * k)) == pytest.approx(by_hand)
+    assert 1.0 < gain < 1.2  # a 0.5B drafting for a 1.5B on two cores: little to gain
+    assert curve.ceiling(0.6, 0.45) == (0, 1.0)  # below break-even: plain decoding
+    free_k, free_gain = curve.ceiling(0.9, 0.0)  # lookup at high acceptance
+    assert free_gain > 2.3 and free_k >= 5
+
+
+def test_a_curve_grows_by_its_last_step_past_its_end() -> None:
+    curve = VerifyCurve((1.0, 1.1, 1.3))
+    assert [curve.at(k) for k in range(5)] == pytest.approx([1.0, 1.1, 1.3, 1.5, 1.7])
+    assert VerifyCost(curve=curve).marginal(2) == pytest.approx(0.2)
+    assert VerifyCost(curve=curve).steps(4) == pytest.approx(1.7)
+
+
+def test_timings_make_a_monotone_curve_from_one() -> None:
+    curve = from_seconds([0.04, 0.05, 0.048, 0.06])
+    assert curve.steps == (1.0, 1.25, 1.25, 1.5)
+    with pytest.raises(ValueError):
+        from_seconds([0.0, 0.1])
+
+
+def test_the_policy_stops_short_of_a_step_in_the_curve() -> None:
+    """A pass of 9 tokens reads the weights twice where products serve 8 tokens a sweep:
+    at high acceptance the policy drafts 7 and not 8, where the line would say 8 or more."""
+    steps = tuple(1 + 0.05 * k + (1.0 if k + 1 > 8 else 0.0) for k in range(17))
+    stepped, line = AdaptiveSpeculation(), AdaptiveSpeculation()
+    stepped.cost.verify = VerifyCost(curve=VerifyCurve(steps))
+    line.cost.verify = VerifyCost(prior=0.05)
+    for policy in (stepped, line):
+        for _ in range(30):
+            k = policy.next_k(100)
+            policy.update(k, max(0, k - 1) if k > 7 else k)  # runs of about 8 kept
+    assert stepped.best_k() == 7
+    assert line.best_k() > 7
+
+
+def test_new_policies_start_from_the_measured_curve() -> None:
+    curve = _line(0.3)
+    policy = SpeculationPrior(curve=curve).new_policy()
+    assert policy.cost.verify.curve is curve
+    assert policy.cost.steps(4) == pytest.approx(curve.at(4))
+
+
+def test_a_real_target_measures_a_curve_and_its_ceilings(default_target: CausalLM) -> None:
+    curve = measure(default_target, most=4, repeats=1)
+    assert len(curve.steps) == 5 and curve.steps[0] == 1.0
+    assert all(b >= a for a, b in zip(curve.steps, curve.steps[1:], strict=False))
+    shown = describe(curve, {"lookup": 0.0, "draft": 0.45})
+    assert shown["verify_steps"] == list(curve.steps)
+    assert set(shown["ceiling"]) == {"lookup", "draft"}
+    assert shown["ceiling"]["lookup"]["0.90"]["speedup"] >= shown["ceiling"]["draft"]["0.90"][
+        "speedup"]
