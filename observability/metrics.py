@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 PREFIX = "specserve"
 # the accepted-per-position counter's positions (no draft is longer)
-POSITION_LABELS = 8
+POSITION_LABELS = 16
 # Request-scale latencies reach minutes on CPUs and long generations.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                    160.0, 320.0, 640.0)
