@@ -47,7 +47,10 @@ from specbench.report import load_average, machine_info, summarise, write_table
 
 log = logging.getLogger(__name__)
 
-PROMPT_SETS = ("chat", "grounded")
+PROMPT_SETS = ("chat", "grounded")  # what a benchmark runs unless told otherwise
+CODE_PROMPT_SETS = ("code_edit", "code_chat", "long_code")  # held out, like the two above
+TUNING_PROMPT_SETS = ("code_edit_tune", "code_chat_tune")  # for tuning drafters, not measured
+SHIPPED_PROMPT_SETS = (*PROMPT_SETS, *CODE_PROMPT_SETS, *TUNING_PROMPT_SETS)
 CHAT_ROLES = ("system", "user", "assistant")
 QUICK_PROMPTS = 4  # per prompt set
 QUICK_MAX_TOKENS = 64
@@ -147,7 +150,7 @@ def select_methods(wanted: str | None, has_draft: bool, hf: bool,
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
     """The first ``limit`` prompts of a shipped prompt set (``specbench/prompts/<name>.json``)
     or of a prompt file of one's own (a path; see ``read_prompt_file``)."""
-    if name in PROMPT_SETS:
+    if name in SHIPPED_PROMPT_SETS:
         text = resources.files("specbench").joinpath("prompts", f"{name}.json").read_text("utf-8")
         data = json.loads(text)
         prompts = [Prompt(id=p["id"], messages=tuple(p["messages"])) for p in data["prompts"]]
@@ -155,7 +158,7 @@ def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
         prompts = read_prompt_file(Path(name).expanduser())
     else:
         raise ValueError(f"unknown prompt set {name!r}: neither a shipped set "
-                         f"({', '.join(PROMPT_SETS)}) nor a prompt file")
+                         f"({', '.join(SHIPPED_PROMPT_SETS)}) nor a prompt file")
     return prompts[:limit] if limit is not None else prompts
 
 
