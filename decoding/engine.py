@@ -31,6 +31,7 @@ from decoding.invariance import InvarianceCheck
 from decoding.kv_budget import KvBudget
 from decoding.policy.cost import VerifyCurve
 from decoding.policy.curve import describe as describe_curve
+from decoding.policy.curve import draft_cost
 from decoding.policy.curve import measure as measure_curve
 from decoding.prefix_cache import PrefixCache
 from decoding.round import RoundResult, speculative_round, warm_up
@@ -188,15 +189,21 @@ class Engine:
         """Prepare the target and the drafters (``round.warm_up``), outside the thread."""
         warm_up(self.target, list(self.drafters.values()))
 
-    def measure_verify_curve(self) -> VerifyCurve:
-        """Measure what verifying k draft tokens costs the target (``decoding.policy.curve``),
-        before the model thread starts; every draft-length policy prices rounds by it from
-        then on, and ``info`` shows it with the ceiling it promises."""
+    def measure_verify_curve(self, drafts: Mapping[str, Target[Any]] | None = None
+                             ) -> VerifyCurve:
+        """Measure what verifying k draft tokens costs the target, and a step of each
+        draft model in ``drafts`` (by drafter name) in target steps (``decoding.policy.
+        curve``), before the model thread starts: every draft-length policy prices rounds
+        by the curve from then on, and ``speculation_profile`` shows it with the ceiling
+        each drafter can reach."""
         if self._thread is not None:
             raise RuntimeError("the verify curve is measured before the engine starts")
         curve = measure_curve(self.target)
         self.scheduler.verify_curve = curve
-        self.speculation_profile = describe_curve(curve, {"lookup": 0.0})
+        costs = {"lookup": 0.0}
+        for name, draft in (drafts or {}).items():
+            costs[name] = draft_cost(draft, curve)
+        self.speculation_profile = describe_curve(curve, costs)
         return curve
 
     def _drafter_name(self, request: GenerationRequest) -> str | None:

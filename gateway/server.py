@@ -18,9 +18,10 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from types import FrameType
+from typing import Any
 
 import torch
 import uvicorn
@@ -43,6 +44,7 @@ from decoding.factory import (
 )
 from decoding.invariance import InvarianceCheck
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
+from decoding.target import Target
 from decoding.threads import default_decode_threads
 from gateway import pages
 from gateway.errors import install_error_handlers
@@ -143,6 +145,18 @@ def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | No
     return drafters, default.name, backend
 
 
+def draft_models(drafters: Mapping[str, Drafter]) -> dict[str, Target[Any]]:
+    """The draft models that run on this host's PyTorch or native runtime, by drafter
+    name: their step is measured against the target's (another backend's is not)."""
+    models: dict[str, Target[Any]] = {}
+    for name, drafter in drafters.items():
+        model = drafter.model if isinstance(drafter, CombinedDrafter) else drafter
+        runner = getattr(model, "model", None)  # a ModelDrafter's draft model
+        if isinstance(runner, CausalLM):
+            models[name] = runner
+    return models
+
+
 def draft_model_dtype(drafter: Drafter | None) -> str | None:
     """The dtype the drafter's model runs in on PyTorch (None: no model, or another
     backend, whose export says)."""
@@ -189,6 +203,11 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
                                       if settings.check_invariance else None))
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
     engine.warmup()
+    engine.measure_verify_curve(draft_models(drafters))
+    log.info("verify curve %s (one-token step %.1f ms); ceilings %s",
+             engine.scheduler.verify_curve.steps if engine.scheduler.verify_curve else None,
+             (engine.speculation_profile or {}).get("step_ms", 0.0),
+             (engine.speculation_profile or {}).get("ceiling"))
     release_freed_memory()
     engine.start()
     return engine

@@ -64,6 +64,7 @@ class VerifyCurve:
     by its last step."""
 
     steps: tuple[float, ...]
+    step_s: float = 0.0  # a one-token pass, in seconds, when it was measured
 
     def at(self, k: int) -> float:
         if k < len(self.steps):

@@ -58,7 +58,14 @@ def from_seconds(seconds: Sequence[float]) -> VerifyCurve:
     for s in seconds:
         highest = max(highest, s / seconds[0])
         steps.append(round(highest, 4))
-    return VerifyCurve(tuple(steps))
+    return VerifyCurve(tuple(steps), seconds[0])
+
+
+def draft_cost(draft: Target[Any], curve: VerifyCurve, repeats: int = REPEATS) -> float:
+    """A draft model's one-token step in the target's steps (``c``), both measured here."""
+    if curve.step_s <= 0:
+        raise ValueError("the target's curve has no measured step")
+    return measure(draft, most=0, repeats=repeats).step_s / curve.step_s
 
 
 def describe(curve: VerifyCurve, draft_costs: dict[str, float],
@@ -66,7 +73,9 @@ def describe(curve: VerifyCurve, draft_costs: dict[str, float],
     """The curve and, per drafter (its cost ``c`` in steps) and acceptance, the best
     draft length and the speed-up it promises: what ``/v1/models`` shows."""
     return {
+        "step_ms": round(curve.step_s * 1000, 3),
         "verify_steps": list(curve.steps),
+        "draft_cost": {name: round(cost, 4) for name, cost in draft_costs.items()},
         "ceiling": {
             name: {f"{a:.2f}": dict(zip(("k", "speedup"),
                                          _rounded(curve.ceiling(a, cost)), strict=True))

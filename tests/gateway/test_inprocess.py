@@ -295,6 +295,19 @@ async def test_models_report_quantized_weights(tiny_target_dir: Path,
     assert card["metadata"]["weights"] == "int4"
     assert card["metadata"]["dtype"] == "bfloat16"
     assert card["metadata"]["draft_dtype"] == "bfloat16"  # int4 codes, bf16 activations
+    # the verify curve measured at start-up, the draft model's step against the target's,
+    # and the ceiling each drafter can reach by them
+    from decoding.policy import MAX_DRAFT_TOKENS
+
+    profile = card["metadata"]["speculation"]
+    steps = profile["verify_steps"]
+    assert len(steps) == MAX_DRAFT_TOKENS + 1 and steps[0] == 1.0 and steps == sorted(steps)
+    assert profile["step_ms"] > 0 and profile["draft_cost"]["lookup"] == 0.0
+    models = set(profile["draft_cost"]) - {"lookup"}
+    assert models and all(profile["draft_cost"][m] > 0 for m in models)
+    assert set(profile["ceiling"]) == {"lookup", *models}
+    assert all(cell["speedup"] >= 1.0 for row in profile["ceiling"].values()
+               for cell in row.values())
     # int4 matrices as block matrices, on the native kernels of this host's level
     from runtime import kernels
 
