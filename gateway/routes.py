@@ -123,6 +123,8 @@ def _card(state: GatewayState) -> ModelCard:
             "draft_auto": engine.info.get("draft_auto"),  # with --draft auto: why that mix
             "kernels": engine.info.get("kernels", "torch"),
             "product_activations": engine.info.get("product_activations", settings.dtype),
+            # the measured verify curve, each drafter's cost and the ceilings they promise
+            "speculation": engine.speculation_profile,
             "aliases": sorted(state.aliases),
             "sampling_defaults": state.sampling.metadata(),
         },
