@@ -8,11 +8,14 @@ Each prompt of the prompt sets goes to every server's streamed
 ``/v1/chat/completions`` in turn (greedy: temperature 0, plus
 ``repeat_penalty: 1.0`` where a server takes it), one request at a time, prompt
 by prompt, so that machine noise hits every server alike; each server gets one
-short warm-up request first. Per server and prompt set: tokens/s (completion
-tokens over request time, summed over the prompts), time to first token and
-inter-token latency (a request's time from its first to its last token over the
-tokens in between), median and p90 over the prompts, with ratios to the first
-server; and whether the servers' greedy outputs are identical, prompt by prompt.
+short warm-up request first, on a message of no prompt set (so that no measured
+prompt is in a server's cache before it is sent). Per server and prompt set:
+tokens/s (completion tokens over request time, summed over the prompts), time to
+first token and inter-token latency (a request's time from its first to its last
+token over the tokens in between), median and p90 over the prompts, with ratios
+to the first server; prefill tokens/s (prompt tokens over time to first token,
+summed over the prompts, where the server reports prompt tokens); and whether the
+servers' greedy outputs are identical, prompt by prompt.
 Completion tokens come from the ``usage`` of the stream's last chunk where the
 server sends one (``stream_options.include_usage``), else they are the chunks
 that carried text (one token each on most servers).
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 128
 WARMUP_TOKENS = 8
+WARMUP_MESSAGES = ({"role": "user", "content": "Say hello in one short sentence."},)
 GREEDY_EXTRAS: dict[str, Any] = {"repeat_penalty": 1.0}  # llama.cpp penalises repeats otherwise
 TIMEOUT_S = 600.0
 MS = 1000.0
@@ -173,13 +177,12 @@ def run_peers(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]], max_toke
               ) -> dict[str, Any]:
     """Every prompt through every peer, interleaved; the JSON report."""
     extras = GREEDY_EXTRAS if extras is None else extras
-    first_prompt = next(p for prompts in prompt_sets.values() for p in prompts)
     replies: list[dict[str, Any]] = []
     total = len(peers) * sum(len(prompts) for prompts in prompt_sets.values())
     with httpx.Client(timeout=TIMEOUT_S) as client, progress(
             total, "peer bench", show_progress) as bar:
         for peer in peers:
-            connect(client, peer, extras, first_prompt.messages)
+            connect(client, peer, extras, WARMUP_MESSAGES)
         for name, prompts in prompt_sets.items():
             for prompt in prompts:
                 for peer in peers:
@@ -191,6 +194,7 @@ def run_peers(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]], max_toke
     return {
         "config": {"max_tokens": max_tokens, "greedy": True, "order": "prompt by prompt, "
                    "every server in turn, after one warm-up request each",
+                   "warmup_messages": list(WARMUP_MESSAGES),
                    "prompts": {n: [p.id for p in ps] for n, ps in prompt_sets.items()}},
         "servers": [{"name": p.name, "url": p.url, "model": p.model, "extras": p.extras}
                     for p in peers],
@@ -219,6 +223,8 @@ def summarise(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]],
             ttft = [r["ttft_s"] for r in mine]
             differing = [r["id"] for r in mine if reference.get(r["id"]) != r["text"]]
             prompt_tokens = [r["prompt_tokens"] for r in mine]
+            counted = None if None in prompt_tokens else sum(prompt_tokens)
+            waited = sum(ttft)
             rows.append({
                 "server": peer.name, "prompt_set": name, "prompts": len(mine),
                 "tokens": tokens, "seconds": round(seconds, 4),
@@ -229,7 +235,9 @@ def summarise(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]],
                 "itl_ms_median": _ms(statistics.median(itl)) if itl else None,
                 "itl_ms_p90": _ms(quantile(itl, 0.9)) if itl else None,
                 "tokens_from": "+".join(sorted({r["tokens_from"] for r in mine})),
-                "prompt_tokens": None if None in prompt_tokens else sum(prompt_tokens),
+                "prompt_tokens": counted,
+                "prefill_tokens_per_s": round(counted / waited, 1)
+                if counted is not None and waited > 0 else None,
                 "identical_to_first": len(mine) - len(differing),
                 "differing_prompts": differing,
             })
@@ -269,15 +277,16 @@ def _ms(seconds: float) -> float:
     return round(seconds * MS, 2)
 
 
-HEADER = ("set", "server", "tok/s", "x first", "TTFT ms", "TTFT p90", "ITL ms", "ITL p90",
-          "tokens", "same as first")
+HEADER = ("set", "server", "tok/s", "x first", "TTFT ms", "TTFT p90", "prefill tok/s",
+          "ITL ms", "ITL p90", "tokens", "same as first")
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The runs side by side, and one line on whether the greedy outputs agree."""
     rows = [(r["prompt_set"], r["server"], f"{r['tokens_per_s']:.1f}",
              "-" if r["ratio_to_first"] is None else f"{r['ratio_to_first']:.2f}x",
-             _cell(r["ttft_ms_median"]), _cell(r["ttft_ms_p90"]), _cell(r["itl_ms_median"]),
+             _cell(r["ttft_ms_median"]), _cell(r["ttft_ms_p90"]),
+             _cell(r.get("prefill_tokens_per_s")), _cell(r["itl_ms_median"]),
              _cell(r["itl_ms_p90"]), str(r["tokens"]),
              f"{r['identical_to_first']}/{r['prompts']}") for r in report["runs"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(HEADER)]

@@ -1,5 +1,5 @@
 """``specserve bench --peer``: a real ``specserve serve`` process benchmarked as two peers
-through its streamed chat endpoint, and a peer that is down."""
+through its streamed chat endpoint, and a peer that is down; the code prompt sets."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 
-from specbench.compare import PROMPT_SETS, load_prompts
+from specbench.compare import (
+    CODE_PROMPT_SETS,
+    PROMPT_SETS,
+    SHIPPED_PROMPT_SETS,
+    TUNING_PROMPT_SETS,
+    load_prompts,
+)
 from specbench.peer import main as peer_main
 from specbench.peer import parse_peer, quantile
 from specserve.cli import main
@@ -22,7 +28,8 @@ PROMPTS = 2  # per set
 MAX_TOKENS = 12
 ROW_KEYS = {"server", "prompt_set", "prompts", "tokens", "seconds", "tokens_per_s",
             "ratio_to_first", "ttft_ms_median", "ttft_ms_p90", "itl_ms_median", "itl_ms_p90",
-            "tokens_from", "prompt_tokens", "identical_to_first", "differing_prompts"}
+            "tokens_from", "prompt_tokens", "prefill_tokens_per_s", "identical_to_first",
+            "differing_prompts"}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +56,10 @@ def test_two_peers_get_every_prompt_and_agree_with_themselves(
         assert set(row) == ROW_KEYS, row
         assert row["prompts"] == PROMPTS and 0 < row["tokens"] <= PROMPTS * MAX_TOKENS
         assert row["tokens_from"] == "usage" and row["prompt_tokens"] > 0
+        # prompt tokens over the time to first token, summed over the prompts
+        ttft_s = sum(r["ttft_s"] for r in report["replies"]
+                     if (r["server"], r["prompt_set"]) == (row["server"], row["prompt_set"]))
+        assert row["prefill_tokens_per_s"] == round(row["prompt_tokens"] / ttft_s, 1)
         assert row["tokens_per_s"] > 0 and row["seconds"] > 0
         assert 0 < row["ttft_ms_median"] <= row["ttft_ms_p90"]
         assert 0 < row["itl_ms_median"] <= row["itl_ms_p90"]
@@ -64,7 +75,11 @@ def test_two_peers_get_every_prompt_and_agree_with_themselves(
         assert reply["text"] and reply["finish_reason"] in ("length", "stop")
         assert 0 < reply["ttft_s"] <= reply["last_s"] <= reply["seconds"]
     table = capsys.readouterr().out
-    assert "TTFT p90" in table and "first" in table and "second" in table
+    assert "TTFT p90" in table and "prefill tok/s" in table
+    assert "first" in table and "second" in table
+    # the warm-up asks what no prompt set asks, so no measured prompt is cached before
+    warmup = report["config"]["warmup_messages"]
+    assert all(list(p.messages) != warmup for name in PROMPT_SETS for p in load_prompts(name))
     assert "greedy outputs of first and second: agree on every prompt" in table
     # identical texts share all of themselves
     lengths = [len(r["text"]) for r in replies if r["server"] == "first"]
@@ -119,3 +134,49 @@ def test_peer_urls_and_quantiles() -> None:
     assert quantile([3.0, 1.0, 2.0], 0.9) == 3.0 and quantile([5.0], 0.9) == 5.0
     assert quantile([float(v) for v in range(1, 11)], 0.9) == 9.0
     assert len(load_prompts("chat", PROMPTS)) == PROMPTS
+
+
+EDIT_KINDS = {"annotate", "rename", "convert style", "rewrite", "fix bug"}
+CHAT_KINDS = {"write", "explain", "how-to"}
+CODE_SETS = {"code_edit": (8, EDIT_KINDS), "code_edit_tune": (6, EDIT_KINDS),
+             "code_chat": (8, CHAT_KINDS), "code_chat_tune": (4, CHAT_KINDS),
+             "long_code": (2, {"annotate"})}
+
+
+def _shipped(name: str) -> dict[str, Any]:
+    return json.loads((Path(__file__).parent.parent / "specbench" / "prompts"
+                       / f"{name}.json").read_text("utf-8"))
+
+
+@pytest.mark.parametrize("name", sorted(CODE_SETS))
+def test_code_prompt_sets_are_shipped_in_the_format(name: str) -> None:
+    count, kinds = CODE_SETS[name]
+    data = _shipped(name)
+    assert data["name"] == name and name in SHIPPED_PROMPT_SETS
+    assert len(data["prompts"]) == count == len(load_prompts(name))
+    assert {p["kind"] for p in data["prompts"]} <= kinds
+    assert len({p["id"] for p in data["prompts"]}) == count
+    for prompt in load_prompts(name):
+        assert [m["role"] for m in prompt.messages] == ["user"]
+    tuning = name in TUNING_PROMPT_SETS
+    assert ("for tuning" in data["description"].lower()) == tuning
+    assert ("held out" in data["description"].lower()) == (name in CODE_PROMPT_SETS)
+
+
+def test_the_tuning_sets_share_nothing_with_the_held_out_ones() -> None:
+    def code_lines(names: tuple[str, ...]) -> set[str]:
+        return {line.strip() for name in names for p in load_prompts(name)
+                for m in p.messages for line in m["content"].splitlines()
+                if len(line.strip()) > 24}
+
+    held_out = CODE_PROMPT_SETS + PROMPT_SETS
+    assert not code_lines(TUNING_PROMPT_SETS) & code_lines(held_out)
+    ids = [p.id for name in SHIPPED_PROMPT_SETS for p in load_prompts(name)]
+    assert len(ids) == len(set(ids))
+    # edits repeat a function of 20-60 lines; long prompts carry a whole file
+    for prompt in load_prompts("code_edit") + load_prompts("code_edit_tune"):
+        code = prompt.messages[0]["content"].split("```")[1]
+        assert 20 <= len(code.strip().splitlines()) - 1 <= 60, prompt.id
+    for prompt in load_prompts("long_code"):
+        assert len(prompt.messages[0]["content"]) > 4000
+
