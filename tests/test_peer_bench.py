@@ -1,8 +1,10 @@
 """``specserve bench --peer``: a real ``specserve serve`` process benchmarked as two peers
-through its streamed chat endpoint, and a peer that is down; the code prompt sets."""
+through its streamed chat endpoint, and a peer that is down; ``specbench.peer_run``
+starting servers itself, one of which fails; the code prompt sets."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from specbench import peer_run
 from specbench.compare import (
     CODE_PROMPT_SETS,
     PROMPT_SETS,
@@ -21,7 +24,7 @@ from specbench.compare import (
 from specbench.peer import main as peer_main
 from specbench.peer import parse_peer, quantile
 from specserve.cli import main
-from tests.conftest import free_port
+from tests.conftest import free_port, http_status
 from tests.reliability.support import ServeProcess, serve
 
 PROMPTS = 2  # per set
@@ -180,3 +183,92 @@ def test_the_tuning_sets_share_nothing_with_the_held_out_ones() -> None:
     for prompt in load_prompts("long_code"):
         assert len(prompt.messages[0]["content"]) > 4000
 
+
+def _run_args(**given: Any) -> argparse.Namespace:
+    defaults = {"llama_server": "/opt/llama/llama-server", "target": "qwen", "draft": "small",
+                "servers": ",".join(peer_run.SERVERS), "extra": [], "threads": 2,
+                "context": 8192, "base_port": 18080}
+    return argparse.Namespace(**{**defaults, **given})
+
+
+def test_the_peer_run_plans_every_server_on_its_own_port(tmp_path: Path) -> None:
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"0" * 100)
+    draft.write_bytes(b"0" * 10)
+    servers = peer_run.plan_servers(_run_args(extra=["specserve=--max-active 1"]), target,
+                                    draft, {"ngram-simple", "draft-simple"})
+    names = [s.name for s in servers]
+    # this build lists no ngram-mod: its row is left out
+    assert names == ["llama-server", "llama-server-ngram-simple", "llama-server-draft",
+                     "specserve-none", "specserve", "specserve-draft"]
+    assert [s.port for s in servers] == list(range(18080, 18086))
+    by_name = {s.name: s for s in servers}
+    for server in servers:
+        text = " ".join(server.argv)
+        if server.name.startswith("llama-server"):
+            assert f"-m {target}" in text and "-t 2 -tb 2 -c 8192 -np 1" in text
+            assert server.ready_path == "/health"
+        else:
+            assert "--target qwen --threads 2" in text and server.ready_path == "/ready"
+        assert f"--port {server.port}" in text
+    assert "--spec-type ngram-simple" in " ".join(by_name["llama-server-ngram-simple"].argv)
+    assert f"-md {draft} --spec-type draft-simple -td 2 -tbd 2" in " ".join(
+        by_name["llama-server-draft"].argv)
+    assert by_name["llama-server-draft"].model_bytes == 110
+    assert by_name["specserve-none"].argv[-6:-2] == ["--draft", "none", "--port", "18083"]
+    assert by_name["specserve"].argv[-4:-1] == ["--max-active", "1", "--metrics-port"]
+    metrics = [int(s.argv[-1]) for s in servers if s.name.startswith("specserve")]
+    assert metrics == [18087, 18088, 18089]
+    # without a draft, the draft rows go; unknown names are refused
+    assert "specserve-draft" not in [s.name for s in peer_run.plan_servers(
+        _run_args(), target, None, set())]
+    with pytest.raises(ValueError, match="unknown server"):
+        peer_run.plan_servers(_run_args(servers="vllm"), target, draft, set())
+    with pytest.raises(ValueError, match="NAME=ARGS"):
+        peer_run.parse_extra(["nobody=--x"])
+
+
+def test_the_peer_run_starts_its_servers_and_stops_them(
+        tiny_target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.json"
+    base = free_port()
+    # the second server's unknown flag stops it at start-up: recorded, the run goes on
+    rc = peer_run.main(["--servers", "specserve-none,specserve", "--target", str(tiny_target_dir),
+                        "--draft", "none", "--extra", "specserve=--no-such-flag",
+                        "--prompt-sets", "code_edit,code_chat", "--prompts", "1",
+                        "--max-tokens", "4", "--threads", "1", "--base-port", str(base),
+                        "--start-timeout", "300", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [r["server"] for r in report["runs"]] == ["specserve-none", "specserve-none"]
+    assert report["config"]["servers_up_together"] is True
+    assert all(r["tokens"] > 0 and r["prefill_tokens_per_s"] > 0 for r in report["runs"])
+    launched = {entry["name"]: entry for entry in report["launch"]}
+    assert launched["specserve-none"]["failure"] is None
+    assert launched["specserve-none"]["ready_s"] > 0
+    assert "--no-such-flag" in launched["specserve"]["command"]
+    assert "exited" in launched["specserve"]["failure"]
+    assert Path(launched["specserve"]["log"]).parent == tmp_path / "run-logs"
+    machine = report["machine"]
+    assert machine["memory_read_gb_per_s_start"] > 0 and machine["memory_read_gb_per_s_end"] > 0
+    assert machine["cpu"] and "Architecture" in machine["lscpu"]
+    assert report["target"]["file"] == str(tiny_target_dir)
+    table = capsys.readouterr().out
+    assert "specserve-none" in table and "specserve did not start" in table
+    assert http_status(f"http://127.0.0.1:{base}/health") is None  # stopped at the end
+
+
+def test_servers_run_one_at_a_time_make_one_report() -> None:
+    prompts = {"s": load_prompts("code_chat", 2)}
+    replies = [{"server": name, "prompt_set": "s", "id": p.id, "text": text, "tokens": 4,
+                "tokens_from": "usage", "prompt_tokens": 10, "ttft_s": 0.5, "last_s": 1.0,
+                "seconds": 1.0, "finish_reason": "length", "itl_s": 0.1}
+               for name, text in (("a", "x"), ("b", "y")) for p in prompts["s"]]
+    parts = [{"config": {"max_tokens": 4}, "servers": [{"name": n, "url": f"http://{n}"}],
+              "replies": [r for r in replies if r["server"] == n]} for n in ("a", "b")]
+    report = peer_run.merge(parts, prompts)
+    assert [r["server"] for r in report["runs"]] == ["a", "b"]
+    assert report["runs"][1]["identical_to_first"] == 0
+    assert report["runs"][0]["prefill_tokens_per_s"] == 20.0
+    assert report["agreement"][0]["identical"] == 0
+    assert report["config"]["order"].startswith("server by server")
