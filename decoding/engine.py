@@ -203,6 +203,7 @@ class Engine:
         costs = {"lookup": 0.0}
         for name, draft in (drafts or {}).items():
             costs[name] = draft_cost(draft, curve)
+            self.scheduler.draft_costs[name] = costs[name]
         self.speculation_profile = describe_curve(curve, costs)
         return curve
 

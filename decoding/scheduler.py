@@ -61,6 +61,8 @@ class Scheduler:
         self.clock = clock  # what request deadlines are measured by
         self.step_cost = StepCost()  # a decoding pass's time by its tokens
         self.verify_curve: VerifyCurve | None = None  # the target's, where measured
+        # a draft model's step in target steps, by drafter name, where measured
+        self.draft_costs: dict[str, float] = {}
         # per drafter and draft source, from finished requests
         self._priors: dict[tuple[str, str], SpeculationPrior] = {}
 
@@ -120,7 +122,9 @@ class Scheduler:
         """What finished requests learned of a drafter's source."""
         prior = self._priors.get((drafter, source))
         if prior is None:
-            prior = self._priors[drafter, source] = SpeculationPrior(curve=self.verify_curve)
+            cost = self.draft_costs.get(drafter, 0.0) if source in ("", "model") else 0.0
+            prior = self._priors[drafter, source] = SpeculationPrior(curve=self.verify_curve,
+                                                                     draft_cost=cost)
         return prior
 
     def new_policy(self, drafter: str | None, source: str) -> AdaptiveSpeculation:

@@ -73,3 +73,27 @@ def test_a_real_target_measures_a_curve_and_its_ceilings(default_target: CausalL
     assert set(shown["ceiling"]) == {"lookup", "draft"}
     assert shown["ceiling"]["lookup"]["0.90"]["speedup"] >= shown["ceiling"]["draft"]["0.90"][
         "speedup"]
+
+
+def test_a_model_source_starts_from_its_measured_step() -> None:
+    from decoding.kv_budget import KvBudget
+    from decoding.scheduler import Scheduler
+
+    class _Target:  # what KvBudget reads of a target: no budget
+        def kv_bytes(self, rows: int, positions: int) -> int:
+            return 0
+
+    scheduler = Scheduler(KvBudget(_Target(), None), max_active=4)  # type: ignore[arg-type]
+    scheduler.verify_curve = _line(0.2)
+    scheduler.draft_costs["ngram+draft"] = 0.45
+    model = scheduler.new_policy("ngram+draft", "model")
+    lookup = scheduler.new_policy("ngram+draft", "lookup")
+    assert model.cost.draft_per_token == 0.45 and lookup.cost.draft_per_token == 0.0
+    assert model.cost.steps(3) == pytest.approx(1.6 + 3 * 0.45)
+    # at the acceptance a 0.5B reaches on chat (about 0.6), such a draft does not pay:
+    # plain decoding; a free drafter at the same acceptance does
+    for i in range(40):
+        for policy in (model, lookup):
+            k = max(policy.next_k(100), 1)
+            policy.update(k, 1 if i % 5 < 3 else 0)
+    assert model.best_k() == 0 and lookup.best_k() >= 1

@@ -34,9 +34,11 @@ class SpeculationPrior:
     no longer spend their first rounds finding that out again.
     """
 
-    def __init__(self, decay: float = 0.9, curve: VerifyCurve | None = None) -> None:
+    def __init__(self, decay: float = 0.9, curve: VerifyCurve | None = None,
+                 draft_cost: float = 0.0) -> None:
         self.decay = decay
         self.curve = curve  # the target's measured verify curve, handed to every policy
+        self.draft_cost = draft_cost  # a draft step in target steps, measured at start-up
         self._weight = 0.0
         self._rates = [0.0] * MAX_DRAFT_TOKENS
         self._draft_s = 0.0
@@ -92,6 +94,7 @@ class SpeculationPrior:
     def new_policy(self) -> AdaptiveSpeculation:
         policy = AdaptiveSpeculation()
         policy.cost.verify.curve = self.curve
+        policy.cost.draft_per_token = self.draft_cost  # until its own steps are timed
         if self.known:
             policy.start_from(self._rates, self._draft_s, self._verify, self.curve)
         if self._confident:
