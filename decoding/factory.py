@@ -18,7 +18,7 @@ from runtime import feature_draft, model_store
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.draft_choice import read_choice
-from runtime.loading import quantized_target, torch_draft_dtype
+from runtime.loading import load_model, quantized_target, torch_draft_dtype
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +145,10 @@ def auto_choice(target: CausalLM, prefix_cache: bool) -> tuple[str, str]:
 def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32",
                        draft_dtype: str = "auto") -> ModelDrafter:
     """A draft model: a feature draft directory (or ``feature-draft``, the one shipped for
-    the default model), a distilled draft directory (or ``default-draft``), a local model
-    directory, or a hub id; on PyTorch, in
-    ``draft_dtype`` (``auto``: ``torch_draft_dtype``)."""
+    the default model), a distilled draft directory (or ``default-draft``), a model of the
+    catalogue, a GGUF file (``gguf_draft``), a local model directory, or a hub id; on
+    PyTorch, in ``draft_dtype`` (``auto``: ``torch_draft_dtype``)."""
+    requested = draft_dtype
     if draft_dtype == "auto" and quantized_target(target):
         draft_dtype = "int4"  # a draft beside a quantized target is quantized too
     run_dtype = torch_draft_dtype(dtype, target.device, draft_dtype)
@@ -167,9 +168,28 @@ def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32",
         return ModelDrafter(distilled.load_causal_lm(directory, target, run_dtype, quantize),
                             target)
     path = model_store.resolve(spec)
+    if path.endswith(".gguf"):
+        return ModelDrafter(gguf_draft(path, target, dtype, requested), target)
     log.info("loading draft model %s (%s, quantize %s)", path, run_dtype, quantize)
     model = BatchedLM.load(path, dtype=run_dtype, device=str(target.device),
                            quantize=quantize)
     return ModelDrafter(model, target)
 
 
+def gguf_draft(path: str, target: CausalLM, dtype: str = "float32",
+               draft_dtype: str = "auto") -> CausalLM:
+    """A GGUF file as a draft model, by the runner a target of that file gets
+    (``runtime.loading.load_model``): on a CPU with ``draft_dtype`` auto, the file's own
+    quantized weights; else the file dequantized to ``draft_dtype`` (``torch_draft_dtype``).
+    int8 and int4 are refused: the file is quantized already."""
+    if draft_dtype in ("int8", "int4"):
+        raise DraftSpecError(f"--draft-dtype {draft_dtype} quantizes a model directory; the "
+                             f"draft {path} is a GGUF file, quantized already (use auto for "
+                             "its own weights)")
+    device = str(target.device)
+    if draft_dtype == "auto" and target.device.type == "cpu":
+        log.info("loading draft model %s (its own weights)", path)
+        return load_model(path, device=device, quantize="auto")
+    run_dtype = torch_draft_dtype(dtype, target.device, draft_dtype)
+    log.info("loading draft model %s (dequantized to %s)", path, run_dtype)
+    return load_model(path, dtype=run_dtype, device=device, quantize="none")
