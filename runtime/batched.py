@@ -39,6 +39,7 @@ from runtime.attention import GroupedAttention
 from runtime.causal_lm import CausalLM, head_subset
 from runtime.families import needs_skeleton, supports
 from runtime.kernels import resolve
+from runtime.kquants import KQuantMatrix
 from runtime.layout import SPAN_ALIGN, Layout, check_items
 from runtime.memory import release_plain_weights
 from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
@@ -164,9 +165,9 @@ class BatchedLM(CausalLM):
 
     @property
     def product_activations(self) -> str:
-        """What the matrix products multiply: ``int8`` (block matrices, activations
-        quantized per block of 32) or the activations' dtype."""
-        if any(isinstance(p, BlockMatrix) for p in self._products()):
+        """What the matrix products multiply: ``int8`` (block and K-quant matrices,
+        activations quantized per block of 32) or the activations' dtype."""
+        if any(isinstance(p, BlockMatrix | KQuantMatrix) for p in self._products()):
             return "int8"
         return str(self.dtype).removeprefix("torch.")
 

@@ -17,11 +17,14 @@ from torch import nn
 
 from runtime import kernels
 from runtime.families import GEMMA_FAMILIES, activation
+from runtime.kquants import KQuantMatrix
 from runtime.layout import Layout
 from runtime.quantized import ACTIVATIONS, BlockEmbedding, BlockMatrix, Int4Matrix
 from runtime.skeleton import ConvertedEmbedding
 from runtime.stack import NativeLoop, Norm, Stack
 from runtime.weights import Matrix, Product, multiply, norm_heads
+
+KQUANT_KIND = 64  # LayerStack's kind for a K-quant matrix (csrc/kernels.h kKQuant)
 
 
 def unsupported(model: Any) -> str | None:
@@ -80,10 +83,13 @@ def layer_stack(native: ModuleType, norms: list[Norm], stack: Stack,
             or any(w.qk_norms is not None for w in chosen)):
         return None  # (its loop has no per-head q/k norms)
     kinds = [stack_kind(m, stack.dtype) for m in mats]
-    if all(kinds):  # (then every one is a BlockMatrix or a Matrix)
-        found = [m for m in mats if isinstance(m, (BlockMatrix, Matrix))]
-        packed = [m.packed if isinstance(m, BlockMatrix) else m.dense for m in found]
-        return native.LayerStack(packed, packed, [m.out_features for m in found],
+    if all(kinds):  # (then every one is a BlockMatrix, a KQuantMatrix or a Matrix)
+        found = [m for m in mats if isinstance(m, (BlockMatrix, KQuantMatrix, Matrix))]
+        packed = [m.dense if isinstance(m, Matrix) else m.packed for m in found]
+        # (a K-quant matrix's segments go where PyTorch's int4 has its scales)
+        layouts = [m.layout if isinstance(m, KQuantMatrix) else p
+                   for m, p in zip(found, packed, strict=True)]
+        return native.LayerStack(packed, layouts, [m.out_features for m in found],
                                  [m.bias for m in found], [w for w, _ in norms],
                                  [e for _, e in norms], 32, stack.heads, stack.kv_heads,
                                  stack.scaling, kinds)
@@ -174,7 +180,7 @@ def draft_chain(native: ModuleType, stack: Stack, vocab: int,
     source = embedding_source(stack.inner.embed_tokens, stack.dtype)
     head = stack.head
     kind = stack_kind(head, stack.dtype)
-    if source is None or not kind:
+    if source is None or not kind or kind == KQUANT_KIND:  # (the chain's heads: no K-quant)
         return None
     assert isinstance(head, (BlockMatrix, Matrix))  # (what stack_kind takes)
     fuse: tuple[torch.Tensor | None, int, int, torch.Tensor | None] = (None, 0, 0, None)
@@ -182,7 +188,8 @@ def draft_chain(native: ModuleType, stack: Stack, vocab: int,
         product, width = fusion
         fuse_kind = stack_kind(product, stack.dtype)
         # (a block matrix multiplies bfloat16 activations: the chain's are the model's)
-        if not fuse_kind or (fuse_kind in (4, 8) and stack.dtype != torch.bfloat16):
+        if (not fuse_kind or fuse_kind == KQUANT_KIND
+                or (fuse_kind in (4, 8) and stack.dtype != torch.bfloat16)):
             return None
         assert isinstance(product, (BlockMatrix, Matrix))  # (what stack_kind takes)
         fuse = (product.packed if isinstance(product, BlockMatrix) else product.dense,
@@ -195,10 +202,13 @@ def draft_chain(native: ModuleType, stack: Stack, vocab: int,
 
 def stack_kind(m: Product, dtype: torch.dtype) -> int:
     """What ``LayerStack`` takes ``m`` as in a model of ``dtype``: 4 or 8 (a block
-    matrix of those bits), 16 or 32 (a bfloat16 or float32 matrix on the native
-    ``dense_product``, in the model's dtype), or 0 (none of them)."""
+    matrix of those bits), 64 (a K-quant matrix, in a bfloat16 model), 16 or 32 (a
+    bfloat16 or float32 matrix on the native ``dense_product``, in the model's dtype), or
+    0 (none of them)."""
     if type(m) is BlockMatrix:
         return m.bits
+    if isinstance(m, KQuantMatrix) and dtype == torch.bfloat16:  # (bfloat16 activations)
+        return KQUANT_KIND
     if isinstance(m, Matrix) and m.dense is not None and m.dense.dtype == dtype:
         return {torch.bfloat16: 16, torch.float32: 32}[dtype]
     return 0

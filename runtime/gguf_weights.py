@@ -1,24 +1,34 @@
 """A GGUF file's own quantized weights, served without a float32 copy of the model.
 
 The model's modules are built on the meta device from its config (``runtime.skeleton``),
-then only what the batched runner reads is filled: the input embedding and the norms in
-bfloat16 (Gemma's norms in float32), and every matrix in a weight-only format
-(``runtime.quantized``). Q4_0, Q4_1 and Q4_K blocks are a scale and a minimum per 32
-weights over 4-bit codes, so their codes go unchanged into the int4 kernel's groups of 32
-(only the scales round to bfloat16). Q8_0, Q5_0, Q5_1, Q6_K and float tensors are
-dequantized to bfloat16 (no weight-only kernel takes their groups of 32 and 16). Where
-the native kernels have block products (AVX512-VNNI or AVX2; ``quantized.BlockMatrix``),
-the 4-bit, Q8_0 and Q5_0 tensors keep their codes (Q5_0's as int8) and their float16
-scales and minimums exactly, and multiply int8-quantized activations as llama.cpp does.
-Any other type is refused, naming the tensor.
-"""
+then only what the batched runner reads is filled: the norms in bfloat16 (Gemma's in
+float32), the input embedding, and every matrix in the file's own format where the
+native kernels multiply it. Where they build:
 
+- Q4_K, Q5_K and Q6_K tensors keep their super-blocks byte for byte
+  (``kquants.KQuantMatrix``: the file's d, dmin and 6-bit or int8 sub-scales, applied as
+  the file's dequantization defines them); a fused q/k/v or gate/up whose parts differ in
+  K-quant type is one matrix of segments.
+- Q4_0, Q4_1, Q8_0 and Q5_0 tensors keep their codes (Q5_0's as int8) and their float16
+  scales and minimums exactly (``quantized.BlockMatrix``).
+- The input embedding of those types is read from its quantized rows, each looked-up row
+  the file's dequantization cast to bfloat16 (``KQuantEmbedding``, ``BlockEmbedding``).
+
+All of them multiply int8-quantized activations per block of 32, as llama.cpp does
+(docs/quantization.md). Only Q5_1 and float tensors are widened to bfloat16. Without
+the native kernels (no compiler, ``--kernels torch``), 4-bit tensors (Q4_K's sub-scales
+folded into a float16 scale and minimum per 32) run PyTorch's int4 kernel and the rest is
+dequantized to bfloat16. Any other type is refused, naming the tensor.
+"""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
+import mmap
 import os
 import shutil
+import weakref
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -31,6 +41,8 @@ from runtime import gguf_file, model_config, model_store, skeleton
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.kernels import resolve
+from runtime.kquants import SUPER_BLOCK, KQuantEmbedding, KQuantMatrix, raw_rows
+from runtime.memory import release_freed_memory
 from runtime.quantized import (
     ACTIVATIONS,
     BlockEmbedding,
@@ -51,8 +63,10 @@ log = logging.getLogger(__name__)
 
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # codes kept, as int4 groups of 32
 # dequantized to bfloat16 (but where block products take them: BYTE_TYPES)
-WIDE_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q6_K", "F32", "F16", "BF16"})
+WIDE_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "F32", "F16", "BF16"})
 SUPPORTED_TYPES = INT4_TYPES | WIDE_TYPES
+# super-blocks of 256 kept as the file holds them: K-quant products (kquants.KQuantMatrix)
+KQUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 # codes that fit int8 with a scale per 32 (Q5_0's are q - 16): block products' int8 matrices
 BYTE_TYPES = frozenset({"Q8_0", "Q5_0"})
 # block matrices hold their file's dequantization exactly (code * scale + low): a tied
@@ -88,7 +102,9 @@ def load(path: str, dtype: str = "float32", device: str = "cpu",
     if device != "cpu":
         raise ValueError("a GGUF file's own weights run on a CPU only (--quantize none "
                          "dequantizes it)")
-    return GGUFModel(file).runner(kernels, int8_activations)
+    runner = GGUFModel(file).runner(kernels, int8_activations)
+    release_freed_memory()  # the loading's temporaries (the file's mapping is gone)
+    return runner
 
 
 class GGUFModel:
@@ -124,12 +140,16 @@ class GGUFModel:
         inner = model.model
         tied = "output.weight" not in self.tensors
         head: Product | None = None
-        if tied and self.blocks is not None and self.tensors[
-                "token_embd.weight"].tensor_type.name in EXACT_BLOCK_TYPES:
-            head = self.product(["token_embd"])  # a BlockMatrix, the input embedding's rows
-            assert isinstance(head, BlockMatrix)
-            inner.embed_tokens = BlockEmbedding(head)  # bitwise wide()'s rows, no table
-            embedding = None
+        table = self.embedding_matrix(tied)
+        embed_kind = self.tensors["token_embd.weight"].tensor_type.name
+        embedding: torch.Tensor | None = None
+        # rows read from the quantized matrix or the file: bitwise wide()'s rows
+        if table is not None:  # a tied head's own matrix
+            inner.embed_tokens = (KQuantEmbedding(table) if isinstance(table, KQuantMatrix)
+                                  else BlockEmbedding(table))
+            head = table
+        elif not tied and embed_kind in KQUANT_TYPES:
+            inner.embed_tokens = FileEmbedding(self.file, self.tensors["token_embd.weight"])
         else:
             embedding = self.wide("token_embd.weight")  # [vocab, hidden]
             inner.embed_tokens = nn.Embedding.from_pretrained(embedding, freeze=True)
@@ -163,12 +183,31 @@ class GGUFModel:
         return BatchedLM(model, self.tokenizer, name=str(self.file), weights=layers,
                          head=head, weights_format=fmt, kernels=kernels)
 
+    def embedding_matrix(self, tied: bool) -> KQuantMatrix | BlockMatrix | None:
+        """A tied head's matrix, whose rows an input embedding lookup dequantizes exactly
+        as the file does (a K-quant or exact block type, with the native kernels), else
+        None."""
+        kind = self.tensors["token_embd.weight"].tensor_type.name
+        if not tied or self.blocks is None or kind not in KQUANT_TYPES | EXACT_BLOCK_TYPES:
+            return None
+        table = self.product(["token_embd"])
+        return table if isinstance(table, (KQuantMatrix, BlockMatrix)) else None
+
     def product(self, names: list[str], rows: torch.Tensor | None = None) -> Product:
         """The matrices ``names`` (GGUF names without ``.weight``) as one product over
-        their stacked rows: int4 where every part is int4, else bfloat16, else both."""
+        their stacked rows: K-quant where every part is, else int4 where every part is
+        int4, else bfloat16, else parts of each."""
         tensors = [self.tensors[n + ".weight"] for n in names]
         kinds = [t.tensor_type.name in INT4_TYPES for t in tensors]
         bias = self.bias(names)
+        if (self.blocks is not None and all(t.tensor_type.name in KQUANT_TYPES for t in tensors)
+                and int(tensors[0].shape[0]) % SUPER_BLOCK == 0):
+            matrix = KQuantMatrix(self.blocks, [(t.tensor_type.name, self.raw(n))
+                                                for n, t in zip(names, tensors, strict=True)],
+                                  int(tensors[0].shape[0]), bias)
+            for t in tensors:
+                drop_pages(np.asarray(t.data))
+            return matrix
         if all(kinds):
             rows4 = Int4Rows.cat([self.int4(n) for n in names])
             return (BlockMatrix.int4(self.blocks, rows4, bias) if self.blocks is not None
@@ -191,6 +230,13 @@ class GGUFModel:
         return torch.cat([self.wide(n + ".bias") if n + ".bias" in self.tensors
                           else torch.zeros(r, dtype=ACTIVATIONS)
                           for n, r in zip(names, rows, strict=True)])
+
+    def raw(self, name: str) -> torch.Tensor:  # [out, bytes a row] uint8
+        """A quantized tensor's rows as the file stores them (a view of the mapping, or
+        a copy with q/k rows reordered)."""
+        rows = raw_rows(np.asarray(self.tensors[name + ".weight"].data))
+        order = self.row_order(name)
+        return rows[order] if order is not None else rows
 
     def int4(self, name: str) -> Int4Rows:
         tensor = self.tensors[name + ".weight"]
@@ -247,6 +293,70 @@ class GGUFModel:
                     else config.num_key_value_heads)
         rows = int(self.tensors[name + ".weight"].shape[-1])
         return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+class FileEmbedding(nn.Module):
+    """An input embedding whose rows are read from the GGUF file as they are looked up
+    (the operating system's cache keeps the file's pages, not the process), each row
+    gguf's own dequantization in float32, then cast to ``dtype``: bitwise the rows of the
+    dequantized table, which is never held (467 MB in bfloat16 for Qwen2.5's 151,936 x
+    1,536; the file's own 131 MB of Q4_K rows stay on disk too)."""
+
+    def __init__(self, file: Path, tensor: gguf_file.Tensor,
+                 dtype: torch.dtype = ACTIVATIONS) -> None:
+        super().__init__()
+        data = np.asarray(tensor.data)  # [vocab, bytes a row], a view of the mapping
+        self.kind = tensor.tensor_type
+        self.num_embeddings, self.row_bytes = data.shape
+        self.embedding_dim = int(tensor.shape[0])
+        self.offset = mapped_offset(data)
+        self.dtype = dtype
+        self._fd = os.open(file, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)  # closed with the module
+        self.file = file
+        # no weights of its own: an empty parameter tells whoever asks the model's first
+        # parameter its device and dtype
+        self.anchor = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
+        import gguf
+
+        flat = ids.reshape(-1).tolist()
+        raw = np.empty((len(flat), self.row_bytes), dtype=np.uint8)
+        for i, row in enumerate(flat):
+            if not 0 <= row < self.num_embeddings:
+                raise IndexError(f"row {row} out of range for {self.num_embeddings} rows")
+            if os.preadv(self._fd, [raw[i]], self.offset + row * self.row_bytes) != self.row_bytes:
+                raise OSError(f"{self.file} is shorter than its header says")
+        values = gguf.quants.dequantize(raw, self.kind).reshape(len(flat), -1)
+        rows = torch.from_numpy(np.array(values, dtype=np.float32)).to(self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+def mapped_offset(data: np.ndarray) -> int:
+    """Where ``data`` (a view of a mapped file, ``gguf_file``'s tensors) starts in the
+    file."""
+    root = data
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root, np.memmap):
+        raise ValueError("the tensor is not a view of a mapped file")
+    return int(data.ctypes.data - root.ctypes.data) + int(root.offset)
+
+
+def drop_pages(data: np.ndarray) -> None:
+    """Let the pages of a mapped file under ``data`` go from this process's memory
+    (madvise MADV_DONTNEED; the operating system's cache keeps them, and a later read
+    maps them again): a tensor read once at load need not stay counted as the server's
+    while the rest of the file is read."""
+    page = mmap.PAGESIZE
+    start = data.ctypes.data // page * page
+    end = data.ctypes.data + data.nbytes
+    if data.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                 ctypes.c_int(mmap.MADV_DONTNEED))
 
 
 def int4_rows(kind: str, data: np.ndarray, inputs: int) -> Int4Rows:

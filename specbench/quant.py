@@ -40,6 +40,7 @@ from runtime import model_store
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.kernels import CHOICES as KERNEL_CHOICES
+from runtime.kquants import KQuantMatrix
 from runtime.loading import PRECISIONS, load_target
 from runtime.quantized import BlockMatrix, Int4Matrix, Int8Matrix
 from runtime.weights import Matrix, Product, Stacked
@@ -53,7 +54,7 @@ BF16_ACTIVATIONS = "-bf16act"  # a precision's suffix: no int8 activations
 
 def product_bytes(product: Product) -> int:
     """Bytes of one weight matrix as the step reads it."""
-    if isinstance(product, Int4Matrix | Int8Matrix | BlockMatrix):
+    if isinstance(product, Int4Matrix | Int8Matrix | BlockMatrix | KQuantMatrix):
         return product.nbytes
     if isinstance(product, Stacked):
         return sum(product_bytes(p) for p in product.parts)

@@ -241,8 +241,8 @@ def test_quantize_int4_runs_block_matrices(native: Any, tiny_target_dir: Path) -
 ], ids=["q4_1", "q8_0", "q4_k_m", "q5_0"])
 def test_a_gguf_target_runs_its_blocks_with_int8_activations(
         native: Any, tmp_path: Path, tiny_dir: Path, kinds: dict[str, GT]) -> None:
-    """Its 4-bit, Q8_0 and Q5_0 matrices multiply the file's own weights (Q6_K stays
-    bfloat16), and its logits follow those of the same file with bfloat16 activations."""
+    """Its 4-bit, Q8_0, Q5_0 and K-quant matrices multiply the file's own weights, and
+    its logits follow those of the same file with bfloat16 activations."""
     path = write_gguf(tmp_path, tiny_dir, kinds)
     target = load_target(str(path), quantize="auto")
     assert isinstance(target, BatchedLM) and target.product_activations == "int8"
@@ -305,8 +305,8 @@ def test_every_level_computes_the_same_products(native: Any, tmp_path: Path, lev
 
 def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Path,
                                                        tiny_dir: Path) -> None:
-    """4-bit, 8-bit (Q8_0) and dense bfloat16 (Q6_K) layer matrices run in one
-    ``LayerStack`` call a pass: bitwise the per-layer Python loop's logits."""
+    """4-bit, 8-bit (Q8_0) and K-quant (Q6_K) layer matrices run in one ``LayerStack``
+    call a pass: bitwise the per-layer Python loop's logits."""
     from runtime import fused
 
     kinds = {"attn_q": GT.Q8_0, "attn_k": GT.Q8_0, "attn_v": GT.Q8_0, "ffn_down": GT.Q6_K}
@@ -315,7 +315,7 @@ def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Pa
     layer = target.stack.weights[0]
     assert [fused.stack_kind(m, target.dtype)
             for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [
-        8, 4, 4, 16]
+        8, 4, 4, fused.KQUANT_KIND]
     ids = list(range(300, 340))
 
     def logits() -> torch.Tensor:

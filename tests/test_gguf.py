@@ -29,21 +29,27 @@ PHI3_NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output
 
 
 def k_blocks(kind: GT, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random K-quant blocks (gguf has no quantizer for them), Q4_K's and Q6_K's with sane
-    scales."""
+    """Random K-quant blocks (gguf has no quantizer for them), Q4_K's, Q5_K's and Q6_K's
+    with sane scales: d (and dmin) of either sign, each block its own."""
     size = gguf.GGML_QUANT_SIZES[kind][1]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
-    if kind == GT.Q4_K:
-        blocks[:, 0:2] = np.full((len(blocks), 1), 0.002, np.float16).view(np.uint8)
-        blocks[:, 2:4] = np.full((len(blocks), 1), 0.001, np.float16).view(np.uint8)
+
+    def halves(magnitude: float) -> np.ndarray:  # [blocks, 2] bytes of float16s
+        values = magnitude * rng.uniform(0.5, 1.5, (len(blocks), 1)) * rng.choice([-1, 1], (
+            len(blocks), 1))
+        return values.astype(np.float16).view(np.uint8)
+
+    if kind in (GT.Q4_K, GT.Q5_K):
+        blocks[:, 0:2] = halves(0.002 if kind == GT.Q4_K else 0.001)
+        blocks[:, 2:4] = halves(0.001)
     elif kind == GT.Q6_K:  # d is the last two bytes; int8 scales before it
-        blocks[:, -2:] = np.full((len(blocks), 1), 0.0005, np.float16).view(np.uint8)
+        blocks[:, -2:] = halves(0.0005)
     return blocks.reshape(rows, -1)
 
 
 def encode(weight: np.ndarray, kind: GT, seed: int) -> np.ndarray:
-    if kind in (GT.Q4_K, GT.Q6_K, GT.Q2_K):
+    if kind in (GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q2_K):
         return k_blocks(kind, *weight.shape, seed)
     if kind == GT.F32:
         return weight.astype(np.float32)

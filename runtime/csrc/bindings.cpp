@@ -42,6 +42,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_rows", &block_rows, "rows of a block matrix, dequantized");
   m.def("block_product", &block_product, "x times a block matrix, with int8 activations",
         release());
+  m.def("kquant_block_bytes", &kquant_block_bytes,
+        "the file's bytes of a row's super-block of a K-quant type (GGML's number)");
+  m.def("kquant_pack", &kquant_pack,
+        "a K-quant tensor's rows (the file's super-blocks) packed for kquant_product");
+  m.def("kquant_rows", &kquant_rows, "rows of a K-quant matrix, dequantized as GGUF does");
+  m.def("kquant_product", &kquant_product,
+        "x times a K-quant matrix (segments of Q4_K, Q5_K, Q6_K rows), with int8 activations",
+        release());
   m.def("dense_product", &dense_product,
         "x times a float32 or bfloat16 matrix packed in groups of 64 rows", release());
   // module_local: each level's module registers its own (a process may load two)

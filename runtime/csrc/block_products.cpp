@@ -108,8 +108,6 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t o
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
-namespace {
-
 // A row's activations per block of 32: int8 codes round(x / d) with d = max|x| / 127, d,
 // and d * sum(codes) (what a block's minimums multiply); in vec.h's lanes, so each code
 // is one multiply and one rounding to even at every level
@@ -128,6 +126,12 @@ void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum
     sum[b] = d * static_cast<float>(total);
   }
 }
+
+template void quantize_row<float>(const float*, int64_t, int8_t*, float*, float*);
+template void quantize_row<c10::BFloat16>(const c10::BFloat16*, int64_t, int8_t*, float*,
+                                          float*);
+
+namespace {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // R rows (tokens) against one tile of 16 output rows: [R, 16] float32 into out (rows ldo apart).

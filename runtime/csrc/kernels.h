@@ -64,6 +64,37 @@ template <typename T>
 void block_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* wp, int64_t n,
                         int64_t bits, const float* bp, T* yp);
 
+// A row's activations quantized per block of 32 (what block and K-quant products multiply):
+// int8 codes round(x / d) with d = max|x| / 127, each block's d, and d * sum(codes)
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* codes, float* scale, float* sum);
+
+// --- kquant_products.cpp: GGUF's K-quant matrices (Q4_K, Q5_K, Q6_K) with int8 activations
+
+// GGML's numbers for the K-quant types; a matrix's segments are rows of one type each
+constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
+constexpr int64_t kSuper = 256;  // inputs a super-block
+// LayerStack's kind for a K-quant matrix (its packed bytes and its [segments, 3] layout)
+constexpr int64_t kKQuant = 64;
+
+// the file's bytes of one row's super-block, by type
+int64_t kquant_block_bytes(int64_t type);
+// raw [out, in / 256 * block bytes] (the file's rows) -> the packing kquant_product reads
+at::Tensor kquant_pack(const at::Tensor& raw, int64_t type);
+// rows ``ids`` of a K-quant matrix dequantized as GGUF defines it (float32), cast to dtype
+at::Tensor kquant_rows(const at::Tensor& packed, const at::Tensor& layout, const at::Tensor& ids,
+                       int64_t in_features, at::ScalarType dtype);
+// x [tokens, in] times a K-quant matrix of segments ``layout`` [segments, 3] int64 (type,
+// rows, byte offset of its packing in ``packed``), + bias: [tokens, sum of rows]
+at::Tensor kquant_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& layout,
+                          const c10::optional<at::Tensor>& bias);
+template <typename T>
+void kquant_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* wp,
+                         const int64_t* layout, int64_t segments, const float* bp, T* yp);
+// the output rows of a checked layout [segments, 3] for a packing of ``bytes`` bytes and
+// ``in`` inputs
+int64_t kquant_check(const at::Tensor& layout, int64_t bytes, int64_t in);
+
 // --- argmax.cpp: the first of the largest scores of each row [rows, n] -> [rows] int64,
 // as torch's argmax (a NaN counts as the largest)
 at::Tensor argmax_rows(const at::Tensor& scores);

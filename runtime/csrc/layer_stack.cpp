@@ -60,9 +60,10 @@ LayerStack::LayerStack(std::vector<at::Tensor> packed, std::vector<at::Tensor> s
   const int64_t hidden = norms_[0].numel(), dim = out_[0] / (heads_ + 2 * kv_heads_);
   for (size_t i = 0; i < n; ++i) {
     const int64_t kind = kinds_[i];
-    TORCH_CHECK(native_ ? (kind == 4 || kind == 8 || kind == dense) : kind == kTorchInt4,
-                "matrix ", i, ": kind ", kind, " (all PyTorch's int4, or 4, 8 and ", dense,
-                " for a model in ", dtype_, ")");
+    TORCH_CHECK(native_ ? (kind == 4 || kind == 8 || kind == kKQuant || kind == dense)
+                        : kind == kTorchInt4,
+                "matrix ", i, ": kind ", kind, " (all PyTorch's int4, or 4, 8, ", kKQuant,
+                " and ", dense, " for a model in ", dtype_, ")");
     if (!native_) continue;
     // each matrix's input: the hidden state, attention's output, the hidden state, the
     // gated activation
@@ -70,7 +71,11 @@ LayerStack::LayerStack(std::vector<at::Tensor> packed, std::vector<at::Tensor> s
     TORCH_CHECK(out_[i] == (i % 4 == 0 ? (heads_ + 2 * kv_heads_) * dim
                             : i % 4 == 2 ? out_[2] : hidden) && packed_[i].is_contiguous(),
                 "matrix ", i, " is not of its layer's shape");
-    if (kind == dense) {
+    if (kind == kKQuant) {  // scales_zeros holds the segments' layout
+      TORCH_CHECK(packed_[i].scalar_type() == at::kByte &&
+                      kquant_check(scales_zeros_[i], packed_[i].numel(), in) == out_[i],
+                  "matrix ", i, " is not a K-quant matrix of its layer's shape");
+    } else if (kind == dense) {
       const int64_t groups = (out_[i] + kDenseRows - 1) / kDenseRows;
       TORCH_CHECK((dtype_ == at::kFloat || in % 2 == 0) && packed_[i].scalar_type() == dtype_ &&
                       packed_[i].numel() == groups * in * kDenseRows,
@@ -151,6 +156,10 @@ at::Tensor LayerStack::forward_native(const at::Tensor& embedded, const at::Tens
     const float* bias = bias32_[i].defined() ? bias32_[i].data_ptr<float>() : nullptr;
     if (kinds_[i] == kDenseBf16 || kinds_[i] == kDenseF32)
       return dense_product_rows(in, tokens, k, packed_[i].data_ptr<T>(), out_[i], bias, y);
+    if (kinds_[i] == kKQuant)
+      return kquant_product_rows<T>(in, tokens, k, packed_[i].data_ptr<uint8_t>(),
+                                    scales_zeros_[i].data_ptr<int64_t>(),
+                                    scales_zeros_[i].size(0), bias, y);
     block_product_rows<T>(in, tokens, k, packed_[i].data_ptr<uint8_t>(), out_[i], kinds_[i],
                           bias, y);
   };
