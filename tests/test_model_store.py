@@ -28,6 +28,7 @@ from runtime.loading import load_model
 from runtime.model_store import CatalogueModel, ModelStoreError, Part
 from specserve.cli import main
 from trt.backends import load_draft
+from trt.errors import DraftBackendError
 
 PACKAGE = re.compile(r"^[a-z0-9][a-z0-9-]*==[0-9][0-9.]*$")
 
@@ -268,6 +269,8 @@ def test_a_gguf_file_is_accepted_as_a_draft(tiny_target: CausalLM) -> None:
     assert drafter.name == gguf
     joined = load_drafter(f"ngram+{gguf}", tiny_target)
     assert joined is not None and type(joined).__name__ == "CombinedDrafter"
+    with pytest.raises(DraftBackendError, match="is a GGUF file"):  # exports need a directory
+        load_draft(gguf, tiny_target, "onnx")
     with pytest.raises(DraftSpecError, match="quantized already"):
         load_drafter(gguf, tiny_target, draft_dtype="int4")
     floats = load_drafter(gguf, tiny_target, draft_dtype="float32")

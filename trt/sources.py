@@ -53,6 +53,9 @@ class DraftSource:
         if layers is None and (found := distilled.resolve_draft_dir(base)) is not None:
             return cls(spec=spec, path=found.resolve())
         path = Path(model_store.resolve(base)).expanduser()
+        if path.suffix == ".gguf":
+            raise DraftSourceError(f"{spec!r} is a GGUF file ({path.name}); exported drafts "
+                                   "start from a model directory")
         if not (path / "config.json").is_file():
             raise DraftSourceError(
                 f"{spec!r} is not a local model directory; exported drafts need the weights "
