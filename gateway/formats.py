@@ -62,6 +62,14 @@ class Format(Protocol):
 
     def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> BaseModel: ...
 
+    def opening(self) -> Sequence[BaseModel]:
+        """What a stream sends at once, before the first round."""
+        ...
+
+    def heartbeat(self) -> BaseModel:
+        """An empty chunk, sent while no round comes (a queued request, a long prompt)."""
+        ...
+
     def response(self, totals: Sequence[ChoiceTotals]) -> BaseModel: ...
 
     def tool_calls(self) -> int:
@@ -105,6 +113,20 @@ class ChatFormat(_ChoiceFormat):
 
     def _logprobs_of(self, event: RoundEvent) -> list[dict[str, Any]]:
         return chat_logprobs(self.texts, self._shown_logprobs(event))
+
+    def _chunk(self, index: int, delta: ChatDelta) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.job.id, created=self.job.created, model=self.job.model,
+            choices=[ChatChunkChoice(index=index, delta=delta)], seed=self.job.seed)
+
+    def opening(self) -> list[ChatCompletionChunk]:
+        """Each choice's role, at once."""
+        self._started = [True] * self.count
+        return [self._chunk(i, ChatDelta(role="assistant", content=""))
+                for i in range(self.count)]
+
+    def heartbeat(self) -> ChatCompletionChunk:
+        return self._chunk(0, ChatDelta())
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals
               ) -> ChatCompletionChunk | None:
@@ -178,6 +200,14 @@ class CompletionFormat(_ChoiceFormat):
         self._scored[index] = True
         prompt = legacy.prompt(self.job.prompt_of(index).ids[0], event.prompt_logprobs)
         return merge_legacy([prompt, completion])
+
+    def opening(self) -> list[Completion]:
+        return []
+
+    def heartbeat(self) -> Completion:
+        return Completion(
+            id=self.job.id, created=self.job.created, model=self.job.model, seed=self.job.seed,
+            choices=[CompletionChoice(text="", index=0, finish_reason=None)])
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> Completion | None:
         self._round(index, event)

@@ -32,7 +32,7 @@ from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import responses_route
 from gateway.params import chat_prompt, generation_requests
 from gateway.responses_protocol import ResponsesRequest
-from gateway.streaming import ResponseRun, interleave, request_trace
+from gateway.streaming import Idle, ResponseRun, interleave, request_trace
 from gateway.structured import request_grammar
 from gateway.tool_calls import CallParser
 from gateway.tools import ToolPlan, request_tools
@@ -114,6 +114,12 @@ class ResponsesFormat:
         return len(self.parser.calls) if self.parser is not None else 0
 
     def usage_chunk(self, totals: Any) -> ResponseBody:
+        return ResponseBody()
+
+    def opening(self) -> list[BaseModel]:
+        return []  # the stream's own (``ResponsesRun.events``)
+
+    def heartbeat(self) -> ResponseBody:
         return ResponseBody()
 
     def response(self, totals: Any) -> ResponseBody:
@@ -214,7 +220,10 @@ class ResponsesRun(ResponseRun):
         totals = self.totals[0]
         yield fmt.event("response.created", response=fmt.body("in_progress", None))
         yield fmt.event("response.in_progress", response=fmt.body("in_progress", None))
-        async for _, item in interleave(self.streams):
+        async for _, item in interleave(self.streams, self.heartbeat_s):
+            if isinstance(item, Idle):  # an event a client's idle timer counts
+                yield fmt.event("response.in_progress", response=fmt.body("in_progress", None))
+                continue
             if isinstance(item, Ended):
                 totals.end(item)
             else:

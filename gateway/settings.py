@@ -63,6 +63,7 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     max_body_bytes: int = Field(default=4 * MIB, ge=1024)
     sse_ping_interval: float = Field(default=15.0, gt=0)
+    sse_heartbeat_interval: float = Field(default=10.0, gt=0)
     playground: bool = True  # the page at /playground (and / redirecting to it)
     # what a request that leaves temperature, top_p or top_k unset samples with: "model"
     # (the model's recommended values), "openai" (OpenAI's: 1.0, 1.0, off), or a JSON object
@@ -259,6 +260,13 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                                "(SPECSERVE_MAX_BODY_BYTES, default 4 MiB)"}),
     ("--sse-ping-interval", {"type": float, "help": "seconds between SSE keep-alive comments "
                                                     "(SPECSERVE_SSE_PING_INTERVAL, default 15)"}),
+    ("--sse-heartbeat-interval", {
+        "type": float,
+        "help": "seconds a stream may go without an event (a queued request, a long prompt "
+                "being read) before it gets a heartbeat event: an empty chunk, or "
+                "response.in_progress on /v1/responses; clients such as Codex CLI time out "
+                "on events, not on the keep-alive comments "
+                "(SPECSERVE_SSE_HEARTBEAT_INTERVAL, default 10)"}),
     ("--sampling-defaults", {
         "metavar": "model|openai|JSON",
         "help": "what a request that leaves temperature, top_p or top_k unset samples with: "

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
@@ -86,10 +87,16 @@ def submit_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[Re
     return streams
 
 
-async def interleave(streams: Sequence[RequestStream]
-                     ) -> AsyncIterator[tuple[int, RoundEvent | Ended]]:
+@dataclass(frozen=True)
+class Idle:
+    """No choice has had an event for the heartbeat interval."""
+
+
+async def interleave(streams: Sequence[RequestStream], idle_s: float | None = None
+                     ) -> AsyncIterator[tuple[int, RoundEvent | Ended | Idle]]:
     """Events of all choices as they arrive, tagged with the choice index; each
-    choice ends with one ``Ended``. Closing the iterator cancels every choice."""
+    choice ends with one ``Ended``; with ``idle_s``, an ``Idle`` (index -1) after every
+    ``idle_s`` seconds without an event. Closing the iterator cancels every choice."""
     queue: asyncio.Queue[tuple[int, RoundEvent | Ended]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
@@ -105,7 +112,11 @@ async def interleave(streams: Sequence[RequestStream]
     try:
         open_streams = len(tasks)
         while open_streams:
-            index, item = await queue.get()
+            try:
+                index, item = await asyncio.wait_for(queue.get(), idle_s)
+            except TimeoutError:
+                yield -1, Idle()
+                continue
             if isinstance(item, Ended):
                 open_streams -= 1
             yield index, item
@@ -183,9 +194,20 @@ class ResponseRun:
             headers={"X-Request-Id": self.job.id},
         )
 
+    @property
+    def heartbeat_s(self) -> float:
+        return self.state.settings.sse_heartbeat_interval
+
     async def events(self) -> AsyncIterator[str | dict[str, str]]:
-        """The stream's events: OpenAI chunks as JSON, each one round of one choice."""
-        async for index, item in interleave(self.streams):
+        """The stream's events: the opening chunks at once (before the prompt is read),
+        then OpenAI chunks as JSON, each one round of one choice, and a heartbeat chunk
+        whenever none came for the heartbeat interval."""
+        for opening in self.fmt.opening():
+            yield chunk_json(opening)
+        async for index, item in interleave(self.streams, self.heartbeat_s):
+            if isinstance(item, Idle):
+                yield chunk_json(self.fmt.heartbeat())
+                continue
             totals = self.totals[index]
             if isinstance(item, Ended):
                 totals.end(item)
@@ -231,7 +253,7 @@ class ResponseRun:
         async for index, item in interleave(self.streams):
             if isinstance(item, Ended):
                 self.totals[index].end(item)
-            else:
+            elif isinstance(item, RoundEvent):
                 self.totals[index].add(item)
                 self._observe(index, item)
                 self.fmt.observe(index, item)
