@@ -60,7 +60,7 @@ class ResponsesFormat:
         self.job = job
         self.api = api
         self.sampling = sampling  # what the response reports it sampled with
-        self.parser = CallParser(auto=plan.mode == "auto") if plan is not None else None
+        self.parser = CallParser.of(plan) if plan is not None else None
         self.names = api.function_names()
         self.items: list[dict[str, Any]] = []  # output items, as they stand
         self.text_item: dict[str, Any] | None = None

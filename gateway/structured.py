@@ -17,7 +17,7 @@ from decoding.engine import Engine
 from gateway.errors import InvalidRequestError
 from gateway.state import GatewayState
 from gateway.tool_protocol import JsonObjectFormat, JsonSchemaFormat
-from gateway.tools import ToolPlan, tool_grammar
+from gateway.tools import ToolPlan, tag_tokens, tool_grammar
 
 COMPILE_TIMEOUT_S = 10.0  # one grammar's compilation; the engine's fuel limits bound it too
 
@@ -44,7 +44,7 @@ def format_schema(response_format: Any) -> dict[str, Any] | None:
 def _build(grammars: GrammarCompiler, schema: dict[str, Any] | None,
            plan: ToolPlan | None) -> Grammar | None:
     if plan is not None:
-        return grammars.lark(tool_grammar(plan, schema))
+        return grammars.lark(tool_grammar(plan, schema, tag_tokens(grammars.tokenizer)))
     if schema is not None:
         return grammars.json_schema(schema)
     return None

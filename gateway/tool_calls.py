@@ -4,7 +4,9 @@ The grammar writes each call as ``<tool_call>{"name":"NAME","arguments":ARGS}
 </tool_call>`` exactly (gateway/tools.py), so the parser needs no JSON scanning:
 the name ends at the first ``","arguments":``, the arguments at ``}</tool_call>``.
 Argument text streams as it arrives, holding back only what could be the start of
-that end. With ``auto`` the answer is text unless it begins with ``<tool_call>``.
+that end. With ``auto`` the answer is text, and calls once ``<tool_call>`` appears:
+at the start, or after text where the plan lets calls follow text (the text streams
+as content, holding back only what could be the start of ``<tool_call>``).
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ class CallParser:
     """Splits a choice's text into content and tool calls, incrementally."""
 
     auto: bool
+    after_text: bool = False  # with auto: calls may follow text
     buffer: str = ""
     mode: str = ""  # "" undecided, "text" or "calls"
     calls: list[Call] = field(default_factory=list)
+    _shown: int = 0  # characters of text handed out as content (calls after text)
     _pos: int = 0  # where the next call (or the current call's head) starts
     _args_start: int = -1  # where the current call's arguments start, -1: in the head
     _sent: int = 0  # argument characters of the current call already handed out
@@ -69,6 +73,8 @@ class CallParser:
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         """The content and the call deltas ``text`` adds."""
         self.buffer += text
+        if self.after_text and self.mode != "calls":
+            return self._text_until_call()
         if not self.mode:
             if self.auto and not (self.buffer.startswith(OPEN) or OPEN.startswith(self.buffer)):
                 self.mode = "text"
@@ -80,9 +86,30 @@ class CallParser:
             return text, []
         return "", self._calls()
 
+    @classmethod
+    def of(cls, plan: ToolPlan) -> CallParser:
+        """A parser for answers under ``plan``."""
+        return cls(auto=plan.mode == "auto", after_text=plan.calls_after_text)
+
+    def _text_until_call(self) -> tuple[str, list[CallDelta]]:
+        """Content up to a call's opening tag, and the call's deltas once it has one."""
+        start = self.buffer.find(OPEN, self._shown)
+        if start < 0:
+            safe = len(self.buffer) - _held_back(self.buffer[self._shown:], OPEN)
+            content, self._shown = self.buffer[self._shown:safe], max(self._shown, safe)
+            self.mode = self.mode or ("text" if content else "")
+            return content, []
+        content, self._shown = self.buffer[self._shown:start], start
+        self.mode, self._pos = "calls", start
+        return content, self._calls()
+
     def finish(self) -> tuple[str, list[CallDelta]]:
         """The rest, once the choice has ended (a text answer shorter than a call's
         start, or the arguments of a call cut short by max_tokens)."""
+        if self.after_text and self.mode != "calls":
+            rest, self._shown = self.buffer[self._shown:], len(self.buffer)
+            self.mode = "text"
+            return rest, []
         if self.mode in ("", "text"):
             rest = self.buffer if not self.mode else ""
             self.mode = "text"
@@ -109,7 +136,7 @@ class CallParser:
             end = self.buffer.find(TAIL, self._args_start)
             if end < 0:
                 args = self.buffer[self._args_start:]
-                safe = len(args) - _held_back(args)
+                safe = len(args) - _held_back(args, TAIL)
                 if safe > self._sent:
                     deltas.append(self._arguments(args[self._sent:safe]))
                 return deltas
@@ -126,10 +153,10 @@ class CallParser:
         return CallDelta(len(self.calls) - 1, call, False, text)
 
 
-def _held_back(args: str) -> int:
-    """How much of the end of ``args`` could be the start of ``}</tool_call>``."""
-    for n in range(min(len(TAIL), len(args)), 0, -1):
-        if TAIL.startswith(args[-n:]):
+def _held_back(text: str, mark: str) -> int:
+    """How much of the end of ``text`` could be the start of ``mark``."""
+    for n in range(min(len(mark), len(text)), 0, -1):
+        if mark.startswith(text[-n:]):
             return n
     return 0
 
@@ -157,7 +184,7 @@ class ToolChatFormat(ChatFormat):
                  plan: ToolPlan) -> None:
         super().__init__(job, texts, hidden_ids)
         self.plan = plan
-        self.parsers = [CallParser(auto=plan.mode == "auto") for _ in range(self.count)]
+        self.parsers = [CallParser.of(plan) for _ in range(self.count)]
 
     def tool_calls(self) -> int:
         return sum(len(parser.calls) for parser in self.parsers)
@@ -192,15 +219,16 @@ class ToolChatFormat(ChatFormat):
     def response(self, totals: Sequence[ChoiceTotals]) -> ChatCompletion:
         choices = []
         for i, t in enumerate(totals):
-            parser = CallParser(auto=self.plan.mode == "auto")
+            parser = CallParser.of(self.plan)
             content, _ = parser.feed("".join(t.text))
             more, _ = parser.finish()
+            text = content + more  # with calls: the text before them, as streamed
             calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name,
                                                                    arguments=c.arguments))
                      for c in parser.calls]
             self.parsers[i] = parser
             choices.append(ChatChoice(
-                index=i, message=ChatMessageOut(content=(content + more) if not calls else None,
+                index=i, message=ChatMessageOut(content=text if text or not calls else None,
                                                 tool_calls=calls or None),
                 finish_reason=self.finish_reason(i, t.finish_reason)))
         return ChatCompletion(

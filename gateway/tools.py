@@ -8,8 +8,10 @@ prompt. Either way a call is written as ``<tool_call>{"name": ..., "arguments":
 - ``required`` and a named choice: the output is constrained to one or more such
   calls (one unless ``parallel_tool_calls``), each valid against its function's
   JSON schema (a named choice's function only; the prompt lists every tool);
-- ``auto``: the output is either text (anything that does not start a call) or
-  calls, constrained as above once ``<tool_call>`` has begun;
+- ``auto``: the output is text, calls, or text followed by calls (as instruction-tuned
+  models often write a sentence before a call); the text is anything without
+  ``<tool_call>``, and what follows one is constrained as above. With a JSON
+  ``response_format`` the text must match it and calls may only come first;
 - ``none``: the tools are left out of the prompt and nothing is constrained.
 
 Assistant messages that carried ``tool_calls`` are rendered back in the same
@@ -21,11 +23,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.protocol import ChatCompletionRequest
-from gateway.tool_protocol import ChatTool, NamedToolChoice, ToolChoice
+from gateway.tool_protocol import (
+    ChatTool,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    ToolChoice,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD = OPEN + '{"name":"'  # the grammar writes calls compactly, the name first
@@ -49,6 +57,12 @@ class ToolPlan:
     mode: str  # "auto", "required" or "named"
     parallel: bool
     named: str | None = None  # the function a named choice forces
+    text_format: bool = False  # with auto: a text answer must match a JSON response_format
+
+    @property
+    def calls_after_text(self) -> bool:
+        """Whether calls may follow text (``auto`` with free text)."""
+        return self.mode == "auto" and not self.text_format
 
     @property
     def constrained(self) -> list[ChatTool]:
@@ -70,7 +84,9 @@ def tool_plan(tools: Sequence[ChatTool] | None, choice: ToolChoice | None,
 
 def request_tools(request: ChatCompletionRequest) -> ToolPlan | None:
     """A chat request's tool plan."""
-    return tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
+    plan = tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
+    json_text = isinstance(request.response_format, JsonObjectFormat | JsonSchemaFormat)
+    return replace(plan, text_format=True) if plan is not None and json_text else plan
 
 
 # -- the prompt ---------------------------------------------------------------------
@@ -117,31 +133,57 @@ def _call_schema(tool: ChatTool) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _not_a_call() -> str:
-    """A regex for text that does not begin with ``<tool_call>``."""
-    alternatives = [re.escape(OPEN[:i]) + "[^" + re.escape(OPEN[i]) + "]"
-                    for i in range(len(OPEN))]
-    return "(" + "|".join(alternatives) + ")(?s:.*)"
+@dataclass(frozen=True)
+class TagTokens:
+    """A vocabulary's own tokens for ``<tool_call>`` and ``</tool_call>`` (Qwen2.5's and
+    Hermes' models write each tag as one token), None where it spells them out. The
+    grammar engine keeps added tokens apart from the text they spell, so the grammar
+    names them as tokens too: a model writes its calls the way it was taught."""
+
+    open: int | None = None
+    close: int | None = None
 
 
-def tool_grammar(plan: ToolPlan, text_schema: dict[str, Any] | None = None) -> str:
+def tag_tokens(tokenizer: Any) -> TagTokens:
+    added = tokenizer.get_added_vocab()
+    return TagTokens(added.get(OPEN), added.get(CLOSE))
+
+
+def _tag(text: str, token: int | None) -> str:
+    return json.dumps(text) if token is None else f"({json.dumps(text)} | <[{token}]>)"
+
+
+def _no_call() -> str:
+    """A lexeme (llguidance's ``&`` and ``~``) for text without ``<tool_call>``."""
+    return f"/(?s:.*)/ & ~/(?s:.*){re.escape(OPEN)}(?s:.*)/"
+
+
+def tool_grammar(plan: ToolPlan, text_schema: dict[str, Any] | None = None,
+                 tags: TagTokens = TagTokens()) -> str:
     """The Lark grammar (llguidance's dialect) an answer under ``plan`` must match;
-    ``text_schema``: with ``auto``, a non-call answer must match it (response_format)."""
+    ``text_schema``: with ``auto``, a non-call answer must match it (response_format);
+    ``tags``: the vocabulary's tokens for the call tags."""
     schemas = [_call_schema(t) for t in plan.constrained]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = {**body, "x-guidance": {"whitespace_flexible": False}}
-    calls = 'call ("\\n" call)*' if plan.parallel else "call"
-    lines = [f"calls: {calls}",
-             f"call: {json.dumps(OPEN)} body {json.dumps(CLOSE)}",
+    more = ' ("\\n" call)*' if plan.parallel else ""
+    close = _tag(CLOSE, tags.close)
+    lines = [f"calls: call{more}",
+             f"call: {_tag(OPEN, tags.open)} body {close}",
              f"body: %json {json.dumps(body, ensure_ascii=False)}"]
     if plan.mode != "auto":
         return "\n".join(["start: calls", *lines]) + "\n"
-    if text_schema is not None:
-        text = {**text_schema, "x-guidance": {"whitespace_flexible": False}}
-        lines.append(f"text: %json {json.dumps(text, ensure_ascii=False)}")
-    else:
-        lines.append("text: TEXT")
-        lines.append(f"TEXT: /{_not_a_call()}/")
+    if text_schema is None:
+        # one lexeme runs from the text to a spelt-out opening tag: a text lexeme alone
+        # would have to end before a tag it could otherwise swallow
+        starts = ["TEXT", f"LEAD body {close}{more}"]
+        if tags.open is not None:
+            starts.append(f"TEXT? <[{tags.open}]> body {close}{more}")
+        return "\n".join([f"start: {' | '.join(starts)}", *lines[1:],
+                          f"TEXT: {_no_call()}",
+                          f"LEAD: ({_no_call()}) {json.dumps(OPEN)}"]) + "\n"
+    text = {**text_schema, "x-guidance": {"whitespace_flexible": False}}
+    lines.append(f"text: %json {json.dumps(text, ensure_ascii=False)}")
     return "\n".join(["start: calls | text", *lines]) + "\n"
 
 
