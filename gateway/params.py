@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decoding.constraints import Grammar
+from decoding.kv_budget import KvBudget
 from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from gateway.errors import InvalidRequestError
@@ -82,10 +83,11 @@ class Limits:
 
     max_context: int
     max_prompt_tokens: int | None
-    max_tokens: int
+    max_tokens: int | None  # the operator's cap on an answer (--max-tokens); None: none
     timeout_s: float | None
     vocab_size: int
     max_choices: int | None = None  # generations one request may ask for (prompts x n)
+    kv_positions: int | None = None  # the most positions one sequence's KV holds in budget
     sampling: SamplingDefaults = SamplingDefaults()  # for fields a request leaves unset
     chat_stops: tuple[str, ...] = ()  # the model's own ends of a chat answer (its template's)
 
@@ -217,20 +219,48 @@ def check_choices(request: AnyRequest, prompts: int, limits: Limits) -> None:
 
 
 def max_new_tokens(request: AnyRequest, prompt_len: int, limits: Limits) -> int:
+    """The most tokens the answer to a prompt of ``prompt_len`` may have: what the request
+    asks for, else the room left in the context (and in the KV budget where the prompt
+    leaves room in it: a longer prompt runs alone, as the engine admits it), either
+    bounded by the operator's cap."""
     asked, field = request.requested_max_tokens()
     room = limits.max_context - prompt_len
-    if asked is None:
-        return max(1, min(limits.max_tokens, room))
-    if asked > limits.max_tokens:
-        raise InvalidRequestError(
-            f"{field} is {asked}; this server allows at most {limits.max_tokens}.",
-            param=field, code="invalid_value")
-    if asked > room:
+    if asked is not None and asked > room:
         raise InvalidRequestError(
             f"This model's maximum context length is {limits.max_context} tokens. However, "
             f"you requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
             f"in the completion).", param=field, code="context_length_exceeded")
-    return asked
+    if asked is None:
+        budget_room = (limits.kv_positions - prompt_len - 1
+                       if limits.kv_positions is not None else room)
+        asked = min(room, budget_room) if budget_room >= 1 else room
+    return min(asked, limits.max_tokens) if limits.max_tokens is not None else asked
+
+
+def operator_cap(request: AnyRequest, limits: Limits) -> int | None:
+    """The operator's cap where it is below what the request asks (or the request sets no
+    limit): an answer of that many tokens that ends in ``length`` was cut by it."""
+    asked, _ = request.requested_max_tokens()
+    cap = limits.max_tokens
+    return cap if cap is not None and (asked is None or asked > cap) else None
+
+
+def budget_positions(budget: KvBudget) -> int | None:
+    """The most positions one sequence alone may hold within the engine's KV budget
+    (None: the budget has no bound, or holds the whole context)."""
+    if budget.max_bytes is None:
+        return None
+    context = budget.target.max_context
+    if budget.target.kv_bytes(1, context + 1) <= budget.max_bytes:
+        return None
+    low, high = 0, context + 1  # kv_bytes(1, low) fits, kv_bytes(1, high) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if budget.target.kv_bytes(1, middle) <= budget.max_bytes:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def generation_requests(

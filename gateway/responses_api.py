@@ -30,7 +30,7 @@ from gateway.errors import APIError, error_type_of, from_validation_errors
 from gateway.formats import Job
 from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import responses_route
-from gateway.params import chat_prompt, generation_requests
+from gateway.params import chat_prompt, generation_requests, operator_cap
 from gateway.responses_protocol import ResponsesRequest
 from gateway.streaming import Idle, ResponseRun, interleave, request_trace
 from gateway.structured import request_grammar
@@ -285,14 +285,16 @@ async def create_response(request: Request) -> Response:
         grammar = await request_grammar(state, engine, chat.response_format, plan,
                                         "text.format")
         job_id = f"resp_{uuid.uuid4().hex}"
-        requests = generation_requests(chat, [prompt], state.limits(), job_id, grammar)
+        limits = state.limits()
+        requests = generation_requests(chat, [prompt], limits, job_id, grammar)
     job = Job(id=job_id, created=int(time.time()), model=state.settings.model_name,
               prompts=[prompt], per_prompt=1, logprobs=False)
     fmt = ResponsesFormat(job, api, plan, requests[0].sampling)
     trace = request_trace(state, request, job_id, requests, chat)
     run = ResponsesRun(state, job, fmt, engine, requests, endpoint=request.url.path,
                        user=api.user, trace=trace,
-                       tool_choice=plan.mode if plan is not None else None)
+                       tool_choice=plan.mode if plan is not None else None,
+                       operator_cap=operator_cap(chat, limits))
     if api.stream:
         return run.streaming_response()
     return await run.whole_response(request.receive)

@@ -26,6 +26,7 @@ from gateway.params import (
     generation_requests,
     include_usage,
     logprob_options,
+    operator_cap,
     request_seed,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -98,7 +99,8 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
     trace = request_trace(state, request, job_id, requests, api_request)
     run = ResponseRun(state, job, fmt, engine, requests, endpoint=request.url.path,
                       user=api_request.user, trace=trace,
-                      tool_choice=tools.mode if tools is not None else None)
+                      tool_choice=tools.mode if tools is not None else None,
+                      operator_cap=operator_cap(api_request, limits))
     if api_request.stream:
         return run.streaming_response()
     return await run.whole_response(request.receive)

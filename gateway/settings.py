@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     kv_cache_bytes: int = Field(default=2 * 1024 * MIB, ge=1)
     batch_speculation: Literal["adaptive", "always"] = "adaptive"
     max_prompt_tokens: int | None = Field(default=None, ge=1)
-    max_tokens: int = Field(default=512, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # the operator's cap on an answer
     request_timeout: float | None = Field(default=600.0, gt=0)
     cors_origins: CommaList = Field(default_factory=list)
     shutdown_timeout: float = Field(default=30.0, ge=0)
@@ -243,8 +243,12 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-prompt-tokens", {"type": int,
                              "help": "longest prompt accepted (SPECSERVE_MAX_PROMPT_TOKENS; "
                                      "default: the model's context)"}),
-    ("--max-tokens", {"type": int, "help": "default and cap of max_tokens "
-                                           "(SPECSERVE_MAX_TOKENS, default 512)"}),
+    ("--max-tokens", {"type": int,
+                      "help": "operator's cap on an answer's tokens: an answer that would run "
+                              "longer (the request asks for more, or sets no limit) ends there "
+                              "with finish_reason length, and the log says so "
+                              "(SPECSERVE_MAX_TOKENS; default none: a request without max_tokens "
+                              "may run to the end of the context)"}),
     ("--request-timeout", {"type": float, "help": "seconds a request may take, queue included "
                                                   "(SPECSERVE_REQUEST_TIMEOUT, default 600)"}),
     ("--cors-origin", {"dest": "cors_origins", "action": "append",

@@ -13,7 +13,13 @@ from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine, RequestStream
 from decoding.prefix_cache import InProcessStore
 from gateway.errors import ServiceUnavailableError
-from gateway.params import Limits, SamplingDefaults, model_stops, sampling_defaults
+from gateway.params import (
+    Limits,
+    SamplingDefaults,
+    budget_positions,
+    model_stops,
+    sampling_defaults,
+)
 from gateway.redis_store import RedisStore, redacted
 from gateway.responses import PrefixCacheHealth
 from gateway.settings import Settings
@@ -40,6 +46,7 @@ class GatewayState:
     grammars: GrammarCompiler | None = None  # built on the first structured request
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for unset fields
     chat_stops: tuple[str, ...] = ()  # the model's generation_config.json stop_strings
+    kv_positions: int | None = None  # one sequence's most positions in the KV budget
     _inflight: int = 0
     _streams: dict[int, RequestStream] = field(default_factory=dict)  # by id()
     _idle: asyncio.Event | None = None
@@ -51,6 +58,7 @@ class GatewayState:
         self.sampling = sampling_defaults(self.settings.sampling_defaults, engine.target.name)
         log.info("sampling defaults: %s", self.sampling.metadata())
         self.chat_stops = model_stops(engine.target.name)
+        self.kv_positions = budget_positions(engine.scheduler.kv_budget)
         if self.chat_stops:
             log.info("chat answers end at the model's stop strings: %s", list(self.chat_stops))
         if self.telemetry is not None:
@@ -107,6 +115,7 @@ class GatewayState:
             timeout_s=self.settings.request_timeout,
             vocab_size=engine.target.vocab_size,
             max_choices=engine.max_queue,
+            kv_positions=self.kv_positions,
             sampling=self.sampling,
             chat_stops=self.chat_stops,
         )

@@ -26,7 +26,7 @@ from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from decoding.engine import Engine, RequestStream
-from decoding.types import GenerationRequest, RoundEvent
+from decoding.types import FinishReason, GenerationRequest, RoundEvent
 from gateway.errors import CLIENT_CLOSED_STATUS, APIError, engine_errors, error_type_of
 from gateway.formats import Format, Job
 from gateway.params import AnyRequest
@@ -166,7 +166,7 @@ class ResponseRun:
     def __init__(self, state: GatewayState, job: Job, fmt: Format, engine: Engine,
                  requests: Sequence[GenerationRequest], endpoint: str,
                  user: str | None = None, trace: RequestTelemetry | None = None,
-                 tool_choice: str | None = None) -> None:
+                 tool_choice: str | None = None, operator_cap: int | None = None) -> None:
         self.state = state
         self.job = job
         self.fmt = fmt
@@ -175,6 +175,7 @@ class ResponseRun:
         self.outcome = "disconnected"
         self.trace = trace
         self.tool_choice = tool_choice  # the tool plan's mode, when tools may be called
+        self.operator_cap = operator_cap  # --max-tokens, where it bounds this request
         self.stream_error: str | None = None  # error type of a failure after streaming began
         self.status = 200
         self.error_code: str | None = None
@@ -287,6 +288,7 @@ class ResponseRun:
         if self.outcome == "disconnected":
             log.info("request %s: client disconnected; cancelled %d choice(s)",
                      self.job.id, len(self.streams))
+        self._log_capped()
         usage = usage_of(self.totals, self.job.per_prompt)
         stats = speculation_of(self.totals)
         log.info(
@@ -297,6 +299,17 @@ class ResponseRun:
             usage.prompt_tokens, usage.completion_tokens, stats.rounds, stats.draft_tokens,
             stats.accepted_tokens,
         )
+
+
+    def _log_capped(self) -> None:
+        """One line when the operator's cap, not the request, cut an answer."""
+        cap = self.operator_cap
+        cut = [i for i, t in enumerate(self.totals)
+               if cap is not None and t.finish_reason is FinishReason.LENGTH
+               and t.completion_tokens >= cap]
+        if cut:
+            log.info("request %s: the operator cap (--max-tokens) cut it at %d tokens "
+                     "(choice %s)", self.job.id, cap, ", ".join(map(str, cut)))
 
 
 # -- the client leaving ---------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any
 import jsonschema_rs
 import pytest
 
+from decoding.kv_budget import KvBudget
 from decoding.types import SpeculationParams
 from gateway.errors import InvalidRequestError
 from gateway.intake import parse_body
@@ -18,12 +19,15 @@ from gateway.params import (
     Limits,
     Prompt,
     SamplingDefaults,
+    budget_positions,
     generation_requests,
+    operator_cap,
     request_seed,
     sampling_params,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.server import create_app
+from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import tiny_settings
 
 LIMITS = Limits(max_context=100, max_prompt_tokens=None, max_tokens=40, timeout_s=5.0,
@@ -209,14 +213,21 @@ def test_top_p_zero_is_greedy() -> None:
 
 
 def test_token_limits() -> None:
+    """Without max_tokens an answer may fill the context; the operator's cap bounds what
+    a request asks for, or the room it would have, and is reported as binding."""
     default = ChatCompletionRequest.model_validate(chat())
+    uncapped = dataclasses.replace(LIMITS, max_tokens=None)
+    assert generation_requests(default, [PROMPT], uncapped, "i")[0].max_new_tokens == 97
+    assert operator_cap(default, uncapped) is None
     assert generation_requests(default, [PROMPT], LIMITS, "i")[0].max_new_tokens == 40
+    assert operator_cap(default, LIMITS) == 40
     near_end = Prompt(ids=tuple(range(90)), text="")
     assert generation_requests(default, [near_end], LIMITS, "i")[0].max_new_tokens == 10
-    with pytest.raises(InvalidRequestError, match="at most 40") as capped:
-        generation_requests(ChatCompletionRequest.model_validate(chat(max_completion_tokens=41)),
-                            [PROMPT], LIMITS, "i")
-    assert capped.value.param == "max_completion_tokens"
+    more = ChatCompletionRequest.model_validate(chat(max_completion_tokens=41))
+    assert generation_requests(more, [PROMPT], LIMITS, "i")[0].max_new_tokens == 40
+    assert operator_cap(more, LIMITS) == 40
+    exact = ChatCompletionRequest.model_validate(chat(max_tokens=40))
+    assert operator_cap(exact, LIMITS) is None  # the request's own limit, not the cap
     with pytest.raises(InvalidRequestError, match="maximum context length") as beyond:
         generation_requests(ChatCompletionRequest.model_validate(chat(max_tokens=20)),
                             [near_end], LIMITS, "i")
@@ -226,6 +237,29 @@ def test_token_limits() -> None:
     strict = Limits(100, 2, 40, None, 1000)
     with pytest.raises(InvalidRequestError, match="at most 2"):
         generation_requests(default, [PROMPT], strict, "i")
+
+
+def test_a_kv_budget_bounds_an_answer_without_max_tokens() -> None:
+    """Where the KV budget holds fewer positions than the context, an answer without a
+    limit stops within it; a prompt that alone passes it runs to the context's end."""
+    budget = dataclasses.replace(LIMITS, max_tokens=None, kv_positions=50)
+    default = ChatCompletionRequest.model_validate(chat())
+    assert generation_requests(default, [PROMPT], budget, "i")[0].max_new_tokens == 46
+    long = Prompt(ids=tuple(range(60)), text="")
+    assert generation_requests(default, [long], budget, "i")[0].max_new_tokens == 40
+    asked = ChatCompletionRequest.model_validate(chat(max_tokens=90))
+    assert generation_requests(asked, [PROMPT], budget, "i")[0].max_new_tokens == 90
+
+
+def test_budget_positions_follow_the_kv_sizes(tiny_target: CausalLM) -> None:
+    """The positions one sequence may hold: all of the context under a large budget,
+    and the largest count whose KV fits under a small one."""
+    assert budget_positions(KvBudget(tiny_target, None)) is None
+    assert budget_positions(KvBudget(tiny_target, 1 << 40)) is None
+    one = tiny_target.kv_bytes(1, tiny_target.max_context)  # the context's end passes it
+    small = budget_positions(KvBudget(tiny_target, one))
+    assert small is not None and small < tiny_target.max_context + 1
+    assert tiny_target.kv_bytes(1, small) <= one < tiny_target.kv_bytes(1, small + 1)
 
 
 @pytest.mark.parametrize(("model", "payload", "field", "value"), [

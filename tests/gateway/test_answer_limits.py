@@ -1,0 +1,98 @@
+"""How long an answer may be, through the official ``openai`` client against real
+servers: without ``max_tokens`` it runs to the end of the context (OpenAI's and vLLM's
+rule, which clients such as Codex CLI and Open WebUI count on), and only an operator's
+``--max-tokens`` cuts it, with ``length`` and a log line.
+
+The answers are made long by a grammar: a JSON string of 600 digits, one token each in
+the default model's vocabulary (which the tiny model shares), so a finished answer has
+more than 600 tokens whatever the random model prefers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from decoding.drafters.ngram import NgramDrafter
+from decoding.engine import Engine
+from gateway.server import create_app
+from runtime.batched import BatchedLM
+from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings
+
+DIGITS = 600
+SCHEMA = {"type": "string", "pattern": f"^[0-9]{{{DIGITS}}}$"}
+CAP = 100
+
+
+@pytest.fixture(scope="module")
+def long_engine(tiny_long_context_dir: Path) -> Iterator[Engine]:
+    """The tiny model with a 16k context: room for answers far past 512 tokens."""
+    engine = Engine(BatchedLM.load(str(tiny_long_context_dir), dtype="float32"),
+                    {"ngram": NgramDrafter()}, default_drafter="ngram")
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def uncapped(long_engine: Engine) -> Iterator[openai.OpenAI]:
+    with live_server(create_app(tiny_settings(), engine=long_engine)) as url:
+        yield openai_client(url)
+
+
+@pytest.fixture(scope="module")
+def capped(long_engine: Engine) -> Iterator[openai.OpenAI]:
+    with live_server(create_app(tiny_settings(max_tokens=CAP), engine=long_engine)) as url:
+        yield openai_client(url)
+
+
+def _digits(client: openai.OpenAI, **extra: Any) -> Any:
+    return client.completions.create(
+        model=TINY, prompt="Digits:", temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "name": "digits", "schema": SCHEMA}}}, **extra)
+
+
+def test_without_max_tokens_an_answer_is_not_cut_at_512(uncapped: openai.OpenAI) -> None:
+    out = _digits(uncapped)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == '"' + out.choices[0].text.strip('"') + '"'
+    assert len(out.choices[0].text) == DIGITS + 2
+    assert out.usage is not None and out.usage.completion_tokens > DIGITS
+    response = uncapped.responses.create(
+        model=TINY, input="Digits:", temperature=0,
+        text={"format": {"type": "json_schema", "name": "digits", "schema": SCHEMA}})
+    assert response.status == "completed" and response.incomplete_details is None
+    assert len(response.output_text) == DIGITS + 2
+    assert response.usage is not None and response.usage.output_tokens > DIGITS
+
+
+def test_the_operator_cap_cuts_with_length_and_says_so(
+        capped: openai.OpenAI, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="gateway.streaming"):
+        unasked = _digits(capped)
+        more = _digits(capped, max_tokens=CAP + 50)
+        within = _digits(capped, max_tokens=CAP - 40)
+        response = capped.responses.create(
+            model=TINY, input="Digits:", temperature=0,
+            text={"format": {"type": "json_schema", "name": "digits", "schema": SCHEMA}})
+    for out in (unasked, more):
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage is not None and out.usage.completion_tokens == CAP
+    assert within.choices[0].finish_reason == "length"
+    assert within.usage is not None and within.usage.completion_tokens == CAP - 40
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None and response.usage.output_tokens == CAP
+    lines = [r.getMessage() for r in caplog.records if "operator cap" in r.getMessage()]
+    cut = {unasked.id, more.id, response.id}
+    assert len(lines) == len(cut), lines  # the request's own limit logs nothing
+    for request_id in cut:
+        line = next(line for line in lines if request_id in line)
+        assert f"at {CAP} tokens" in line and "--max-tokens" in line
