@@ -21,6 +21,7 @@ from decoding.kv_budget import KvBudget
 from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from gateway.errors import InvalidRequestError
+from gateway.fim import FimTokens
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.settings import sampling_problems
 from gateway.tools import render_messages, request_tools
@@ -169,21 +170,31 @@ def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> Prompt:
     return Prompt(ids=tuple(ids), text="")
 
 
-def completion_prompts(tokenizer: Any, request: CompletionRequest, vocab_size: int
-                       ) -> list[Prompt]:
+def completion_prompts(tokenizer: Any, request: CompletionRequest, vocab_size: int,
+                       fim: FimTokens | None = None) -> list[Prompt]:
+    """The request's prompts as token ids; with a ``suffix``, each as the prefix of a
+    fill-in-the-middle prompt in the model's format (``fim``; a 400 without one)."""
+    if request.suffix and fim is None:
+        raise InvalidRequestError(
+            "suffix (fill-in-the-middle) needs a model whose vocabulary has fill-in-the-"
+            "middle tokens; this model has none.", param="suffix", code="invalid_value")
+    after = encode_text(tokenizer, request.suffix) if request.suffix else None
     prompts = []
     for i, item in enumerate(request.prompt_list()):
         if isinstance(item, str):
-            prompts.append(Prompt(ids=tuple(encode_text(tokenizer, item)), text=item))
-            continue
-        bad = next((t for t in item if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"Token id {bad} is outside the vocabulary (0..{vocab_size - 1}).",
-                param=f"prompt[{i}]", code="invalid_value")
-        text = str(tokenizer.decode(item, skip_special_tokens=False,
-                                    clean_up_tokenization_spaces=False))
-        prompts.append(Prompt(ids=tuple(item), text=text))
+            ids, text = tuple(encode_text(tokenizer, item)), item
+        else:
+            bad = next((t for t in item if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"Token id {bad} is outside the vocabulary (0..{vocab_size - 1}).",
+                    param=f"prompt[{i}]", code="invalid_value")
+            ids = tuple(item)
+            text = str(tokenizer.decode(item, skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False))
+        if fim is not None and after is not None:
+            ids = fim.prompt(ids, after)
+        prompts.append(Prompt(ids=ids, text=text))
     return prompts
 
 

@@ -334,10 +334,11 @@ PromptField = Annotated[
 
 
 class CompletionRequest(_Strict):
-    """``POST /v1/completions`` (the legacy text endpoint). With ``echo`` and
-    ``logprobs`` the prompt's tokens come back with their log-probabilities (the first
-    one's null) before the completion's; ``max_tokens: 0`` (only with ``echo``) returns
-    the prompt alone."""
+    """``POST /v1/completions`` (the legacy text endpoint). With a ``suffix`` (a model with
+    fill-in-the-middle tokens) the answer is what goes between the prompt and it. With
+    ``echo`` and ``logprobs`` the prompt's tokens come back with their log-probabilities
+    (the first one's null) before the completion's; ``max_tokens: 0`` (only with
+    ``echo``) returns the prompt alone."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, json_schema_extra={
         "allOf": [*STREAM_OPTIONS_RULE["allOf"], MAX_TOKENS_ZERO_RULE]})
@@ -356,7 +357,10 @@ class CompletionRequest(_Strict):
     stop: StopField = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    suffix: Annotated[Any, refuse("")] = None
+    suffix: str | None = Field(
+        default=None, description="The text after the gap to fill (fill-in-the-middle): "
+        "for a model whose vocabulary has fill-in-the-middle tokens (refused otherwise); "
+        "not with echo. An empty suffix is no suffix.")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     user: str | None = None
@@ -373,6 +377,11 @@ class CompletionRequest(_Strict):
                 "invalid_value", "max_tokens 0 generates nothing: it is allowed only with "
                 "echo (the prompt alone, with its logprobs when logprobs is set)",
                 {"param": "max_tokens"})
+        if self.suffix and self.echo:
+            raise PydanticCustomError(
+                "invalid_value", "echo cannot be combined with suffix: the answer is the "
+                "middle of the text, and there is no one prompt to show before it",
+                {"param": "echo"})
         return self
 
     @property

@@ -71,7 +71,7 @@ async def completions(request: Request) -> Response:
     api_request = await parse_request(request, state, CompletionRequest)
     engine = state.require_engine()
     prompts = await asyncio.to_thread(completion_prompts, engine.target.tokenizer, api_request,
-                                      engine.target.vocab_size)
+                                      engine.target.vocab_size, state.fim)
     grammar = await request_grammar(state, engine, api_request.response_format, None)
     return await _run(request, state, engine, api_request, prompts, "cmpl", grammar)
 

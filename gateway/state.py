@@ -13,6 +13,7 @@ from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine, RequestStream
 from decoding.prefix_cache import InProcessStore
 from gateway.errors import ServiceUnavailableError
+from gateway.fim import FimTokens, fim_tokens
 from gateway.params import (
     Limits,
     SamplingDefaults,
@@ -47,6 +48,7 @@ class GatewayState:
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for unset fields
     chat_stops: tuple[str, ...] = ()  # the model's generation_config.json stop_strings
     kv_positions: int | None = None  # one sequence's most positions in the KV budget
+    fim: FimTokens | None = None  # the model's fill-in-the-middle tokens, if it has them
     _inflight: int = 0
     _streams: dict[int, RequestStream] = field(default_factory=dict)  # by id()
     _idle: asyncio.Event | None = None
@@ -59,6 +61,10 @@ class GatewayState:
         log.info("sampling defaults: %s", self.sampling.metadata())
         self.chat_stops = model_stops(engine.target.name)
         self.kv_positions = budget_positions(engine.scheduler.kv_budget)
+        self.fim = fim_tokens(engine.target.tokenizer)
+        if self.fim is not None:
+            log.info("fill-in-the-middle: the %s format (completions take a suffix)",
+                     self.fim.models)
         if self.chat_stops:
             log.info("chat answers end at the model's stop strings: %s", list(self.chat_stops))
         if self.telemetry is not None:

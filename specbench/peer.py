@@ -191,6 +191,10 @@ def run_peers(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]], max_toke
                     replies.append({"server": peer.name, "prompt_set": name, "id": prompt.id,
                                     **asdict(reply), "itl_s": reply.itl_s})
                     bar.update()
+                    # the bar shows progress where there is one; else, a log line a reply
+                    log.log(logging.DEBUG if not bar.disable else logging.INFO,
+                            "%s %s %s: %d tokens in %.1f s, first after %.1f s", name,
+                            prompt.id, peer.name, reply.tokens, reply.seconds, reply.ttft_s)
     return {
         "config": {"max_tokens": max_tokens, "greedy": True, "order": "prompt by prompt, "
                    "every server in turn, after one warm-up request each",
