@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -294,7 +295,9 @@ def test_keep_alive_comments_while_queued(stalled_url: str) -> None:
             lines.append(line)
             if sum(1 for x in lines if x.startswith(":")) >= 2:
                 break
-    assert not any(line.startswith("data:") for line in lines)
+    data = [json.loads(line.removeprefix("data:")) for line in lines if line.startswith("data:")]
+    assert data and data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert not any(chunk["choices"][0]["delta"].get("content") for chunk in data)  # no token
 
 
 def test_a_seed_fixes_the_text_whatever_drafts_it(client: openai.OpenAI) -> None:
