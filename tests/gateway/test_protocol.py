@@ -143,8 +143,8 @@ def test_bad_prompts(prompt: Any) -> None:
 
 
 def test_completion_refusals() -> None:
-    assert refused(CompletionRequest, {"model": "m", "prompt": "x", "suffix": "y"}).param \
-        == "suffix"
+    assert refused(CompletionRequest, {"model": "m", "prompt": "x", "suffix": "y",
+                                       "echo": True}).param == "echo"
     assert refused(CompletionRequest, {"model": "m", "prompt": "x", "best_of": 3}).param \
         == "best_of"
     error = refused(CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": 0})
