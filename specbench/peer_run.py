@@ -79,7 +79,7 @@ class Server:
     argv: list[str]
     port: int
     ready_path: str  # 200 once the model is loaded
-    model_bytes: int  # of the GGUF files it loads
+    models: tuple[Path, ...]  # the model files it loads
     started_s: float | None = None  # seconds from start to ready
     failure: str | None = None
     log_path: Path | None = None
@@ -145,23 +145,21 @@ def plan_servers(args: argparse.Namespace, target: Path, draft: Path | None,
              "-tb", threads, "-c", str(args.context), "-np", "1"]
     specserve = [sys.executable, "-m", "specserve.cli", "serve", "--host", "127.0.0.1",
                  "--target", args.target, "--threads", threads, "--log-format", "text"]
-    size = size_of(target)
-    draft_size = size_of(draft) if draft else 0
-    plans: dict[str, tuple[list[str], str, int]] = {
-        "llama-server": (llama, "/health", size),
-        **{f"llama-server-{t}": ([*llama, "--spec-type", t], "/health", size)
+    alone, both = (target,), (target, *([draft] if draft else []))
+    plans: dict[str, tuple[list[str], str, tuple[Path, ...]]] = {
+        "llama-server": (llama, "/health", alone),
+        **{f"llama-server-{t}": ([*llama, "--spec-type", t], "/health", alone)
            for t in LLAMA_SPEC_TYPES if t in spec_types},
-        "specserve-none": ([*specserve, "--draft", "none"], "/ready", size),
-        "specserve": ([*specserve, "--draft", "auto"], "/ready", size),
+        "specserve-none": ([*specserve, "--draft", "none"], "/ready", alone),
+        "specserve": ([*specserve, "--draft", "auto"], "/ready", alone),
     }
     if draft is not None:
         # builds that infer the draft's type from its file list no "draft-simple"
         named = ["--spec-type", "draft-simple"] if "draft-simple" in spec_types else []
         plans["llama-server-draft"] = (
             [*llama, "-md", str(draft), *named, "-td", threads, "-tbd", threads], "/health",
-            size + draft_size)
-        plans["specserve-draft"] = ([*specserve, "--draft", args.draft], "/ready",
-                                    size + draft_size)
+            both)
+        plans["specserve-draft"] = ([*specserve, "--draft", args.draft], "/ready", both)
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = [w for w in wanted if w not in SERVERS]
     if unknown:
@@ -174,13 +172,13 @@ def plan_servers(args: argparse.Namespace, target: Path, draft: Path | None,
             log.warning("%s skipped: %s", name, "no --draft" if "draft" in name
                         else "this llama-server build has no such --spec-type")
             continue
-        argv, ready, model_bytes = plans[name]
+        argv, ready, models = plans[name]
         port = args.base_port + len(servers)
         argv = [*argv, "--port", str(port), *extra.get(name, [])]
         if not name.startswith("llama-server"):
             argv += ["--metrics-port", str(metrics_port)]
             metrics_port += 1
-        servers.append(Server(name, argv, port, ready, model_bytes))
+        servers.append(Server(name, argv, port, ready, models))
     return servers
 
 
@@ -209,7 +207,12 @@ def available_memory() -> int | None:
 
 
 def fits_together(servers: Sequence[Server]) -> bool:
-    need = sum(s.model_bytes + OVERHEAD_BYTES[s.kind] for s in servers)
+    """Whether the servers' memory fits what is available: llama-server maps its files, so
+    servers of one file share its pages; specserve reads its models into its own memory."""
+    mapped = {m for s in servers if s.kind == "llama-server" for m in s.models}
+    read = [m for s in servers if s.kind == "specserve" for m in s.models]
+    need = (sum(OVERHEAD_BYTES[s.kind] for s in servers) + sum(map(size_of, mapped))
+            + sum(map(size_of, read)))
     free = available_memory()
     return free is None or need < free
 

@@ -214,7 +214,12 @@ def test_the_peer_run_plans_every_server_on_its_own_port(tmp_path: Path) -> None
     assert "--spec-type ngram-simple" in " ".join(by_name["llama-server-ngram-simple"].argv)
     assert f"-md {draft} --spec-type draft-simple -td 2 -tbd 2" in " ".join(
         by_name["llama-server-draft"].argv)
-    assert by_name["llama-server-draft"].model_bytes == 110
+    assert by_name["llama-server-draft"].models == (target, draft)
+    # llama-server's servers share the pages of the files they map; specserve reads its own
+    free = peer_run.available_memory()
+    assert free is not None
+    need = peer_run.OVERHEAD_BYTES["llama-server"] * 3 + peer_run.OVERHEAD_BYTES["specserve"] * 3
+    assert peer_run.fits_together(servers) == (need + 110 + 100 * 3 + 10 < free)
     assert by_name["specserve-none"].argv[-6:-2] == ["--draft", "none", "--port", "18083"]
     assert by_name["specserve"].argv[-4:-1] == ["--max-active", "1", "--metrics-port"]
     metrics = [int(s.argv[-1]) for s in servers if s.name.startswith("specserve")]
