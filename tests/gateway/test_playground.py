@@ -117,8 +117,10 @@ async def test_every_chunk_carries_its_round(cached_engine: Engine) -> None:
     async with in_process(create_app(tiny_settings(), engine=cached_engine)) as client:
         whole = (await client.post("/v1/chat/completions", json=body)).json()
         chunks = await _stream(client, "/v1/chat/completions", body)  # drafts: that answer
+    opening, *rounds = chunks  # the role, sent before any round
+    assert "speculation" not in opening and opening["choices"][0]["delta"]["content"] == ""
     text, accepted, coloured, indexes = "", 0, 0, []
-    for chunk in chunks:
+    for chunk in rounds:
         spec = chunk["speculation"]
         info = spec["round"]
         content = chunk["choices"][0]["delta"].get("content", "")
@@ -154,7 +156,7 @@ async def test_drafters_are_listed_and_asked_for_by_their_names(cached_engine: E
 async def test_speculation_off_is_all_target(client: httpx.AsyncClient) -> None:
     body = {"model": TINY, "messages": [{"role": "user", "content": REPEATING}],
             "max_tokens": 20, "temperature": 0, "speculation": {"enabled": False}}
-    for chunk in await _stream(client, "/v1/chat/completions", body):
+    for chunk in (await _stream(client, "/v1/chat/completions", body))[1:]:  # past the role
         info = chunk["speculation"]["round"]
         content = chunk["choices"][0]["delta"].get("content", "")
         assert info["source"] == "none" and info["draft_tokens"] == 0
