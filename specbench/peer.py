@@ -18,7 +18,9 @@ summed over the prompts, where the server reports prompt tokens); and whether th
 servers' greedy outputs are identical, prompt by prompt.
 Completion tokens come from the ``usage`` of the stream's last chunk where the
 server sends one (``stream_options.include_usage``), else they are the chunks
-that carried text (one token each on most servers).
+that carried text (one token each on most servers). Where a server reports its
+own ``timings`` (llama.cpp's server does, with the tokens it drafted and those
+accepted), the JSON keeps them, and the share of drafted tokens accepted.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Reply:
     last_s: float  # the last text
     seconds: float  # the stream's end
     finish_reason: str | None
+    timings: dict[str, Any] | None = None  # the server's own, where it sends them
 
     @property
     def itl_s(self) -> float | None:
@@ -104,6 +107,7 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
     pieces: list[str] = []
     chunks = 0
     usage: dict[str, Any] = {}
+    timings = None
     first = last = None
     finish = None
     try:
@@ -119,6 +123,7 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
                 if "error" in chunk:
                     raise PeerError(f"{peer.name} failed mid-stream: {chunk['error']}")
                 usage = chunk.get("usage") or usage
+                timings = chunk.get("timings") or timings
                 for choice in chunk.get("choices") or ():
                     finish = choice.get("finish_reason") or finish
                     piece = (choice.get("delta") or {}).get("content") or ""
@@ -135,7 +140,8 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
                  tokens_from="usage" if counted is not None else "chunks",
                  prompt_tokens=usage.get("prompt_tokens"),
                  ttft_s=first if first is not None else end,
-                 last_s=last if last is not None else end, seconds=end, finish_reason=finish)
+                 last_s=last if last is not None else end, seconds=end, finish_reason=finish,
+                 timings=timings)
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -242,10 +248,20 @@ def summarise(peers: Sequence[Peer], prompt_sets: dict[str, list[Any]],
                 "prompt_tokens": counted,
                 "prefill_tokens_per_s": round(counted / waited, 1)
                 if counted is not None and waited > 0 else None,
+                "draft_acceptance": draft_acceptance(mine),
                 "identical_to_first": len(mine) - len(differing),
                 "differing_prompts": differing,
             })
     return rows
+
+
+def draft_acceptance(replies: Sequence[dict[str, Any]]) -> float | None:
+    """Drafted tokens accepted over drafted tokens, as the server's timings count them (as
+    llama.cpp's server does); None where no reply reports a draft."""
+    counts = [(t.get("draft_n_accepted", 0), t["draft_n"]) for r in replies
+              if (t := r.get("timings")) and t.get("draft_n")]
+    drafted = sum(n for _, n in counts)
+    return round(sum(a for a, _ in counts) / drafted, 3) if drafted else None
 
 
 def agreement(names: Sequence[str], replies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,8 +21,8 @@ from specbench.compare import (
     TUNING_PROMPT_SETS,
     load_prompts,
 )
+from specbench.peer import draft_acceptance, parse_peer, quantile
 from specbench.peer import main as peer_main
-from specbench.peer import parse_peer, quantile
 from specserve.cli import main
 from tests.conftest import free_port, http_status
 from tests.reliability.support import ServeProcess, serve
@@ -31,8 +31,8 @@ PROMPTS = 2  # per set
 MAX_TOKENS = 12
 ROW_KEYS = {"server", "prompt_set", "prompts", "tokens", "seconds", "tokens_per_s",
             "ratio_to_first", "ttft_ms_median", "ttft_ms_p90", "itl_ms_median", "itl_ms_p90",
-            "tokens_from", "prompt_tokens", "prefill_tokens_per_s", "identical_to_first",
-            "differing_prompts"}
+            "tokens_from", "prompt_tokens", "prefill_tokens_per_s", "draft_acceptance",
+            "identical_to_first", "differing_prompts"}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,7 @@ def test_two_peers_get_every_prompt_and_agree_with_themselves(
         assert 0 < row["ttft_ms_median"] <= row["ttft_ms_p90"]
         assert 0 < row["itl_ms_median"] <= row["itl_ms_p90"]
         assert row["identical_to_first"] == PROMPTS and row["differing_prompts"] == []
+        assert row["draft_acceptance"] is None  # specserve's stream carries no timings
     assert all(r["ratio_to_first"] == 1.0 for r in runs if r["server"] == "first")
     replies = report["replies"]
     assert len(replies) == 2 * PROMPTS * len(PROMPT_SETS)
@@ -277,3 +278,12 @@ def test_servers_run_one_at_a_time_make_one_report() -> None:
     assert report["runs"][0]["prefill_tokens_per_s"] == 20.0
     assert report["agreement"][0]["identical"] == 0
     assert report["config"]["order"].startswith("server by server")
+    assert report["runs"][0]["draft_acceptance"] is None
+
+
+def test_drafts_a_server_reports_are_counted() -> None:
+    replies = [{"timings": {"draft_n": 10, "draft_n_accepted": 7}},
+               {"timings": {"predicted_n": 4}}, {"timings": None},
+               {"timings": {"draft_n": 6, "draft_n_accepted": 1}}]
+    assert draft_acceptance(replies) == 0.5
+    assert draft_acceptance(replies[1:3]) is None
