@@ -130,8 +130,9 @@ class Settings(BaseSettings):
     def model_aliases(self) -> frozenset[str]:
         """Every name a request's ``model`` may use for the served target."""
         names = {self.model_name, self.target, derive_model_name(self.target)}
-        if self.target in model_store.DEFAULT_ALIASES:
-            names |= model_store.DEFAULT_ALIASES
+        catalogued = model_store.find(self.target)  # a model of the catalogue: all its names
+        if catalogued is not None:
+            names |= catalogued.names
         return frozenset(names)
 
 

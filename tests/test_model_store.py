@@ -20,7 +20,7 @@ from decoding.factory import DraftSpecError, load_drafter
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from gateway.settings import sampling_problems
+from gateway.settings import Settings, sampling_problems
 from runtime import kernels, model_store
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
@@ -228,6 +228,14 @@ def test_catalogue_names_resolve_to_their_location(tmp_path: Path,
     with pytest.raises(FileNotFoundError, match="specserve models pull"):
         model_store.resolve("qwen2.5-coder-0.5b", pull=False)
     assert model_store.resolve("org/some-hub-model", pull=False) == "org/some-hub-model"
+
+
+def test_a_served_catalogue_model_answers_to_all_its_names() -> None:
+    settings = Settings(target="qwen2.5-coder-1.5b")
+    assert settings.model_name == "qwen2.5-coder-1.5b"
+    assert {"qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct"} <= settings.model_aliases()
+    assert "qwen2.5-coder-0.5b" not in settings.model_aliases()
+    assert Settings(target="smollm2-135m").model_aliases() >= model_store.DEFAULT_ALIASES
 
 
 def test_models_list_and_pull_on_the_command_line(tmp_path: Path,
