@@ -173,13 +173,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--port", {"type": int, "help": "API port (SPECSERVE_PORT, default 8000)"}),
     ("--metrics-port", {"type": int,
                         "help": "Prometheus metrics port (SPECSERVE_METRICS_PORT, default 9100)"}),
-    ("--target", {"help": "target model: 'default', a model directory or a hub id "
-                          "(SPECSERVE_TARGET)"}),
+    ("--target", {"help": "target model: 'default' or another model of the catalogue "
+                          "(`specserve models list`; pulled when missing), a model directory, "
+                          "a GGUF file or a hub id (SPECSERVE_TARGET)"}),
     ("--draft", {"help": "'auto' (for the default target the mix of its drafters measured "
                          "fastest, else n-gram lookup; continuations when the prefix cache is "
                          "on), 'none', "
                          "'ngram', 'cache' (continuations), 'default-draft', a draft model "
-                         "directory sharing the target's tokenizer, or several joined by '+' "
+                         "sharing the target's tokenizer (a model of the catalogue, a "
+                         "directory or a GGUF file), or several joined by '+' "
                          "(SPECSERVE_DRAFT, default auto)"}),
     ("--draft-backend", {"choices": ["auto", "torch", "onnx", "tensorrt"],
                          "help": "where a draft model runs: auto (TensorRT with a GPU, else ONNX "

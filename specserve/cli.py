@@ -143,7 +143,9 @@ def _acceptance_command(sub: Any) -> None:
 
     p = sub.add_parser("acceptance", help="how often drafters agree with the target: greedy "
                                           "rounds replayed from plain output, no timing")
-    p.add_argument("--target", default="default", help="model directory, hub id or 'default'")
+    p.add_argument("--target", default="default",
+                   help="a model of the catalogue (`specserve models list`), a model "
+                        "directory, a GGUF file or a hub id")
     p.add_argument("--drafts", default=ba.DEFAULT_DRAFTS,
                    help="comma-separated drafters to compare, each as --draft takes it "
                         f"(default {ba.DEFAULT_DRAFTS})")
