@@ -31,6 +31,26 @@ def test_ngram_proposes_the_continuation_of_the_latest_match() -> None:
     assert proposal.probs is None
 
 
+def test_ngram_follows_the_occurrence_that_shares_the_most_context() -> None:
+    """Code repeats short n-grams everywhere: of the longest n-gram's occurrences, the one
+    whose preceding tokens agree longest with the sequence's own is the one being copied,
+    even where a later one exists; with equal context the latest wins."""
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2)
+    copied = [11, 12, 13, 5, 6, 20, 21, 22]  # the passage being copied: "5 6" then 20 21 22
+    elsewhere = [40, 5, 6, 30, 31, 32]  # a later, unrelated "5 6"
+    tokens = [*copied, *elsewhere, 11, 12, 13, 5, 6]  # the answer copies the first passage
+    state = drafter.begin(tokens)
+    proposal = drafter.propose(state, DraftContext(tokens, GREEDY, None), 3)
+    assert proposal.tokens == (20, 21, 22)
+    tokens = [*copied, 40, 12, 13, 5, 6, 30, 31, 32, 13, 5, 6]  # both share "13 5 6"
+    state = drafter.begin(tokens)
+    assert drafter.propose(state, DraftContext(tokens, GREEDY, None), 3).tokens == (30, 31, 32)
+    latest = NgramDrafter(max_ngram=2, min_ngram=2, context_match=2)  # no context compared
+    tokens = [*copied, *elsewhere, 11, 12, 13, 5, 6]
+    state = latest.begin(tokens)
+    assert latest.propose(state, DraftContext(tokens, GREEDY, None), 3).tokens == (30, 31, 32)
+
+
 def test_ngram_continues_a_repetition_past_the_end() -> None:
     drafter = NgramDrafter(max_ngram=2, min_ngram=2)
     tokens = [9, 1, 2, 3, 1, 2, 3, 1, 2]  # period 3: the latest "1 2" starts 3 back
