@@ -17,7 +17,7 @@ from runtime import draft_format as distilled
 from runtime import feature_draft, model_store
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
-from runtime.draft_choice import read_choice
+from runtime.draft_choice import choice_path_for, read_choice
 from runtime.loading import load_model, quantized_target, torch_draft_dtype
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ def auto_choice(target: CausalLM, prefix_cache: bool) -> tuple[str, str]:
     shipped for the default model when ``target`` is the model it was made for (a draft
     refuses any other); with a prefix cache, continuation drafts join either."""
     fits = distilled.default_draft_fits(target)
-    measured = read_choice() if fits else None
+    mine = choice_path_for(target.name)
+    measured = read_choice() if fits else read_choice(mine) if mine.is_file() else None
     if measured is not None:
         parts = draft_parts(measured.spec) if measured.spec != NO_DRAFT else []
         reason = measured.reason()

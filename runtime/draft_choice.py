@@ -1,8 +1,9 @@
 """What ``--draft auto`` serves: the drafter mix measured fastest for the target, where a
 measurement was stored (``python -m specbench.draft_choice --write``), else a rule.
 
-The measurement is stored beside the draft shipped for the default model, so it applies
-to the target that draft was made for. It names the mix whose geometric mean of
+The default model's measurement is stored beside the draft shipped for it, so it applies
+to the target that draft was made for; another target's beside its own file
+(``choice_path_for``). It names the mix whose geometric mean of
 speed-ups over plain decoding, on the shipped ``chat`` and ``grounded`` sets, was the
 highest (of mixes within a run's noise of it, the one faster on chat), with outputs
 equal to plain decoding's. The continuation cache joins the mix
@@ -29,6 +30,14 @@ CHOICE_NAME = "choice.json"
 
 def choice_path() -> Path:
     return draft_format.DEFAULT_DRAFT_DIR / CHOICE_NAME
+
+
+def choice_path_for(target: str) -> Path:
+    """Where a choice measured for another target is stored: beside its GGUF file
+    (``<file>.choice.json``), or in its model directory."""
+    path = Path(target)
+    return path.with_name(path.name + "." + CHOICE_NAME) if path.suffix == ".gguf" else (
+        path / CHOICE_NAME)
 
 
 @dataclass(frozen=True)

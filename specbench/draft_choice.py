@@ -4,16 +4,23 @@
         --write
 
 Loads the target as the server does (its default precision) and each candidate mix of
-drafters the target has (lookup alone, each shipped draft alone and after lookup), and
-decodes the shipped ``chat`` and ``grounded`` sets greedily with each, every mix on a
+drafters the target has (lookup alone, each shipped or ``--drafts`` draft alone and after
+lookup), and decodes the shipped ``chat`` and ``grounded`` sets (or ``--sets``) greedily
+with each, every mix on a
 prompt before the next prompt, so that a machine's changing load falls on all alike.
 A mix's score is the geometric mean of its speed-ups over plain decoding on the two
 sets; every output must equal plain decoding's. Of mixes within 2.5% of the best score,
 the one faster on chat wins (``choose``). ``--write`` stores the table and the
-winner beside the draft shipped for the default model (``choice.json``), where
-``decoding.factory.auto_choice`` reads it. The continuation cache is not a candidate:
-it drafts only what a prefix cache holds, which distinct benchmark prompts never hit,
-so ``auto`` adds it wherever a prefix cache runs.
+winner beside the draft shipped for the default model (``choice.json``), or for another
+target beside its own file (``runtime.draft_choice.choice_path_for``), where
+``decoding.factory.auto_choice`` reads it:
+
+    python -m specbench.draft_choice --target qwen2.5-coder-1.5b \
+        --drafts qwen2.5-coder-0.5b --sets code_edit_tune,code_chat_tune --write
+
+The continuation cache is not a candidate: it drafts only what a prefix cache holds,
+which distinct benchmark prompts never hit, so ``auto`` adds it wherever a prefix cache
+runs.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from runtime import draft_format, feature_draft
 from runtime.causal_lm import CausalLM
-from runtime.draft_choice import CHOICE_FORMAT, CHOICE_VERSION, choice_path
+from runtime.draft_choice import CHOICE_FORMAT, CHOICE_VERSION, choice_path, choice_path_for
 from runtime.loading import load_target
 from specbench.compare import load_prompts
 from specbench.methods import Generation, engine_runner
@@ -46,10 +53,11 @@ SETS = ("chat", "grounded")
 TIE = 0.025  # scores this close are a tie: two runs of one mix differed by up to 2%
 
 
-def candidates(target: CausalLM) -> list[str]:
-    """The mixes worth measuring for ``target``: lookup, and each draft shipped for it,
-    alone and after lookup."""
-    models = []
+def candidates(target: CausalLM, drafts: Sequence[str] = ()) -> list[str]:
+    """The mixes worth measuring for ``target``: lookup, and each draft shipped for it
+    or named in ``drafts`` (a catalogue name, a GGUF file, a draft directory), alone and
+    after lookup."""
+    models = list(drafts)
     if draft_format.default_draft_fits(target):
         models.append(draft_format.DEFAULT_DRAFT)
     if feature_draft.default_fits(target):
@@ -123,7 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specbench.draft_choice",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="default")
+    parser.add_argument("--target", default="default",
+                        help="the default model, a catalogue name or a model path")
+    parser.add_argument("--drafts", default="",
+                        help="draft models to try beside those shipped for the target, "
+                             "comma-separated (e.g. qwen2.5-coder-0.5b)")
+    parser.add_argument("--sets", default=",".join(SETS),
+                        help=f"prompt sets, comma-separated (default {','.join(SETS)})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the activations' dtype (the server's default: float32)")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -139,9 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, args.dtype, quantize="auto")
-    specs = candidates(target)
+    specs = candidates(target, [d for d in args.drafts.split(",") if d])
+    sets = [name for name in args.sets.split(",") if name]
     machine = machine_info()
-    results = measure(target, specs, SETS, args.max_tokens, args.prompts, args.dtype,
+    results = measure(target, specs, sets, args.max_tokens, args.prompts, args.dtype,
                       args.repeats)
     machine["load_average_1m_end"] = load_average()
     rows = score(results)
@@ -150,27 +165,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv)
     report = {"format": CHOICE_FORMAT, "version": CHOICE_VERSION, "target": args.target,
               "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "sets": list(SETS),
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "sets": sets,
               "command": command,
               "machine": machine, "mixes": rows, "choice": best}
-    print("mix | " + " | ".join(f"{n} tok/s | {n} x" for n in SETS) + " | score | identical")
-    print("---|" + "---|" * (2 * len(SETS) + 2))
+    print("mix | " + " | ".join(f"{n} tok/s | {n} x" for n in sets) + " | score | identical")
+    print("---|" + "---|" * (2 * len(sets) + 2))
     for row in rows:
         cells = " | ".join(f"{row['tokens_per_s'][n]:.1f} | {row['speedup'][n]:.2f}x"
-                           for n in SETS)
+                           for n in sets)
         print(f"{row['spec']} | {cells} | {row['score']:.3f} | {row['identical_to_plain']}")
     print(f"choice: {best} ({machine.get('cpu', '?')}, {report['threads']} threads)")
     text = json.dumps(report, indent=2) + "\n"
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text, encoding="utf-8")
-    if args.write:
-        if not draft_format.default_draft_fits(target):
-            log.error("the choice is stored beside the default model's draft; %s is "
-                      "another model", args.target)
-            return 2
-        choice_path().write_text(text, encoding="utf-8")
-        log.info("wrote %s", choice_path())
+    if args.write:  # the default model's beside its draft, another's beside its file
+        path = (choice_path() if draft_format.default_draft_fits(target)
+                else choice_path_for(target.name))
+        path.write_text(text, encoding="utf-8")
+        log.info("wrote %s", path)
     return 0
 
 

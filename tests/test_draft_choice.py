@@ -64,3 +64,34 @@ def test_the_choice_breaks_a_tie_by_chat_and_never_takes_a_mix_that_loses() -> N
     wrong = row("feature-draft", 2.0, 2.0, identical=False)
     assert draft_choice.choose([wrong, lookup, plain]) == "ngram"
     assert draft_choice.choose([row("ngram", 0.9, 1.05), plain]) == "none"
+
+
+def test_another_targets_choice_is_measured_with_its_drafts_and_stored_beside_it(
+        tmp_path: Path, tiny_target_dir: Path, tiny_draft_dir: Path) -> None:
+    """A target other than the default model: the mixes are lookup and the drafts named
+    for it, on the sets named, and ``--write`` stores the choice beside the target, where
+    ``--draft auto`` then reads it."""
+    import shutil
+
+    from decoding import factory
+    from runtime.causal_lm import CausalLM
+    from runtime.draft_choice import choice_path_for
+    from runtime.loading import load_target
+
+    target_dir = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target_dir)
+    out = tmp_path / "report.json"
+    assert draft_choice.main(["--target", str(target_dir), "--drafts", str(tiny_draft_dir),
+                              "--sets", "code_chat_tune", "--prompts", "1", "--max-tokens",
+                              "8", "--repeats", "1", "--json", str(out), "--write"]) == 0
+    report = json.loads(out.read_text())
+    assert report["sets"] == ["code_chat_tune"]
+    assert {row["spec"] for row in report["mixes"]} == {
+        "none", "ngram", str(tiny_draft_dir), f"ngram+{tiny_draft_dir}"}
+    stored = choice_path_for(str(target_dir))
+    assert stored == target_dir / "choice.json" and stored.is_file()
+    target = load_target(str(target_dir))
+    assert isinstance(target, CausalLM)
+    spec, reason = factory.auto_choice(target, prefix_cache=False)
+    assert spec == report["choice"] and reason.startswith("chosen by measurement")
+    assert choice_path_for("/models/x.gguf") == Path("/models/x.gguf.choice.json")
