@@ -65,7 +65,7 @@ POLL_S = 1.0
 STOP_TIMEOUT_S = 30.0
 LOG_TAIL_LINES = 20
 # a server's memory beyond its model files (Python and its tables, KV cache, buffers)
-OVERHEAD_BYTES = {"llama-server": 1 << 29, "specserve": 3 << 29}
+OVERHEAD_BYTES = {"llama-server": 1 << 30, "specserve": 3 << 29}
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-mod")
 SERVERS = ("llama-server", *(f"llama-server-{t}" for t in LLAMA_SPEC_TYPES),
            "llama-server-draft", "specserve-none", "specserve", "specserve-draft")
