@@ -1,11 +1,16 @@
-"""Weight-only quantized matrices: int4 in groups along the input, int8 per output channel.
+"""Weight-only quantized matrices: int4 in groups along the input, int8 per output channel,
+and block matrices (4- or 8-bit codes with a scale and minimum per 32 inputs).
 
-Both are called like ``weights.Matrix`` (``m(x)``, ``x`` ``[T, in]`` -> ``[T, out]``) and
-run PyTorch's CPU weight-only kernels with bfloat16 activations (their float32 paths are
-slow fallbacks). The kernels compute each row of a product on its own, at any row count,
-so a token's logits do not depend on what else shares the pass. ``bulk`` (a long
-prompt chunk) dequantizes the matrix to bfloat16 once per call and takes the ordinary
-product, faster from a few hundred tokens on. Method and figures: docs/quantization.md.
+All are called like ``weights.Matrix`` (``m(x)``, ``x`` ``[T, in]`` -> ``[T, out]``). Int4
+and int8 run PyTorch's CPU weight-only kernels with bfloat16 activations (their float32
+paths are slow fallbacks); block matrices the native kernels' products with int8
+activations (a GGUF's Q4_0, Q4_1, Q8_0 and Q5_0 tensors exactly as the file holds them;
+its K-quants are ``runtime.kquants``' matrices, and only its Q5_1 and float tensors are
+widened to bfloat16). The kernels compute each row of a product on its own, at any row
+count, so a token's logits do not depend on what else shares the pass. ``bulk`` (a long
+prompt chunk) dequantizes an int4 or int8 matrix to bfloat16 once per call and takes the
+ordinary product, faster from a few hundred tokens on. Method and figures:
+docs/quantization.md.
 """
 
 from __future__ import annotations

@@ -2,12 +2,17 @@
 few tokens, per precision, the two paths interleaved on the same loaded weights.
 
     python -m specbench.kernels --json bench-results/kernels.json
+    python -m specbench.kernels --target model.gguf --precisions gguf --paths native
 
 Prints a table (median ms a pass at a 300-token context, each pass's ratio to the first
 token count's, how far the two paths' logits are apart, and the pass's two floors at the
 threads in use: reading its weights at the memory bandwidth measured here, and its
 multiply-adds at the MACs a core's cycle of the loaded level gives) and writes JSON.
-``--paths native`` times the native kernels alone. With ``--products``, also each of
+``--paths native`` times the native kernels alone. ``--target`` takes any
+target a server takes (a GGUF file, a model directory; default: the default model); the
+table gives the bytes a one-token step reads (every layer matrix and the head as the
+products hold them; for a GGUF file also the file's own bytes of those tensors) and the
+step against its read floor. With ``--products``, also each of
 the default model's matrix shapes as PyTorch's int4 product against the native block
 product with int8 activations (``runtime.quantized.BlockMatrix``), the same codes,
 interleaved, beside
@@ -84,11 +89,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ghz = args.ghz or clock_ghz()
     bandwidth = measure_bandwidth()  # bytes a second
     rows = []
+    file_bytes = file_matrix_bytes(args.target) if args.target.endswith(".gguf") else None
     for name in args.precisions.split(","):
         dtype, quantize = PRECISIONS[name]
-        target = load_target("default", dtype, quantize=quantize)
+        target = load_target(args.target, dtype, quantize=quantize)
         assert isinstance(target, BatchedLM)
-        read_ms = step_bytes(target) / bandwidth * MS
+        read_bytes = step_bytes(target)
+        read_ms = read_bytes / bandwidth * MS
         per_cycle = (INT8_MACS_PER_CYCLE if name == "gguf" else FLOAT_MACS_PER_CYCLE)[level]
         macs_per_ms = per_cycle * threads * ghz * 1e6 if ghz else None
         first: float | None = None
@@ -109,7 +116,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "native_ms": round(native_ms, 2),
                 "native_min_ms": round(min(times.get("native", times[paths[-1]])), 2),
                 "ratio_to_first": round(native_ms / first, 2),
+                "read_mb": round(read_bytes / 1e6, 1),
+                "file_matrix_mb": None if file_bytes is None else round(file_bytes / 1e6, 1),
                 "read_floor_ms": round(read_ms, 2),
+                "to_floor": round(native_ms / read_ms, 2),
                 "compute_floor_ms": None if macs_per_ms is None
                 else round(step_macs(target) * tokens / macs_per_ms, 2)}
             if len(paths) == 2:
@@ -121,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         del target
-    return {"context": CONTEXT, "threads": threads, "level": level,
+    return {"target": args.target, "context": CONTEXT, "threads": threads, "level": level,
             "ghz": round(ghz, 2) if ghz else None,
             "bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}
 
@@ -134,6 +144,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 INT8_MACS_PER_CYCLE = {"amx": 512, "avx512_vnni": 64, "avx512": 16, "avx2": 16, "default": 1}
 # float32 multiply-adds a core's cycle gives in the dense products, one vector FMA a cycle
 FLOAT_MACS_PER_CYCLE = {"amx": 16, "avx512_vnni": 16, "avx512": 16, "avx2": 8, "default": 1}
+
+
+def file_matrix_bytes(path: str) -> int:
+    """The GGUF file's bytes of the tensors a one-token step reads: every matrix but the
+    input embedding (whose one row a step looks up), the head included."""
+    from pathlib import Path
+
+    from runtime import gguf_file
+
+    tensors = gguf_file.read(Path(path)).tensors
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    return sum(int(t.data.nbytes) for name, t in tensors.items()
+               if len(t.shape) > 1 and (name != "token_embd.weight" or name == head))
 
 
 def clock_ghz() -> float | None:
@@ -205,14 +228,17 @@ def format_table(report: dict[str, Any]) -> str:
         return "-" if row.get(key) is None else f"{row[key]}{suffix}"
 
     lines = ["precision | tokens | torch ms | native ms | native min ms | / first | "
-             "read floor ms | compute floor ms | speed-up | max abs logit diff | same argmax",
-             "---|---|---|---|---|---|---|---|---|---|---"]
+             "MB read | file's MB | read floor ms | / floor | compute floor ms | speed-up | "
+             "max abs logit diff | same argmax",
+             "---|---|---|---|---|---|---|---|---|---|---|---|---|---"]
     lines += [f"{r['precision']} | {r['tokens']} | {cell(r, 'torch_ms')} | {r['native_ms']} | "
-              f"{r['native_min_ms']} | {r['ratio_to_first']}x | {r['read_floor_ms']} | "
+              f"{r['native_min_ms']} | {r['ratio_to_first']}x | {r['read_mb']} | "
+              f"{cell(r, 'file_matrix_mb')} | {r['read_floor_ms']} | {r['to_floor']}x | "
               f"{cell(r, 'compute_floor_ms')} | {cell(r, 'speedup', 'x')} | "
               f"{cell(r, 'max_abs_logit_diff')} | {cell(r, 'same_argmax')}"
               for r in report["rows"]]
-    lines.append(f"context {report['context']} tokens, {report['threads']} threads, "
+    lines.append(f"{report['target']}: context {report['context']} tokens, "
+                 f"{report['threads']} threads, "
                  f"{report['level']}; floors: {report['bandwidth_gb_s']} GB/s read, "
                  f"{report['ghz']} GHz")
     if report.get("products"):
@@ -231,6 +257,8 @@ def format_table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specbench.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="default",
+                        help="the target: a name, a model directory or a GGUF file")
     parser.add_argument("--precisions", default="gguf,bfloat16,float32")
     parser.add_argument("--tokens", default="1,2,5,9", help="tokens a pass adds")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per path")
