@@ -53,6 +53,7 @@ class RequestTelemetry:
     first_token_at: float | None = None
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     drafted: int = 0
     accepted: int = 0
     finish_reasons: list[str] = field(default_factory=list)
@@ -68,6 +69,7 @@ class RequestTelemetry:
         committed = len(event.token_ids)
         if event.round_index == 0 and committed:
             self.prompt_tokens += event.prompt_tokens
+            self.cached_tokens += event.cached_tokens
             m.prompt_tokens.labels(model).inc(event.prompt_tokens)
         if committed:
             if self.first_token_at is None:
@@ -116,7 +118,8 @@ class RequestTelemetry:
         log_request(
             request_id=self.request_id, endpoint=self.endpoint, model=model, status=status,
             error_type=error_type, prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.output_tokens, latency_s=round(latency, 4),
+            cached_tokens=self.cached_tokens, completion_tokens=self.output_tokens,
+            latency_s=round(latency, 4),
             ttft_s=None if self.first_token_at is None else round(
                 self.first_token_at - self.arrived, 4),
             draft_tokens=self.drafted, accepted_tokens=self.accepted,

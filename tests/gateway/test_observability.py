@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
 from decoding.engine import Engine
 from decoding.types import RoundEvent
-from gateway.server import create_app
+from gateway.server import build_engine, create_app
 from observability.metrics import Metrics, start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import RequestSpan, build_tracer_provider
@@ -191,6 +191,27 @@ async def test_one_json_log_line_per_request(tiny_engine: Engine,
     assert line["status"] == 200 and line["completion_tokens"] == 4
     assert line["request_id"].startswith("cmpl-")
     assert "secret words" not in json.dumps(line)
+    assert line["cached_tokens"] == 0  # a prompt never seen before
+
+
+async def test_the_log_line_counts_the_prompt_tokens_from_the_prefix_cache(
+        tiny_target_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    telemetry, _ = _telemetry()
+    settings = tiny_settings(target=str(tiny_target_dir), prefix_block_tokens=16)
+    engine = build_engine(settings)
+    app = create_app(settings, engine=engine, telemetry=telemetry)
+    body = {"model": TINY, "prompt": "the same long prompt, word after word " * 8,
+            "max_tokens": 2}
+    try:
+        with caplog.at_level(logging.INFO, logger="specserve.requests"):
+            async with in_process(app) as client:
+                await client.post("/v1/completions", json=body)
+                again = (await client.post("/v1/completions", json=body)).json()
+    finally:
+        engine.shutdown()
+    records = [r for r in caplog.records if r.name == "specserve.requests"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and records[-1].__dict__["cached_tokens"] == cached
 
 
 def test_metrics_port_serves_a_scrape(tiny_engine: Engine) -> None:
