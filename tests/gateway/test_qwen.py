@@ -54,6 +54,14 @@ def test_fill_in_the_middle(client: openai.OpenAI, qwen_server: ServeProcess) ->
                                     suffix="\n\nprint(add(1, 2))", max_tokens=8,
                                     temperature=0)
     assert out.choices[0].text.startswith("return a + b"), out.choices[0].text
+    # the suffix decides the middle: it returns a name only the middle can define
+    area = client.completions.create(model=QWEN, prompt="def area(radius):\n    ",
+                                     suffix="\n    return result\n", max_tokens=16,
+                                     temperature=0)
+    assert area.choices[0].text.startswith("result ="), area.choices[0].text
+    plain = client.completions.create(model=QWEN, prompt="def area(radius):\n    ",
+                                      max_tokens=4, temperature=0)
+    assert not plain.choices[0].text.lstrip().startswith("result")
     assert "fill-in-the-middle: the Qwen2.5-Coder" in qwen_server.log_text()
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=QWEN, prompt="x", suffix="y", echo=True, max_tokens=1)
