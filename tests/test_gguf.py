@@ -177,7 +177,7 @@ def test_int4_codes_are_the_files(kind: GT) -> None:
 @pytest.mark.parametrize("kinds", [
     {}, {"attn_q": GT.Q4_0, "attn_k": GT.Q4_0, "ffn_up": GT.Q4_0},
     {part: GT.Q8_0 for part in NAMES.values()},
-    {"attn_q": GT.Q4_K, "attn_k": GT.Q4_K, "attn_v": GT.Q6_K, "attn_output": GT.Q4_K,
+    {"attn_q": GT.Q4_K, "attn_k": GT.Q4_K, "attn_v": GT.Q6_K, "attn_output": GT.Q5_K,
      "ffn_gate": GT.Q4_K, "ffn_up": GT.Q4_K, "ffn_down": GT.Q6_K, "embed": GT.Q6_K},
     {"attn_q": GT.Q5_0, "attn_k": GT.Q5_0, "attn_v": GT.Q5_1, "ffn_up": GT.Q5_0,
      "ffn_down": GT.Q5_1},
