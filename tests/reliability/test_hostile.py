@@ -315,8 +315,8 @@ CASES.update({
         tools=[{"type": "function", "name": "f"}])),
     "responses: prompt beyond the limit names input": bad(RESPONSES_PATH, respond(
         input="word " * 600), "context_length_exceeded", "input"),
-    "responses: max_output_tokens beyond the cap names it": bad(RESPONSES_PATH, respond(
-        input="x", max_output_tokens=10**6), "invalid_value", "max_output_tokens"),
+    "responses: max_output_tokens beyond the context names it": bad(RESPONSES_PATH, respond(
+        input="x", max_output_tokens=10**6), "context_length_exceeded", "max_output_tokens"),
     "responses: named tool not offered": bad(RESPONSES_PATH, respond(
         input="x", tools=[{"type": "function", "name": "f"}],
         tool_choice={"type": "function", "name": "g"}), param="tool_choice"),
