@@ -30,6 +30,7 @@ time, and the servers that failed to start, with the end of their log.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -247,21 +248,18 @@ def start(server: Server, logs: Path, timeout_s: float) -> bool:
     return False
 
 
-def stop(server: Server) -> None:
-    """Stop a server this command started (its process group), politely, then not."""
-    process = server.process
-    if process is None or process.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, STOP_TIMEOUT_S)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def stop(*servers: Server) -> None:
+    """Stop servers this command started (each one's process group), all at once: politely,
+    then, for any still up after ``STOP_TIMEOUT_S``, not."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        live = [s.process for s in servers if s.process and s.process.poll() is None]
+        for process in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(0.0, deadline - time.monotonic()))
 
 
 def log_tail(path: Path | None) -> str:
@@ -274,13 +272,10 @@ def log_tail(path: Path | None) -> str:
 @contextmanager
 def running(servers: Sequence[Server], logs: Path, timeout_s: float) -> Iterator[list[Server]]:
     """The servers that started, all up; every one stopped on leaving."""
-    with ExitStack() as stack:
-        up = []
-        for server in servers:
-            stack.callback(stop, server)
-            if start(server, logs, timeout_s):
-                up.append(server)
-        yield up
+    try:
+        yield [server for server in servers if start(server, logs, timeout_s)]
+    finally:
+        stop(*servers)
 
 
 def measure(servers: Sequence[Server], args: argparse.Namespace,
