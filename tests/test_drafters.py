@@ -27,8 +27,19 @@ def test_ngram_proposes_the_continuation_of_the_latest_match() -> None:
     tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 0, 2, 3]
     state = drafter.begin(tokens)
     proposal = drafter.propose(state, DraftContext(tokens, GREEDY, None), 3)
-    assert proposal.tokens == (7, 8, 0)  # latest "2 3" was followed by 7 8 0
+    # the latest "2 3" was followed by 7 8 0; it agrees on its n-gram alone, so it drafts
+    # the shortest run
+    assert proposal.tokens == (7, 8)
     assert proposal.probs is None
+
+
+def test_ngram_drafts_as_far_ahead_as_its_match_agrees_behind() -> None:
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2)
+    copied = list(range(100, 160))
+    for agree in (2, 5, 12, 30):
+        tokens = [*copied, 7, *copied[40 - agree : 40]]  # agrees on `agree` tokens behind
+        proposal = drafter.propose(drafter.begin(tokens), DraftContext(tokens, GREEDY, None), 16)
+        assert proposal.tokens == tuple(copied[40 : 40 + min(agree, 16)])
 
 
 def test_ngram_follows_the_occurrence_that_shares_the_most_context() -> None:
@@ -48,14 +59,14 @@ def test_ngram_follows_the_occurrence_that_shares_the_most_context() -> None:
     latest = NgramDrafter(max_ngram=2, min_ngram=2, context_match=2)  # no context compared
     tokens = [*copied, *elsewhere, 11, 12, 13, 5, 6]
     state = latest.begin(tokens)
-    assert latest.propose(state, DraftContext(tokens, GREEDY, None), 3).tokens == (30, 31, 32)
+    assert latest.propose(state, DraftContext(tokens, GREEDY, None), 3).tokens == (30, 31)
 
 
 def test_ngram_continues_a_repetition_past_the_end() -> None:
     drafter = NgramDrafter(max_ngram=2, min_ngram=2)
     tokens = [9, 1, 2, 3, 1, 2, 3, 1, 2]  # period 3: the latest "1 2" starts 3 back
     proposal = drafter.propose(drafter.begin(tokens), DraftContext(tokens, GREEDY, None), 7)
-    assert proposal.tokens == (3, 1, 2, 3, 1, 2, 3)
+    assert proposal.tokens == (3, 1, 2, 3, 1)  # as far as the repetition agrees behind
 
 
 def test_ngram_prefers_longer_matches_and_never_matches_itself() -> None:
