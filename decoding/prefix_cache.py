@@ -27,7 +27,7 @@ import time
 import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
@@ -96,9 +96,11 @@ class CacheStats:
 class InProcessStore:
     """An LRU dictionary bounded in bytes, with an optional time to live."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, ttl_s: float | None = None) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, ttl_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self._clock = clock
         self.stats = CacheStats()
         self._items: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
         self._bytes = 0
@@ -109,7 +111,7 @@ class InProcessStore:
         return self._bytes
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        now = time.monotonic()
+        now = self._clock()
         out: list[bytes | None] = []
         with self._lock:
             for key in keys:
@@ -123,7 +125,7 @@ class InProcessStore:
         return out
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             for key, value in items:
                 if len(value) > self.max_bytes:

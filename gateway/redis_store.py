@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -70,6 +70,7 @@ class RedisStore:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         circuit_open_s: float = CIRCUIT_OPEN_S,
         min_rate: float = DEFAULT_MIN_RATE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         try:
             import redis
@@ -91,6 +92,7 @@ class RedisStore:
         self.timeout_s = timeout_s
         self.min_rate = min_rate
         self.circuit_open_s = circuit_open_s
+        self._clock = clock  # the circuit's time (a test may drive it)
         self.stats = CacheStats()
         self._open_until = 0.0
         self._lock = threading.Lock()
@@ -232,11 +234,11 @@ class RedisStore:
         return self.check()
 
     def _circuit_open(self) -> bool:
-        return time.monotonic() < self._open_until
+        return self._clock() < self._open_until
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.stats.add(errors=1)
         with self._lock:
-            self._open_until = time.monotonic() + self.circuit_open_s
+            self._open_until = self._clock() + self.circuit_open_s
         log.warning("redis %s failed (%s); treating as a miss for %.1fs", op,
                     type(exc).__name__, self.circuit_open_s)

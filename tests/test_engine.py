@@ -19,6 +19,7 @@ from decoding.sequence import ContextOverflowError
 from decoding.types import FinishReason, GenerationRequest, SamplingParams, SpeculationParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
+from tests.clocks import TickingClock
 
 # a request that never ends must fail the test, not hang the suite
 pytestmark = pytest.mark.timeout(240)
@@ -133,21 +134,6 @@ def test_unknown_drafter_and_overflow_are_refused(engine: Engine, tiny_target: C
                                  max_new_tokens=1)
     with pytest.raises(ContextOverflowError):
         engine.submit(too_long)
-
-
-class TickingClock:
-    """A clock that moves ``tick`` seconds each time it is read: request deadlines pass
-    after a fixed number of engine iterations, however fast the machine decodes."""
-
-    def __init__(self, tick: float) -> None:
-        self.tick = tick
-        self.now = 0.0
-        self.lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self.lock:
-            self.now += self.tick
-            return self.now
 
 
 def test_timeout_stops_the_work(tiny_target: CausalLM) -> None:

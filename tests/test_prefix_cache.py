@@ -5,11 +5,11 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from decoding.drafters.base import DraftContext
 from decoding.drafters.continuation import ContinuationDrafter
@@ -17,9 +17,11 @@ from decoding.prefix_cache import CONTEXT_TOKENS, InProcessStore, PrefixCache, P
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
-from gateway.redis_store import RedisStore
+from gateway.redis_store import KEY_PREFIX, RedisStore
 from runtime.causal_lm import CausalLM
+from tests.clocks import ManualClock
 from tests.conftest import RedisServer
+from tests.gateway.conftest import wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16
@@ -57,11 +59,14 @@ def test_in_process_lru_respects_its_byte_bound() -> None:
 
 
 def test_in_process_ttl_expires() -> None:
-    store = InProcessStore(ttl_s=0.05)
+    clock = ManualClock()
+    store = InProcessStore(ttl_s=5.0, clock=clock)
     store.put_many([(b"k", b"v")])
-    assert store.get_many([b"k"]) == [b"v"]
-    time.sleep(0.1)
+    clock.advance(5.0)
+    assert store.get_many([b"k"]) == [b"v"]  # at its time to live, not past it
+    clock.advance(0.5)
     assert store.get_many([b"k"]) == [None]
+    assert store.size_bytes == 0
 
 
 def test_block_keys_chain_on_the_whole_prefix() -> None:
@@ -166,13 +171,26 @@ def test_redis_shared_by_two_instances(tiny_target: CausalLM, redis_url: str) ->
     assert replica_b.stats.hits == 1 and replica_b.stats.errors == 0
 
 
+def test_redis_blocks_carry_the_time_to_live(tiny_target: CausalLM, redis_url: str) -> None:
+    cache = PrefixCache(RedisStore(redis_url, ttl_s=600), f"ttl-{uuid.uuid4().hex}", BLOCK)
+    prompt = _ids(tiny_target, PASSAGE * 2)
+    _run(tiny_target, prompt, cache, n=2)
+    assert cache.store.flush()
+    assert _run(tiny_target, prompt, cache, n=2)[0].cached_tokens > 0
+    client = redis.Redis.from_url(redis_url)
+    ttls = [client.pttl(KEY_PREFIX + key) for key in cache.block_keys(prompt[:-1])]
+    assert ttls and all(0 < ttl <= 600_000 for ttl in ttls), ttls
+
+
 def test_redis_ttl_expires(tiny_target: CausalLM, redis_url: str) -> None:
     cache = PrefixCache(RedisStore(redis_url, ttl_s=1), f"ttl-{uuid.uuid4().hex}", BLOCK)
     prompt = _ids(tiny_target, PASSAGE * 2)
     _run(tiny_target, prompt, cache, n=2)
     assert cache.store.flush()
-    assert _run(tiny_target, prompt, cache, n=2)[0].cached_tokens > 0
-    time.sleep(2.1)
+    keys = [KEY_PREFIX + key for key in cache.block_keys(prompt[:-1])]
+    client = redis.Redis.from_url(redis_url)
+    # Redis's own clock expires the blocks; the ceiling is there only for a hang
+    assert wait_until(lambda: client.exists(*keys) == 0, timeout=60)
     assert _run(tiny_target, prompt, cache, n=2)[0].cached_tokens == 0
 
 
@@ -199,7 +217,8 @@ def test_redis_eviction_under_its_memory_cap(tiny_target: CausalLM) -> None:
 
 
 def test_redis_killed_and_restarted(tiny_target: CausalLM, redis_server: RedisServer) -> None:
-    store = RedisStore(redis_server.url, circuit_open_s=0.2)
+    clock = ManualClock()  # the circuit's time: open until the test moves it on
+    store = RedisStore(redis_server.url, circuit_open_s=0.2, clock=clock)
     cache = PrefixCache(store, f"fault-{uuid.uuid4().hex}", BLOCK)
     prompt = _ids(tiny_target, PASSAGE * 2)
     expected = _tokens(_run(tiny_target, prompt, None))
@@ -210,7 +229,7 @@ def test_redis_killed_and_restarted(tiny_target: CausalLM, redis_server: RedisSe
         assert _tokens(_run(tiny_target, prompt, cache)) == expected
     assert store.stats.errors >= 1
     redis_server.start()  # same port, empty
-    time.sleep(0.3)
+    clock.advance(0.3)  # the circuit closes
     assert _tokens(_run(tiny_target, prompt, cache)) == expected  # miss, then stored again
     assert store.flush()
     assert _run(tiny_target, prompt, cache)[0].cached_tokens > 0, "reconnected by itself"
@@ -244,13 +263,13 @@ def silent_server() -> Iterator[str]:
 
 
 def test_redis_that_never_answers(tiny_target: CausalLM, silent_server: str) -> None:
-    store = RedisStore(silent_server, timeout_s=0.05, circuit_open_s=10)
+    # the circuit's clock stands still: once open, it stays open however slow the runs
+    store = RedisStore(silent_server, timeout_s=0.05, circuit_open_s=10, clock=ManualClock())
     cache = PrefixCache(store, "silent", BLOCK)
     prompt = _ids(tiny_target, PASSAGE * 2)
     expected = _tokens(_run(tiny_target, prompt, None))
     for _ in range(3):
         assert _tokens(_run(tiny_target, prompt, cache)) == expected
-    start = time.monotonic()
     assert store.get_many(cache.block_keys(prompt)) == [None] * len(cache.block_keys(prompt))
-    assert time.monotonic() - start < 0.04, "the open circuit answers without waiting"
+    # a read that went to Redis would have timed out again and counted a second error
     assert store.stats.errors == 1, "one timeout, then the circuit skips Redis"

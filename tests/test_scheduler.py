@@ -13,17 +13,8 @@ from decoding.scheduler import Drafting, Scheduler
 from decoding.streams import RequestStream
 from decoding.types import GenerationRequest
 from tests.batching import _cost, _policy
+from tests.clocks import ManualClock
 from tests.test_kv_budget import SizedTarget
-
-
-class Clock:
-    """A clock that moves only when told."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _stream(prompt: int, max_new_tokens: int, *, at: float = 0.0,
@@ -39,7 +30,7 @@ def _scheduler(max_bytes: int | None = None, max_active: int = 16, *,
                clock: Callable[[], float] | None = None) -> Scheduler:
     """A scheduler over a target whose KV takes 10 bytes per row and position."""
     return Scheduler(KvBudget(SizedTarget(), max_bytes), max_active, batch_planning, batched,
-                     clock or Clock())
+                     clock or ManualClock())
 
 
 # -- admission -----------------------------------------------------------------------
@@ -91,7 +82,7 @@ def test_a_cancelled_request_joins_to_be_dropped_and_takes_no_room() -> None:
 
 
 def test_a_request_waits_past_its_deadline_on_the_scheduler_clock() -> None:
-    clock = Clock()
+    clock = ManualClock()
     scheduler = _scheduler(clock=clock)
     patient = _stream(3, 3, at=0.0)  # no deadline
     short = _stream(3, 3, at=1.0, timeout_s=2.0)  # ends at 3.0
