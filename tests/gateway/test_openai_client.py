@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -12,9 +11,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from decoding.engine import Engine
 from gateway.server import create_app
+from observability.telemetry import Telemetry
 from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import (
     CHAT,
@@ -22,6 +24,7 @@ from tests.gateway.conftest import (
     live_server,
     openai_client,
     tiny_settings,
+    wait_until,
 )
 from tests.gateway.test_inprocess import FailingDrafter
 
@@ -255,25 +258,43 @@ def test_error_after_stream_began_is_an_api_error(tiny_target: CausalLM) -> None
         engine.shutdown()
 
 
-def test_concurrent_streams_all_progress(client: openai.OpenAI, tiny_engine: Engine) -> None:
-    arrivals: dict[int, list[float]] = {}
+def test_concurrent_streams_all_progress(tiny_target: CausalLM) -> None:
+    """Four streams that wait together are decoded together: their rounds share forward
+    passes (the batch size the metrics export), and every stream gets its chunks."""
+    engine = Engine(tiny_target)  # held: the four requests wait in its queue until started
+    telemetry = Telemetry(TINY)
+    app = create_app(tiny_settings(), engine=engine, telemetry=telemetry)
+    chunks: dict[int, list[str]] = {}
+    try:
+        with live_server(app) as url:
+            client = openai_client(url)
 
-    def run(i: int) -> None:
-        times = arrivals.setdefault(i, [])
-        for _ in client.completions.create(model=TINY, prompt=f"Stream number {i}",
-                                           max_tokens=16, temperature=0, stream=True):
-            times.append(time.monotonic())
+            def run(i: int) -> None:
+                for chunk in client.completions.create(
+                        model=TINY, prompt=f"Stream number {i}", max_tokens=16,
+                        temperature=0, stream=True):
+                    chunks.setdefault(i, []).append(chunk.choices[0].text if chunk.choices
+                                                    else "")
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert all(len(arrivals[i]) >= 2 for i in range(4))
-    # Every stream had output before any stream was done: they advanced together.
-    assert max(times[0] for times in arrivals.values()) < min(
-        times[-1] for times in arrivals.values())
-    assert tiny_engine.num_running == 0
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            assert wait_until(lambda: engine.num_waiting == 4, timeout=60)
+            engine.start()
+            for t in threads:
+                t.join(timeout=120)
+    finally:
+        engine.shutdown()
+    assert sorted(chunks) == [0, 1, 2, 3] and all(len(c) >= 2 for c in chunks.values())
+    samples = {s.name + repr(sorted(s.labels.items())): s.value
+               for family in text_string_to_metric_families(
+                   generate_latest(telemetry.metrics.registry).decode())
+               for s in family.samples if s.name.startswith("specserve_batch_size")}
+    model = [("model", TINY)]
+    in_fours = (samples["specserve_batch_size_bucket" + repr(sorted([*model, ("le", "4.0")]))]
+                - samples["specserve_batch_size_bucket" + repr(sorted([*model, ("le", "2.0")]))])
+    assert in_fours >= 4, samples  # a round of each stream verified beside the other three
+    assert engine.num_running == 0
 
 
 @pytest.fixture

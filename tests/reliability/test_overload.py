@@ -38,7 +38,6 @@ MAX_QUEUE, MAX_ACTIVE = 4, 2
 BURST = 4 * MAX_QUEUE
 NEW_TOKENS = 48
 PROMPT = "List the colours of the rainbow, one per line:"
-REFUSAL_WITHIN_S = 2.0  # a 429 must not wait for the model (the CPU is shared)
 RSS_SLACK = 48 * MIB  # allocator noise around the settled baseline
 
 
@@ -46,6 +45,7 @@ RSS_SLACK = 48 * MIB  # allocator noise around the settled baseline
 class Outcome:
     status: int
     seconds: float
+    ended: float  # time.monotonic() when the whole response was in
     text: str | None = None  # the completion, when admitted
     retry_after: str | None = None
 
@@ -57,19 +57,20 @@ def one_request(url: str, stream: bool, start: threading.Barrier) -> Outcome:
         start.wait()
         began = time.monotonic()
         response = http.post(f"{url}/v1/completions", json=payload)
-        seconds = time.monotonic() - began
+        ended = time.monotonic()
+    seconds = ended - began
     if response.status_code == 429:
         assert_openai_error(response, 429, "queue_full")
-        return Outcome(429, seconds, retry_after=response.headers.get("retry-after"))
+        return Outcome(429, seconds, ended, retry_after=response.headers.get("retry-after"))
     assert response.status_code == 200, response.text[:300]
     if stream:
         events = sse_data(response.text)
         assert events[-1] == "[DONE]", events[-2:]
-        return Outcome(200, seconds, stream_text(events)[0])
+        return Outcome(200, seconds, ended, stream_text(events)[0])
     body = response.json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == NEW_TOKENS
-    return Outcome(200, seconds, body["choices"][0]["text"])
+    return Outcome(200, seconds, ended, body["choices"][0]["text"])
 
 
 def burst(url: str, size: int) -> list[Outcome]:
@@ -95,8 +96,11 @@ def check_burst(outcomes: list[Outcome], expected: str) -> tuple[int, int]:
     assert len(refused) >= len(outcomes) // 2, f"only {len(refused)} of {len(outcomes)} refused"
     assert all(o.text == expected for o in admitted), "an admitted request came out wrong"
     assert all(o.retry_after is not None and int(o.retry_after) >= 1 for o in refused)
-    slowest = max(o.seconds for o in refused)
-    assert slowest < REFUSAL_WITHIN_S, f"a 429 took {slowest:.2f} s"
+    # a 429 does not wait for the model: every refusal was in before the first answer,
+    # which needed NEW_TOKENS rounds of the model (an order, not a time: the CPU is shared)
+    first_answer = min(o.ended for o in admitted)
+    late = [round(o.ended - first_answer, 3) for o in refused if o.ended >= first_answer]
+    assert not late, f"{len(late)} refusals came after the first answer: {late} s after"
     return len(admitted), len(refused)
 
 
