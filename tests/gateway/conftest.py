@@ -15,6 +15,8 @@ import openai
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
@@ -22,6 +24,7 @@ from decoding.drafters.ngram import NgramDrafter
 from decoding.engine import Engine
 from gateway.server import create_app
 from gateway.settings import Settings
+from observability.metrics import Metrics
 from runtime.causal_lm import CausalLM
 
 TINY = "tiny"
@@ -111,3 +114,12 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def metric_total(metrics: Metrics, name: str, **labels: str) -> float:
+    """A sample of ``metrics`` (e.g. ``specserve_batch_size_bucket``) summed over the
+    label sets that match ``labels``."""
+    text = generate_latest(metrics.registry).decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
