@@ -19,6 +19,7 @@ from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
 from gateway.redis_store import RedisStore
 from runtime.causal_lm import CausalLM
+from tests.clocks import ManualClock
 from tests.conftest import RedisServer
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -33,9 +34,10 @@ class ThrottledProxy:
     ``pause_s`` seconds (a slow link): faults a healthy Redis cannot be made to show."""
 
     def __init__(self, upstream_port: int, budget: int | None = None, chunk: int = 1 << 16,
-                 pause_s: float = 0.0) -> None:
+                 pause_s: float = 0.0, clock: ManualClock | None = None) -> None:
         self.upstream_port, self.budget, self.chunk, self.pause_s = (
             upstream_port, budget, chunk, pause_s)
+        self.clock = clock  # given, a pause moves this clock on instead of sleeping
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.1)
         self.sockets: list[socket.socket] = []
@@ -72,7 +74,10 @@ class ThrottledProxy:
                     sent += len(data)
                 elif budget is not None:
                     self.stop.wait()  # hold the connection open, send nothing more
-                time.sleep(self.pause_s)
+                if self.clock is not None:
+                    self.clock.advance(self.pause_s)
+                else:
+                    time.sleep(self.pause_s)
         except OSError:
             return
 
@@ -87,7 +92,7 @@ def proxy_factory(redis_server: RedisServer) -> Iterator[type[ThrottledProxy]]:
     made: list[ThrottledProxy] = []
 
     class Made(ThrottledProxy):
-        def __init__(self, **kwargs: float | int | None) -> None:
+        def __init__(self, **kwargs: float | int | ManualClock | None) -> None:
             super().__init__(redis_server.port, **kwargs)  # type: ignore[arg-type]
             made.append(self)
 
@@ -124,7 +129,7 @@ def test_a_read_that_stalls_part_way_keeps_the_blocks_it_read(
         proxy_factory: type[ThrottledProxy]) -> None:
     namespace, prompt, block = _filled(tiny_target, redis_server)
     proxy = proxy_factory(budget=int(2.5 * block) + 256)  # 2 whole blocks, then silence
-    store = RedisStore(proxy.url, timeout_s=0.5)  # the relay may wait for a core
+    store = RedisStore(proxy.url, timeout_s=2.0)  # the relay may wait for a core
     cache = PrefixCache(store, namespace, block_tokens=BLOCK)
     expected = _tokens(_run(tiny_target, prompt, None))
     for _ in range(2):  # the circuit stays closed: the second read goes to Redis again
@@ -139,14 +144,18 @@ def test_a_read_slower_than_the_minimum_rate_is_cut_at_a_block(
         tiny_target: CausalLM, redis_server: RedisServer,
         proxy_factory: type[ThrottledProxy]) -> None:
     namespace, prompt, block = _filled(tiny_target, redis_server)
-    proxy = proxy_factory(chunk=block // 8, pause_s=0.05)  # ~0.4 s a block, never stalled
-    store = RedisStore(proxy.url, timeout_s=0.5, min_rate=block)  # 1 s per block of budget
+    # the link's slowness is on the store's clock: each chunk relayed moves it 0.25 s on
+    # (2 s a block), however fast or busy the machine really is
+    clock = ManualClock()
+    proxy = proxy_factory(chunk=block // 8, pause_s=0.25, clock=clock)
+    store = RedisStore(proxy.url, timeout_s=2.0, min_rate=block / 16, clock=clock)
     cache = PrefixCache(store, namespace, block_tokens=BLOCK)
     keys = cache.block_keys(prompt[:-1])
     assert len(keys) >= 4
-    # the budget grows with the bytes: 0.5 s + 1 s a block covers every block
+    # the budget grows with the bytes: 2 s + 16 s a block covers every block, and the
+    # replies the relay sends ahead of the reads (up to five blocks in flight)
     assert all(v is not None for v in store.get_many(keys))
-    store.min_rate = 100 * block  # now 0.5 s + 10 ms a block: cut after a block or two
+    store.min_rate = 100 * block  # now 2 s + 10 ms a block: cut after a block or two
     events = _run(tiny_target, prompt, cache)
     assert 0 < events[0].cached_tokens < len(keys) * BLOCK
     assert _tokens(events) == _tokens(_run(tiny_target, prompt, None))
