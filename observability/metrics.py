@@ -6,7 +6,11 @@ status, finish_reason, drafter, phase, position, type, kind, tool_choice).
 Speculation is counted, never pre-averaged, so that PromQL derives the rates:
 
     acceptance rate         = rate(specserve_spec_decode_num_accepted_tokens_total[5m])
-                              / rate(specserve_spec_decode_num_draft_tokens_total[5m])
+                              / (rate(specserve_spec_decode_num_accepted_tokens_total[5m])
+                                 + rate(specserve_spec_decode_num_rejected_tokens_total[5m]))
+    (accepted over accepted plus rejected, not over drafted: ``rate`` extrapolates each
+    series on its own, so two counters' rates need not keep their order, while a/(a+r)
+    of two non-negative rates stays a share in [0, 1])
     mean acceptance length  = 1 + rate(specserve_spec_decode_num_accepted_tokens_total[5m])
                                   / rate(specserve_spec_decode_num_drafts_total[5m])
     (the 1 is the recovered or bonus token every verified round adds)
@@ -96,6 +100,9 @@ class Metrics:
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens",
                                        "Draft tokens accepted by verification.",
                                        ("model", "drafter"))
+        self.rejected_tokens = counter("spec_decode_num_rejected_tokens",
+                                       "Draft tokens verification turned down (drafted minus "
+                                       "accepted).", ("model", "drafter"))
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft (0-based).",
                                         ("model", "drafter", "position"))
@@ -160,6 +167,7 @@ class Metrics:
             self.drafts.labels(model, drafter).inc()
             self.draft_tokens.labels(model, drafter).inc(drafted)
             self.accepted_tokens.labels(model, drafter).inc(accepted)
+            self.rejected_tokens.labels(model, drafter).inc(drafted - accepted)
             for position in range(min(accepted, POSITION_LABELS)):
                 self.accepted_per_pos.labels(model, drafter, str(position)).inc()
             self.round_duration.labels(model, drafter, "draft").observe(draft_s)

@@ -70,6 +70,48 @@ def test_promtool_unit_tests_of_the_alerts(tmp_path: Path) -> None:
     assert tested == {r["alert"] for r in load_alerts()}
 
 
+def test_the_acceptance_panel_stays_a_share_on_torn_scrapes(tmp_path: Path) -> None:
+    """A scrape may read a round's draft count before its accepted count (the model thread
+    adds them while the scrape reads), and ``rate`` extrapolates each series on its own:
+    accepted over drafted then reads above 1. The panel divides accepted by accepted plus
+    rejected, two non-negative rates, which stays a share. Two drafters, evaluated by
+    promtool: one accepts every token, one half, each with the 2 m scrape torn (its
+    accepted and rejected counts one round behind its draft count)."""
+    promtool = require_program("promtool", "prometheus")
+    by_title = {(t.panel, t.ref): t for t in targets(load_dashboard())}
+    expr = substitute(by_title[("Acceptance rate by drafter", "A")].expr,
+                      {"job": JOB, "model": "m"}, 180)
+    assert "rejected" in expr
+    drafted_form = " / ".join(
+        f'sum by (drafter) (rate(specserve_spec_decode_num_{kind}_tokens_total'
+        f'{{job=~"{JOB}", model=~"m"}}[180s]))' for kind in ("accepted", "draft"))
+    series = {  # one sample a minute from 0 m; the 2 m scrape is torn
+        ("all", "draft"): "0 10 20 30 40", ("all", "accepted"): "0 10 10 30 40",
+        ("all", "rejected"): "0 0 0 0 0",
+        ("half", "draft"): "0 10 20 30 40", ("half", "accepted"): "0 5 5 15 20",
+        ("half", "rejected"): "0 5 5 15 20"}
+    unit = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": f'specserve_spec_decode_num_{kind}_tokens_total'
+                       f'{{job="{JOB}",model="m",drafter="{drafter}"}}', "values": values}
+            for (drafter, kind), values in series.items()],
+        # the window (1.5 m, 4.5 m] starts at the torn scrape, where accepted over drafted
+        # reads 30/20 and 15/20 (the second check: these series do show the fault)
+        "promql_expr_test": [
+            {"expr": expr, "eval_time": "4m30s", "exp_samples": [
+                {"labels": '{drafter="all"}', "value": 1.0},
+                {"labels": '{drafter="half"}', "value": 0.5}]},
+            {"expr": drafted_form, "eval_time": "4m30s", "exp_samples": [
+                {"labels": '{drafter="all"}', "value": 1.5},
+                {"labels": '{drafter="half"}', "value": 0.75}]}]}]}
+    tests = tmp_path / "panel-test.yaml"
+    tests.write_text(yaml.safe_dump(unit))
+    result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_every_rule_has_a_wait_a_severity_and_words() -> None:
     for rule in load_alerts():
         assert re.fullmatch(r"Specserve[A-Za-z]+", rule["alert"]), rule["alert"]

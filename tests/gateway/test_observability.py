@@ -83,6 +83,7 @@ async def test_metrics_agree_with_what_the_client_received(tiny_engine: Engine) 
     accepted = _total(s, "specserve_spec_decode_num_accepted_tokens_total")
     per_pos = _total(s, "specserve_spec_decode_num_accepted_tokens_per_pos_total")
     assert 0 < accepted <= drafted
+    assert _total(s, "specserve_spec_decode_num_rejected_tokens_total") == drafted - accepted
     assert per_pos == accepted
     assert _total(s, "specserve_spec_decode_num_drafts_total") > 0
     assert _total(s, "specserve_requests_total", endpoint="/v1/chat/completions",
@@ -99,21 +100,34 @@ async def test_metrics_agree_with_what_the_client_received(tiny_engine: Engine) 
         assert "request_id" not in dict(labels)
 
 
-async def test_concurrent_requests_share_forward_passes(tiny_engine: Engine) -> None:
+async def test_concurrent_requests_share_forward_passes(tiny_target: CausalLM) -> None:
     """Rounds of concurrent requests are verified together, and the batch size each
-    round ran in is exported."""
+    round ran in is exported. The engine is held until all four wait in its queue, so
+    that they start together however busy the machine is."""
     telemetry, _ = _telemetry()
-    app = create_app(tiny_settings(), engine=tiny_engine, telemetry=telemetry)
-    async with in_process(app) as client:
-        body = {"model": TINY, "messages": REPEAT, "max_tokens": 24, "temperature": 0,
-                "speculation": {"enabled": False}}
-        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
-                                           for _ in range(4)))
+    engine = Engine(tiny_target)
+    app = create_app(tiny_settings(), engine=engine, telemetry=telemetry)
+    try:
+        async with in_process(app) as client:
+            body = {"model": TINY, "messages": REPEAT, "max_tokens": 24, "temperature": 0,
+                    "speculation": {"enabled": False}}
+            posts = [asyncio.create_task(client.post("/v1/chat/completions", json=body))
+                     for _ in range(4)]
+            deadline = time.monotonic() + 60  # a ceiling only a hang reaches
+            while engine.num_waiting < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            engine.start()
+            responses = await asyncio.gather(*posts)
+    finally:
+        engine.shutdown()
     assert all(r.status_code == 200 for r in responses)
     s = _samples(telemetry.metrics)
     rounds = _total(s, "specserve_batch_size_count")
     assert rounds == 4 * 23  # every round after the first token
-    assert _total(s, "specserve_batch_size_sum") > rounds  # some ran with other requests
+    # the first rounds ran four at once: each request's first is in the (2, 4] bucket
+    in_fours = (_total(s, "specserve_batch_size_bucket", le="4.0")
+                - _total(s, "specserve_batch_size_bucket", le="2.0"))
+    assert in_fours >= 4, in_fours
 
 
 async def test_one_span_per_request_and_one_child_per_round(tiny_engine: Engine) -> None:
