@@ -141,7 +141,7 @@ def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) ->
 def test_argmax_rows_is_torch_s_argmax(native: Any, dtype: torch.dtype) -> None:
     """The first of the largest of each row, as torch's argmax of the widened rows: ties
     (the first wins, -0.0 ties 0.0), a NaN (the first NaN wins, before or after the
-    largest), rows of -inf (all but the masked), rows of every width around the vectors'."""
+    largest, in the vectors or in the scalar tail), rows of -inf (all but the masked), rows of every width around the vectors'."""
     g = torch.Generator().manual_seed(1)
     rows = [torch.randn(width, generator=g) for width in (1, 7, 8, 15, 16, 17, 33, 49152)]
     tied = torch.randn(100, generator=g)
@@ -154,7 +154,11 @@ def test_argmax_rows_is_torch_s_argmax(native: Any, dtype: torch.dtype) -> None:
     late, early = torch.randn(64, generator=g), torch.randn(64, generator=g)
     late[60], early[2] = float("nan"), float("nan")
     early[40] = float("inf")
-    rows += [signed - 1, masked, late, early]
+    # a NaN in a row's scalar tail, past the last whole vector of any level (and a row
+    # that is all tail): the tail loop alone must see it
+    tail, short = torch.randn(71, generator=g), torch.randn(5, generator=g)
+    tail[68], short[3] = float("nan"), float("nan")
+    rows += [signed - 1, masked, late, early, tail, short]
     for row in rows:
         x = row.to(dtype)[None].repeat(2, 1)
         x[1] = x[1].flip(0)

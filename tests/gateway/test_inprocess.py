@@ -20,6 +20,7 @@ from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest
 from gateway.server import build_engine, create_app
 from gateway.settings import Settings, add_settings_flags, settings_from_args
+from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 
@@ -53,6 +54,39 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     if code is not None:
         assert error["code"] == code
     return dict(error)
+
+
+async def test_the_models_stop_strings_reach_chat_requests(
+        client: httpx.AsyncClient, tiny_target_dir: Path, tmp_path: Path) -> None:
+    """A model whose generation_config.json names stop strings (as Gemma's names
+    ``\nUser:``) ends chat answers at them, through the gateway's own limits; a
+    completion, which has no chat template, runs past them."""
+    body = {"model": TINY, "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    text = (await client.post("/v1/chat/completions", json=body)).json()[
+        "choices"][0]["message"]["content"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert len(text) >= 8 and stop.strip(), text
+    model = tmp_path / "with-stops"  # the tiny model, its generation_config.json rewritten
+    model.mkdir()
+    for file in tiny_target_dir.iterdir():
+        (model / file.name).symlink_to(file)
+    (model / "generation_config.json").unlink(missing_ok=True)
+    (model / "generation_config.json").write_text(json.dumps({"stop_strings": [stop]}))
+    engine = Engine(BatchedLM.load(str(model), dtype="float32"), {})
+    engine.start()
+    try:
+        async with in_process(create_app(tiny_settings(), engine=engine)) as stopping:
+            r = await stopping.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["message"]["content"] == text[:text.index(stop)]
+            assert choice["finish_reason"] == "stop"
+            ids = encode_chat(engine.target.tokenizer, CHAT)  # the same prompt, as ids
+            plain = await stopping.post("/v1/completions", json={
+                "model": TINY, "prompt": ids, "max_tokens": 24, "temperature": 0})
+            assert plain.json()["choices"][0]["text"] == text, plain.text
+    finally:
+        engine.shutdown()
 
 
 async def test_chat_completion(client: httpx.AsyncClient, tiny_target: CausalLM) -> None:

@@ -78,6 +78,16 @@ async def test_detokenize_is_the_echoed_text(client: httpx.AsyncClient,
     assert as_floats.json() == {"prompt": TEXT}  # JSON Schema's integers include 5.0
 
 
+async def test_the_vocabulary_ends_where_the_model_says(client: httpx.AsyncClient,
+                                                     tiny_target: CausalLM) -> None:
+    """The last id decodes; the first id past it is a 400 naming it, not an empty text."""
+    last = tiny_target.vocab_size - 1
+    assert (await client.post("/detokenize", json={"tokens": [last]})).status_code == 200
+    past = await client.post("/detokenize", json={"tokens": [tiny_target.vocab_size, 1]})
+    assert_error(past, 400, "tokens[0]")
+    assert str(tiny_target.vocab_size) in past.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
