@@ -393,4 +393,4 @@ def test_still_serving_after_everything(hostile_url: str, tiny_engine: Engine) -
     events = sse_data(streamed.text)
     assert events[-1] == "[DONE]" and len(events) >= 2
     # the engine frees the slot just after the last event is handed over
-    assert wait_for(lambda: tiny_engine.num_running + tiny_engine.num_waiting == 0, timeout=5)
+    assert wait_for(lambda: tiny_engine.num_running + tiny_engine.num_waiting == 0, timeout=60)
