@@ -8,7 +8,7 @@ TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 IMAGE_ARGS ?=
 
-.PHONY: install kernels model model-gemma run test lint typecheck pytest test-long bench bench-load bench-http reliability clean \
+.PHONY: install kernels model model-gemma run test test-stress lint typecheck pytest test-long bench bench-load bench-http reliability clean \
 	deploy-tools system-deps node-deps screenshot dashboard-picture soak \
 	image image-gpu
 
@@ -70,8 +70,13 @@ $(CODEX_STAMP): $(CODEX_DIR)/package.json $(CODEX_DIR)/package-lock.json | syste
 
 node-deps: $(NODE_STAMP) $(CODEX_STAMP)
 
+# the slowest 20 tests close the output (what the suite's time goes to)
 pytest: model model-gemma system-deps kernels deploy-tools node-deps
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest --durations=20 $(PYTEST_ARGS)
+
+# the suite with two busy-loop processes beside it, as a loaded CI machine runs it
+test-stress: model model-gemma system-deps kernels deploy-tools node-deps
+	$(PY) -m tests.busy --loops 2 -- $(BIN)/pytest --durations=20 $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

@@ -65,7 +65,7 @@ from runtime import model_store
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.loading import load_target, target_precision
-from runtime.memory import release_freed_memory
+from runtime.memory import MMAP_THRESHOLD_BYTES, map_large_allocations, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +333,9 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: Settings, draft_loader: DraftLoader = torch_draft_loader) -> int:
+    if map_large_allocations():
+        log.info("C allocations of %d KiB or more are mapped apart (returned when freed)",
+                 MMAP_THRESHOLD_BYTES >> 10)
     server_box: list[DrainingServer] = []
     try:
         app = create_app(settings, on_fatal=lambda exc: server_box[0].fail(exc),

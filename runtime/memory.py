@@ -7,7 +7,8 @@ temporaries are gone. A server also lets go of the plain copies of matrices that
 packed (``release_plain_weights``), and of an input embedding whose rows a tied head's
 native packing (``read_embedding_from_head``) or the weights file
 (``read_embedding_from_file``) holds. A ``runtime.batched.BatchedLM`` calls these over
-its ``runtime.stack.Stack``."""
+its ``runtime.stack.Stack``. A server maps its large allocations apart
+(``map_large_allocations``), so that what a burst of requests freed leaves its RSS."""
 
 from __future__ import annotations
 
@@ -39,6 +40,27 @@ def release_freed_memory() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# a C allocation this large or larger gets a mapping of its own, unmapped when freed
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def map_large_allocations(size: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Give every C allocation of ``size`` bytes or more a mapping of its own, handed back
+    to the system when freed. glibc's own threshold starts at 128 KiB and rises to the
+    largest mapped block freed (up to 32 MiB); past that, a batched round's logits (tens
+    of MiB) come from the heap, whose freed pages stay resident: a server's RSS rose in
+    steps of 20-40 MiB over crowds of clients and never came back down (docs/
+    reliability.md). A fixed threshold also stops the rise. ``MALLOC_MMAP_THRESHOLD_``
+    in the environment (the operator's choice) wins. Returns whether it was set here."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, size))
+    except (OSError, AttributeError):  # not glibc: its allocator's own policy stands
+        return False
 
 
 def release_plain_weights(stack: Stack) -> int:

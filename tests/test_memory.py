@@ -5,8 +5,11 @@ looked up. Each keeps every logit bitwise."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +128,46 @@ def test_a_float32_target_and_its_bfloat16_draft_hold_no_embedding_table(
     assert torch.equal(embed(torch.arange(target.vocab_size)), table)
     assert torch.equal(logits(target), target_before)
     assert torch.equal(logits(draft), draft_before)
+
+
+# In a fresh process: a 24 MiB block freed (glibc then raises its mapping threshold to it),
+# thirty 4 MiB blocks written, a 2 MiB block above them, the thirty freed. Prints how far
+# RSS stayed above where it was before the thirty.
+_HEAP_PROBE = """
+import ctypes, os, sys
+from runtime.memory import map_large_allocations
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "mapped":
+    assert map_large_allocations()
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+libc.free(libc.malloc(24 << 20))
+before = rss()
+blocks = [libc.malloc(4 << 20) for _ in range(30)]
+for b in blocks:
+    ctypes.memset(b, 1, 4 << 20)
+top = libc.malloc(2 << 20)  # too big for any hole below: from the heap's top
+for b in blocks:
+    libc.free(b)
+print((rss() - before) >> 20)
+"""
+
+
+def test_large_allocations_go_back_to_the_system_when_freed() -> None:
+    """Freed blocks of a MiB or more leave the server's RSS (``map_large_allocations``,
+    which ``specserve serve`` calls first). The control shows what it prevents: glibc's
+    raised threshold puts them on the heap, where 120 MiB freed stays resident."""
+    def kept_mib(mode: str, **env: str) -> int:
+        clean = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+        out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], check=True,
+                             capture_output=True, text=True, timeout=120, env=clean | env)
+        return int(out.stdout.strip().splitlines()[-1])
+
+    assert kept_mib("heap") >= 100
+    assert kept_mib("mapped") <= 8
+    with pytest.raises(subprocess.CalledProcessError):  # the operator's setting wins
+        kept_mib("mapped", MALLOC_MMAP_THRESHOLD_="33554432")

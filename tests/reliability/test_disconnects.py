@@ -2,8 +2,8 @@
 process: before the response, right after its headers, after some events, or
 while waiting for a whole response. Afterwards nothing is left running or
 waiting (``/ready`` and the metrics port agree), streams that stayed to the end
-came out exactly right, and a second crowd leaves the process's RSS where the first
-left it."""
+came out exactly right, and crowd after crowd leaves the process's RSS where the idle
+server had it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -49,8 +50,9 @@ KEEPERS = 6
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 KEEPER_PROMPT = "Count from one to twenty in words:"
 WAYS = ("before_headers", "after_headers", "after_events", "whole_response")
-IDLE_WITHIN_S = 10.0
+IDLE_WITHIN_S = 60.0  # a ceiling only a hang reaches
 RSS_SLACK = 48 * MIB
+CROWDS = 5  # crowds in a row; each must leave RSS near the idle server's
 
 
 def payload(prompt: str, max_tokens: int, stream: bool) -> dict[str, object]:
@@ -132,9 +134,15 @@ def occupancy(server: ServeProcess) -> tuple[float, float]:
             samples["specserve_num_requests_waiting"])
 
 
+@contextmanager
+def serve_for_crowds(model_dir: Path) -> Iterator[ServeProcess]:
+    with serve(model_dir, "--max-tokens", str(LONG), "--log-level", "warning") as s:
+        yield s
+
+
 @pytest.fixture(scope="module")
 def server(tiny_target_dir: Path) -> Iterator[ServeProcess]:
-    with serve(tiny_target_dir, "--max-tokens", str(LONG), "--log-level", "warning") as s:
+    with serve_for_crowds(tiny_target_dir) as s:
         yield s
 
 
@@ -153,20 +161,24 @@ def crowd_once(server: ServeProcess, clients: int, seed: int, expected: str
     return settled_rss(server), sampler.peak, idle_after, ways
 
 
-def run_crowd(server: ServeProcess, clients: int, seed: int, measure: Measure) -> None:
-    """Two crowds. The first brings the allocators to the size such traffic needs: how
-    far that moves RSS from the idle server's is their high-water mark, not a leak
-    (10-52 MiB over six runs of one build, the same hour). The second crowd must then
-    leave RSS where the first did, within allocator noise: what a client leaves behind
-    would add up crowd after crowd."""
+def run_crowd(server: ServeProcess, clients: int, seed: int, measure: Measure,
+              crowds: int = CROWDS) -> None:
+    """Crowd after crowd, each leaving the server's RSS within allocator noise of the idle
+    server's: what a client leaves behind would add up crowd after crowd. Measured over
+    thirty crowds (python -m tests.reliability.crowds, docs/reliability.md), settled RSS
+    stays within 10 MiB of idle, quiet or beside two busy loops; before the server mapped
+    its large allocations apart it rose in steps of 20-40 MiB to +120 MiB and stayed."""
     expected = reference(server.url)
     idle = settled_rss(server)
-    baseline, _, _, _ = crowd_once(server, clients, seed, expected)
-    settled, peak, idle_after, ways = crowd_once(server, clients, seed + 1, expected)
-    measure(clients=clients, ways=dict(ways), kept_streams=KEEPERS,
-            idle_after_s=round(idle_after, 2), idle_rss=mib(idle), baseline_rss=mib(baseline),
-            peak_rss=mib(peak), settled_rss=mib(settled))
-    assert settled <= baseline + RSS_SLACK, (mib(idle), mib(baseline), mib(settled))
+    settled, peaks = [], []
+    for i in range(crowds):
+        rss, peak, idle_after, ways = crowd_once(server, clients, seed + i, expected)
+        settled.append(rss)
+        peaks.append(peak)
+    measure(clients=clients, crowds=crowds, ways=dict(ways), kept_streams=KEEPERS,
+            idle_after_s=round(idle_after, 2), idle_rss=mib(idle),
+            settled_rss=[mib(r) for r in settled], peak_rss=mib(max(peaks)))
+    assert max(settled) <= idle + RSS_SLACK, (mib(idle), [mib(r) for r in settled])
     assert server.process.poll() is None
     server.assert_clean_log()
 
@@ -201,7 +213,7 @@ def test_hundred_clients_leave_mid_stream(server: ServeProcess, measure: Measure
 
 @pytest.mark.slow
 def test_many_clients_leave_mid_stream(server: ServeProcess, measure: Measure) -> None:
-    run_crowd(server, clients=1000, seed=11, measure=measure)
+    run_crowd(server, clients=1000, seed=11, measure=measure, crowds=2)
 
 
 async def test_slot_is_free_once_the_client_sees_the_end(tiny_engine: Engine) -> None:
