@@ -42,7 +42,7 @@ from runtime.kernels import resolve
 from runtime.kquants import KQuantMatrix
 from runtime.layout import SPAN_ALIGN, Layout, check_items
 from runtime.memory import release_plain_weights
-from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
+from runtime.passes import BatchItem, DraftSteps, PreparedPass, TargetCapabilities
 from runtime.quantized import BlockMatrix, block_kernels, load_quantized
 from runtime.stack import Rotary, Stack
 from runtime.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
@@ -55,16 +55,6 @@ log = logging.getLogger(__name__)
 _INITIAL_CAPACITY = SPAN_ALIGN
 _INITIAL_ROWS = 1  # grown as requests are admitted (Engine._fit_kv)
 _CAPACITY_ALIGN = SPAN_ALIGN  # an attention span never passes the capacity
-
-
-@dataclass(frozen=True)
-class DraftSteps:
-    """What ``BatchedLM.draft_chain`` drafted for one sequence."""
-
-    tokens: tuple[int, ...]  # [k] the first of the largest logits at each step
-    confidences: tuple[float, ...]  # [k] the probability of each (softmax over the head)
-    runner_up: tuple[int, float]  # the first step's second choice and its probability
-    state: torch.Tensor | None = None  # [H]: the state after the last fed token (a fusion's)
 
 
 @dataclass(eq=False)
@@ -86,7 +76,7 @@ class BatchedLM(CausalLM):
         # takes none there; the native kernels read its keys in a step's order: exact
         return TargetCapabilities(batched=True, branches=(not self.batch_invariant
                                                           or self.stack.kernels is not None),
-                                  features=True)
+                                  features=True, draft_chain=True)
 
     def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, name: str = "model", *,
                  quantize: str = "none", weights: Sequence[LayerWeights] | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +21,34 @@ class TargetCapabilities:
     branches: bool  # ``forward_batch`` takes ``BatchItem.alternative`` (a two-branch tree)
     features: bool = False  # a pass gives final hidden states (``BatchItem.features``) and
     # starts from given rows (``BatchItem.inputs``)
+    draft_chain: bool = False  # drafts greedy steps of many sequences in one native call
+    # (``ChainDrafting``), where its ``chain`` for a vocabulary is not None
+
+
+@dataclass(frozen=True)
+class DraftSteps:
+    """What a ``ChainDrafting`` runner's ``draft_chain`` drafted for one sequence."""
+
+    tokens: tuple[int, ...]  # [k] the first of the largest logits at each step
+    confidences: tuple[float, ...]  # [k] the probability of each (softmax over the head)
+    runner_up: tuple[int, float]  # the first step's second choice and its probability
+    state: torch.Tensor | None = None  # [H]: the state after the last fed token (a fusion's)
+
+
+class ChainDrafting(Protocol):
+    """A runner whose capabilities declare ``draft_chain``: greedy drafting of several
+    sequences, each fed its tokens and then ``steps`` tokens drafted and fed back, in
+    one native call, bitwise the same tokens as those steps through ``forward_batch``."""
+
+    batch_invariant: bool  # (without it a long feed takes the bulk products instead)
+
+    def chain(self, vocab: int) -> object | None:
+        """The native chain drafting from the first ``vocab`` tokens, or None where it
+        cannot run (no native kernels)."""
+        ...
+
+    def draft_chain(self, states: Sequence[Any], feeds: Sequence[Sequence[int]],
+                    steps: Sequence[int], vocab: int) -> list[DraftSteps]: ...
 
 
 @dataclass(frozen=True)

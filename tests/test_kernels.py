@@ -141,7 +141,8 @@ def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) ->
 def test_argmax_rows_is_torch_s_argmax(native: Any, dtype: torch.dtype) -> None:
     """The first of the largest of each row, as torch's argmax of the widened rows: ties
     (the first wins, -0.0 ties 0.0), a NaN (the first NaN wins, before or after the
-    largest, in the vectors or in the scalar tail), rows of -inf (all but the masked), rows of every width around the vectors'."""
+    largest, in the vectors or in the scalar tail), rows of -inf (all but the masked),
+    rows of every width around the vectors'."""
     g = torch.Generator().manual_seed(1)
     rows = [torch.randn(width, generator=g) for width in (1, 7, 8, 15, 16, 17, 33, 49152)]
     tied = torch.randn(100, generator=g)

@@ -14,7 +14,7 @@ from decoding.round import decode
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem
+from runtime.passes import BatchItem, TargetCapabilities
 from tests.policies import SteadyTimingPolicy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -56,6 +56,8 @@ def _drafters(target: CausalLM, tiny_draft: CausalLM) -> dict[str, Drafter]:
 class _SecondBest:
     """The target as its own draft with its two likeliest tokens swapped: the first draft
     token of every round is the target's second choice, and its alternative the first."""
+
+    capabilities = TargetCapabilities(batched=False, branches=False)
 
     def __init__(self, target: CausalLM) -> None:
         self.target, self.vocab_size = target, target.vocab_size

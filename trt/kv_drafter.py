@@ -18,7 +18,7 @@ import torch
 
 from decoding.drafters.model import ModelDrafter
 from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem
+from runtime.passes import BatchItem, TargetCapabilities
 
 
 @dataclass
@@ -50,6 +50,9 @@ class StepEngine(Protocol):
 
 class _StepModel:
     """A ``StepEngine`` in the shape ``ModelDrafter`` drives (``DraftModel``)."""
+
+    # one sequence a step, drafted step by step
+    capabilities = TargetCapabilities(batched=False, branches=False)
 
     def __init__(self, engine: StepEngine, tokenizer: Any) -> None:
         self.engine = engine

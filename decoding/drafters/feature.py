@@ -18,10 +18,10 @@ import torch
 
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import CHAIN_STEPS, ModelDrafter
-from runtime.batched import BatchedState, DraftSteps
+from runtime.batched import BatchedState
 from runtime.causal_lm import CausalLM
 from runtime.feature_draft import FeatureDraft
-from runtime.passes import BatchItem
+from runtime.passes import BatchItem, DraftSteps
 from runtime.weights import Product
 
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
-from runtime.batched import BatchedLM, DraftSteps
 from runtime.causal_lm import CausalLM, check_same_vocabulary
-from runtime.passes import BatchItem
+from runtime.passes import BatchItem, ChainDrafting, DraftSteps, TargetCapabilities
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,6 +36,10 @@ class DraftModel(Protocol[CacheT]):
     name: str
     vocab_size: int
     tokenizer: PreTrainedTokenizerBase
+    @property
+    def capabilities(self) -> TargetCapabilities:
+        """``draft_chain``: a ``ChainDrafting`` runner too."""
+        ...
 
     def new_state(self) -> CacheT: ...
 
@@ -71,15 +74,19 @@ class ModelDrafter(BaseDrafter[ModelDraftState]):
         self.target_vocab = target.vocab_size if target is not None else model.vocab_size
 
     def can_chain(self) -> bool:
-        """Whether greedy rounds draft in one native call (``BatchedLM.draft_chain``): a
-        plain draft model's steps only (a subclass that feeds its own input rows, as a
-        feature head does, drafts by its own steps)."""
+        """Whether greedy rounds draft in one native call (a model whose capabilities
+        declare ``draft_chain``): a plain draft model's steps only (a subclass that feeds
+        its own input rows, as a feature head does, drafts by its own steps)."""
         own_steps = (type(self)._step is ModelDrafter._step
                      and type(self)._catch_up is ModelDrafter._catch_up)
+        chainer = self._chainer()
         # (without batch invariance a long catch-up takes the bulk products: not the chain's)
-        return (self.native_chain and own_steps and isinstance(self.model, BatchedLM)
-                and self.model.batch_invariant
-                and self.model.chain(self.target_vocab) is not None)
+        return (self.native_chain and own_steps and chainer is not None
+                and chainer.batch_invariant and chainer.chain(self.target_vocab) is not None)
+
+    def _chainer(self) -> ChainDrafting | None:
+        """The model as the chain-drafting runner its capabilities declare it is."""
+        return cast(ChainDrafting, self.model) if self.model.capabilities.draft_chain else None
 
     def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
         return ModelDraftState(cache=self.model.new_state())
@@ -148,9 +155,9 @@ class ModelDrafter(BaseDrafter[ModelDraftState]):
                      steps: Sequence[int]) -> list[DraftSteps]:
         """One native call: each state fed its feed and ``steps`` drafted tokens, every
         one but the last fed back."""
-        assert isinstance(self.model, BatchedLM)
-        drafted = self.model.draft_chain([s.cache for s in states], feeds, steps,
-                                         self.target_vocab)
+        chainer = self._chainer()
+        assert chainer is not None
+        drafted = chainer.draft_chain([s.cache for s in states], feeds, steps, self.target_vocab)
         for state, feed, n, got in zip(states, feeds, steps, drafted, strict=True):
             state.fed.extend(feed)
             state.fed.extend(got.tokens[: n - 1])  # fed back within the call
