@@ -144,7 +144,7 @@ def auto_choice(target: CausalLM, prefix_cache: bool) -> tuple[str, str]:
 
 
 def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32",
-                       draft_dtype: str = "auto") -> ModelDrafter:
+                       draft_dtype: str = "auto") -> ModelDrafter | FeatureDrafter:
     """A draft model: a feature draft directory (or ``feature-draft``, the one shipped for
     the default model), a distilled draft directory (or ``default-draft``), a model of the
     catalogue, a GGUF file (``gguf_draft``), a local model directory, or a hub id; on

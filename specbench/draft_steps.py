@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from decoding.drafters.base import DraftContext
+from decoding.drafters.feature import FeatureDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.factory import load_model_drafter
 from decoding.types import SamplingParams
@@ -59,8 +60,8 @@ def _target_step_ms(target: BatchedLM, repeats: int) -> float:
         target.release(state)
 
 
-def _round_ms(target: BatchedLM, drafter: ModelDrafter, streams: int, k: int, path: str,
-              repeats: int) -> tuple[float, list[tuple[int, ...]]]:
+def _round_ms(target: BatchedLM, drafter: ModelDrafter | FeatureDrafter, streams: int, k: int,
+              path: str, repeats: int) -> tuple[float, list[tuple[int, ...]]]:
     """Median ms of drafting ``k`` tokens for ``streams`` sequences (each past its
     prompt: one token to catch up), and the tokens drafted."""
     drafter.native_chain = path == "native"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.drafters.base import DraftContext
-from decoding.drafters.model import CHAIN_STEPS, ModelDrafter
+from decoding.drafters.model import CHAIN_STEPS, StepDrafter
 from runtime.batched import BatchedState
 from runtime.causal_lm import CausalLM
 from runtime.feature_draft import FeatureDraft
@@ -36,7 +36,7 @@ class FeatureDraftState:
     judged: int = CHAIN_STEPS  # tokens the judge let through the last chained round
 
 
-class FeatureDrafter(ModelDrafter):
+class FeatureDrafter(StepDrafter[FeatureDraftState]):
     reads_features = True
 
     def __init__(self, draft: FeatureDraft, target: CausalLM | None = None,
@@ -76,10 +76,10 @@ class FeatureDrafter(ModelDrafter):
             state.last = got.state
         return drafted
 
-    def begin(self, prompt_ids: Sequence[int]) -> FeatureDraftState:  # type: ignore[override]
+    def begin(self, prompt_ids: Sequence[int]) -> FeatureDraftState:
         return FeatureDraftState(cache=self.draft.runner.new_state())
 
-    def _catch_up(self, state: FeatureDraftState,  # type: ignore[override]
+    def _catch_up(self, state: FeatureDraftState,
                   context: DraftContext) -> list[int]:
         """Keep the entries fed beside the target's states; the committed tokens to feed
         beside theirs (none where the sequence holds no states for them)."""
@@ -103,7 +103,7 @@ class FeatureDrafter(ModelDrafter):
         state.pending = self.draft.target_feature(rows.get(start - 1, last))
         return list(tokens[start : last + 1])
 
-    def _step(self, states: list[FeatureDraftState],  # type: ignore[override]
+    def _step(self, states: list[FeatureDraftState],
               feeds: list[list[int]]) -> list[torch.Tensor]:
         items = []
         for state, feed in zip(states, feeds, strict=True):
@@ -122,13 +122,13 @@ class FeatureDrafter(ModelDrafter):
             state.last = own[-1]
         return [out[0] for out in logits]
 
-    def rollback(self, state: FeatureDraftState, length: int) -> None:  # type: ignore[override]
+    def rollback(self, state: FeatureDraftState, length: int) -> None:
         keep = max(0, length - state.first)
         if keep < len(state.fed):
             self.draft.runner.rollback(state.cache, keep)
             del state.fed[keep:]
             state.real = min(state.real, keep)
 
-    def release(self, state: FeatureDraftState) -> None:  # type: ignore[override]
+    def release(self, state: FeatureDraftState) -> None:
         self.draft.runner.release(state.cache)
         state.fed.clear()

@@ -61,7 +61,21 @@ class ModelDraftState:
     judged: int = CHAIN_STEPS  # tokens the judge let through the last chained round
 
 
-class ModelDrafter(BaseDrafter[ModelDraftState]):
+class StepState(Protocol):
+    """What the shared drafting loop keeps in a drafter's per-sequence state."""
+
+    judged: int  # tokens the judge let through the last chained round
+
+
+StateS = TypeVar("StateS", bound=StepState)
+
+
+class StepDrafter(BaseDrafter[StateS]):
+    """A model's steps as drafts: one batched pass a step, or greedy steps in native
+    chains where ``can_chain``. The per-sequence state, how a sequence is fed and how a
+    step runs are the subclass's: ``ModelDrafter`` (a draft model over its own KV) and
+    ``decoding.drafters.feature.FeatureDrafter`` (a head over the target's features)."""
+
     native_chain = True  # greedy rounds in one native call where the model offers it
 
     def __init__(self, model: DraftModel, target: CausalLM | None = None,
@@ -73,34 +87,16 @@ class ModelDrafter(BaseDrafter[ModelDraftState]):
         self.name = name
         self.target_vocab = target.vocab_size if target is not None else model.vocab_size
 
-    def can_chain(self) -> bool:
-        """Whether greedy rounds draft in one native call (a model whose capabilities
-        declare ``draft_chain``): a plain draft model's steps only (a subclass that feeds
-        its own input rows, as a feature head does, drafts by its own steps)."""
-        own_steps = (type(self)._step is ModelDrafter._step
-                     and type(self)._catch_up is ModelDrafter._catch_up)
-        chainer = self._chainer()
-        # (without batch invariance a long catch-up takes the bulk products: not the chain's)
-        return (self.native_chain and own_steps and chainer is not None
-                and chainer.batch_invariant and chainer.chain(self.target_vocab) is not None)
-
-    def _chainer(self) -> ChainDrafting | None:
-        """The model as the chain-drafting runner its capabilities declare it is."""
-        return cast(ChainDrafting, self.model) if self.model.capabilities.draft_chain else None
-
-    def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
-        return ModelDraftState(cache=self.model.new_state())
-
     def warmup(self) -> None:
         """Let the model prepare its kernels (a batched PyTorch model builds one per
         pass size) before the first request needs them."""
         self.model.warmup()
 
-    def propose(self, state: ModelDraftState, context: DraftContext, k: int) -> DraftProposal:
+    def propose(self, state: StateS, context: DraftContext, k: int) -> DraftProposal:
         return self.propose_many([state], [context], [k])[0]
 
     @torch.inference_mode()
-    def propose_many(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
+    def propose_many(self, states: Sequence[StateS], contexts: Sequence[DraftContext],
                      ks: Sequence[int]) -> list[DraftProposal]:
         """Draft for several sequences: greedy ones in one native call where the model
         has one (``can_chain``), the others step by step, draft step ``i`` of every
@@ -120,7 +116,7 @@ class ModelDrafter(BaseDrafter[ModelDraftState]):
                 out[i] = proposal
         return out
 
-    def _chained(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
+    def _chained(self, states: Sequence[StateS], contexts: Sequence[DraftContext],
                  feeds: list[list[int]], ks: Sequence[int]) -> list[DraftProposal]:
         """Greedy drafts in native calls of up to ``CHAIN_STEPS`` steps for every sequence
         at once; the judge cuts each call's tokens where the step loop would have
@@ -151,18 +147,6 @@ class ModelDrafter(BaseDrafter[ModelDraftState]):
         return [self._proposal(p, [], c, s, context.judge)
                 for p, c, s, context in zip(proposed, sure, second, contexts, strict=True)]
 
-    def _chain_steps(self, states: Sequence[Any], feeds: Sequence[list[int]],
-                     steps: Sequence[int]) -> list[DraftSteps]:
-        """One native call: each state fed its feed and ``steps`` drafted tokens, every
-        one but the last fed back."""
-        chainer = self._chainer()
-        assert chainer is not None
-        drafted = chainer.draft_chain([s.cache for s in states], feeds, steps, self.target_vocab)
-        for state, feed, n, got in zip(states, feeds, steps, drafted, strict=True):
-            state.fed.extend(feed)
-            state.fed.extend(got.tokens[: n - 1])  # fed back within the call
-        return drafted
-
     @staticmethod
     def _judged(drafted: DraftSteps, judge: DraftJudge | None, k: int, proposed: list[int],
                 sure: list[float]) -> bool:
@@ -177,7 +161,7 @@ class ModelDrafter(BaseDrafter[ModelDraftState]):
                 return False
         return True
 
-    def _stepped(self, states: Sequence[ModelDraftState], contexts: Sequence[DraftContext],
+    def _stepped(self, states: Sequence[StateS], contexts: Sequence[DraftContext],
                  feeds: list[list[int]], ks: Sequence[int]) -> list[DraftProposal]:
         """Drafts one step a pass, for the sequences with something to feed."""
         proposed: list[list[int]] = [[] for _ in states]
@@ -227,35 +211,6 @@ class ModelDrafter(BaseDrafter[ModelDraftState]):
                              alternative=alternative[0] if alternative else None,
                              alternative_confidence=alternative[1] if alternative else 0.0)
 
-    def _catch_up(self, state: ModelDraftState, context: DraftContext) -> list[int]:
-        """Roll the draft back to what it fed that is still committed; the committed
-        tokens it has yet to feed (at least one: the logits come after it)."""
-        tokens = context.token_ids
-        common = common_prefix(state.fed, tokens)
-        if common == len(tokens):  # must feed at least one token to get logits
-            common -= 1
-        self.model.rollback(state.cache, common)
-        del state.fed[common:]
-        return list(tokens[common:])
-
-    def _step(self, states: list[ModelDraftState], feeds: list[list[int]]
-              ) -> list[torch.Tensor]:
-        """Each state's logits after its feed, ``[vocab]`` each (one batched pass)."""
-        items = [BatchItem(s.cache, f, 1) for s, f in zip(states, feeds, strict=True)]
-        outputs = self.model.forward_batch(items)
-        for state, feed in zip(states, feeds, strict=True):
-            state.fed.extend(feed)
-        return [out[0] for out in outputs]
-
-    def rollback(self, state: ModelDraftState, length: int) -> None:
-        if length < len(state.fed):
-            self.model.rollback(state.cache, length)
-            del state.fed[length:]
-
-    def release(self, state: ModelDraftState) -> None:
-        self.model.release(state.cache)
-        state.fed.clear()
-
     def _pick(
         self, logits: torch.Tensor, context: DraftContext,  # logits: [vocab]
         runner_up: bool = False, position: int = 0,
@@ -289,6 +244,90 @@ class ModelDrafter(BaseDrafter[ModelDraftState]):
         probs = logits_to_probs(logits.unsqueeze(0), context.sampling)[0]  # [vocab]
         token = int(torch.multinomial(probs, 1, generator=randomness).item())
         return token, probs, float(probs.max().item()), None
+
+    # -- what a subclass supplies ----------------------------------------------------
+
+    def can_chain(self) -> bool:
+        """Whether greedy rounds draft in native calls (``_chain_steps``)."""
+        raise NotImplementedError
+
+    def _chain_steps(self, states: Sequence[StateS], feeds: Sequence[list[int]],
+                     steps: Sequence[int]) -> list[DraftSteps]:
+        """One native call: each state fed its feed and ``steps`` drafted tokens, every
+        one but the last fed back."""
+        raise NotImplementedError
+
+    def _catch_up(self, state: StateS, context: DraftContext) -> list[int]:
+        """The committed tokens a sequence has yet to feed (its state rolled back to
+        what still holds)."""
+        raise NotImplementedError
+
+    def _step(self, states: list[StateS], feeds: list[list[int]]) -> list[torch.Tensor]:
+        """Each state's logits after its feed, ``[vocab]`` each."""
+        raise NotImplementedError
+
+
+class ModelDrafter(StepDrafter[ModelDraftState]):
+    """A draft model's steps over its own KV cache."""
+
+    def can_chain(self) -> bool:
+        """Whether greedy rounds draft in one native call (a model whose capabilities
+        declare ``draft_chain``): a plain draft model's steps only (a subclass that feeds
+        its own input rows, as a feature head does, drafts by its own steps)."""
+        own_steps = (type(self)._step is ModelDrafter._step
+                     and type(self)._catch_up is ModelDrafter._catch_up)
+        chainer = self._chainer()
+        # (without batch invariance a long catch-up takes the bulk products: not the chain's)
+        return (self.native_chain and own_steps and chainer is not None
+                and chainer.batch_invariant and chainer.chain(self.target_vocab) is not None)
+
+    def _chainer(self) -> ChainDrafting | None:
+        """The model as the chain-drafting runner its capabilities declare it is."""
+        return cast(ChainDrafting, self.model) if self.model.capabilities.draft_chain else None
+
+    def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
+        return ModelDraftState(cache=self.model.new_state())
+
+    def _chain_steps(self, states: Sequence[ModelDraftState], feeds: Sequence[list[int]],
+                     steps: Sequence[int]) -> list[DraftSteps]:
+        """One native call: each state fed its feed and ``steps`` drafted tokens, every
+        one but the last fed back."""
+        chainer = self._chainer()
+        assert chainer is not None
+        drafted = chainer.draft_chain([s.cache for s in states], feeds, steps, self.target_vocab)
+        for state, feed, n, got in zip(states, feeds, steps, drafted, strict=True):
+            state.fed.extend(feed)
+            state.fed.extend(got.tokens[: n - 1])  # fed back within the call
+        return drafted
+
+    def _catch_up(self, state: ModelDraftState, context: DraftContext) -> list[int]:
+        """Roll the draft back to what it fed that is still committed; the committed
+        tokens it has yet to feed (at least one: the logits come after it)."""
+        tokens = context.token_ids
+        common = common_prefix(state.fed, tokens)
+        if common == len(tokens):  # must feed at least one token to get logits
+            common -= 1
+        self.model.rollback(state.cache, common)
+        del state.fed[common:]
+        return list(tokens[common:])
+
+    def _step(self, states: list[ModelDraftState], feeds: list[list[int]]
+              ) -> list[torch.Tensor]:
+        """Each state's logits after its feed, ``[vocab]`` each (one batched pass)."""
+        items = [BatchItem(s.cache, f, 1) for s, f in zip(states, feeds, strict=True)]
+        outputs = self.model.forward_batch(items)
+        for state, feed in zip(states, feeds, strict=True):
+            state.fed.extend(feed)
+        return [out[0] for out in outputs]
+
+    def rollback(self, state: ModelDraftState, length: int) -> None:
+        if length < len(state.fed):
+            self.model.rollback(state.cache, length)
+            del state.fed[length:]
+
+    def release(self, state: ModelDraftState) -> None:
+        self.model.release(state.cache)
+        state.fed.clear()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
