@@ -61,9 +61,12 @@ def load_drafter(
         raise DraftSpecError(f"draft spec {spec!r} names more than one draft model")
     if CACHE in parts and prefix_cache is None:
         raise DraftSpecError("the 'cache' drafter needs the prefix cache to be enabled")
-    cheap: list[Drafter] = [NgramDrafter() if part == NGRAM
-                            else ContinuationDrafter(prefix_cache, target.vocab_size)  # type: ignore[arg-type]
-                            for part in parts if part in (NGRAM, CACHE)]
+    cheap: list[Drafter] = []
+    for part in parts:
+        if part == NGRAM:
+            cheap.append(NgramDrafter())
+        elif part == CACHE and prefix_cache is not None:  # (None refused above)
+            cheap.append(ContinuationDrafter(prefix_cache, target.vocab_size))
     model: Drafter | None = None
     if models:
         load = model_loader or (lambda part: load_model_drafter(part, target, dtype, draft_dtype))

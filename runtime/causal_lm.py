@@ -206,4 +206,4 @@ def pretrained(path: str, dtype: str, device: str) -> tuple[Any, PreTrainedToken
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    return model.to(device), tokenizer  # type: ignore[arg-type]
+    return torch.nn.Module.to(model, device), tokenizer  # (transformers types .to oddly)

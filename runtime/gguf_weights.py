@@ -461,7 +461,7 @@ def _dequantized(file: Path, dtype: str, device: str, kernels: str = "auto") -> 
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-    model = model.to(device)  # type: ignore[arg-type]
+    model = torch.nn.Module.to(model, device)  # (transformers types .to oddly)
     return BatchedLM.wrap(model, tokenizer, name=str(file), kernels=kernels)
 
 
