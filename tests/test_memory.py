@@ -131,7 +131,7 @@ def test_a_float32_target_and_its_bfloat16_draft_hold_no_embedding_table(
 
 
 # In a fresh process: a 24 MiB block freed (glibc then raises its mapping threshold to it),
-# thirty 4 MiB blocks written, a 2 MiB block above them, the thirty freed. Prints how far
+# fifteen 8 MiB blocks written, a 2 MiB block above them, the fifteen freed. Prints how far
 # RSS stayed above where it was before the thirty.
 _HEAP_PROBE = """
 import ctypes, os, sys
@@ -147,9 +147,9 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 libc.free(libc.malloc(24 << 20))
 before = rss()
-blocks = [libc.malloc(4 << 20) for _ in range(30)]
+blocks = [libc.malloc(8 << 20) for _ in range(15)]
 for b in blocks:
-    ctypes.memset(b, 1, 4 << 20)
+    ctypes.memset(b, 1, 8 << 20)
 top = libc.malloc(2 << 20)  # too big for any hole below: from the heap's top
 for b in blocks:
     libc.free(b)
@@ -158,7 +158,7 @@ print((rss() - before) >> 20)
 
 
 def test_large_allocations_go_back_to_the_system_when_freed() -> None:
-    """Freed blocks of a MiB or more leave the server's RSS (``map_large_allocations``,
+    """Freed blocks of 4 MiB or more leave the server's RSS (``map_large_allocations``,
     which ``specserve serve`` calls first). The control shows what it prevents: glibc's
     raised threshold puts them on the heap, where 120 MiB freed stays resident."""
     def kept_mib(mode: str, **env: str) -> int:

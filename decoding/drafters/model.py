@@ -36,6 +36,7 @@ class DraftModel(Protocol[CacheT]):
     name: str
     vocab_size: int
     tokenizer: PreTrainedTokenizerBase
+
     @property
     def capabilities(self) -> TargetCapabilities:
         """``draft_chain``: a ``ChainDrafting`` runner too."""

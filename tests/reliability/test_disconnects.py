@@ -164,9 +164,9 @@ def crowd_once(server: ServeProcess, clients: int, seed: int, expected: str
 def run_crowd(server: ServeProcess, clients: int, seed: int, measure: Measure,
               crowds: int = CROWDS) -> None:
     """Crowd after crowd, each leaving the server's RSS within allocator noise of the idle
-    server's: what a client leaves behind would add up crowd after crowd. Measured over
-    thirty crowds (python -m tests.reliability.crowds, docs/reliability.md), settled RSS
-    stays within 10 MiB of idle, quiet or beside two busy loops; before the server mapped
+    server's: what a client leaves behind would add up crowd after crowd. Measured crowd by
+    crowd (python -m tests.reliability.crowds, docs/reliability.md), settled RSS stays
+    within about 20 MiB of idle, quiet or beside two busy loops; before the server mapped
     its large allocations apart it rose in steps of 20-40 MiB to +120 MiB and stayed."""
     expected = reference(server.url)
     idle = settled_rss(server)
