@@ -54,9 +54,9 @@ def map_large_allocations(size: int = MMAP_THRESHOLD_BYTES) -> bool:
     of MiB) come from the heap, whose freed pages stay resident: a server's RSS rose in
     steps of 20-40 MiB over crowds of clients and never came back down (docs/
     reliability.md). A fixed threshold also stops the rise; at 4 MiB a 1.5B's one-sequence
-    round (its logits: 0.6-3 MiB) stays on the heap, and decodes as fast as before.
-    ``MALLOC_MMAP_THRESHOLD_`` in the environment (the operator's choice) wins. Returns
-    whether it was set here."""
+    round (its logits: 0.6-3 MiB) stays on the heap; decoding is as fast either way
+    (specbench/malloc_policy.py). ``MALLOC_MMAP_THRESHOLD_`` in the environment (the
+    operator's choice) wins. Returns whether it was set here."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
