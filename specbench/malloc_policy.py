@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from specbench.report import machine_info
+
 PROMPT = 'def quicksort(items):\n    """Sort a list."""\n'
 POLICIES = {"glibc": None, "1 MiB": 1 << 20, "4 MiB": 4 << 20}
 
@@ -78,6 +80,7 @@ def main() -> None:
                 check=True, capture_output=True, text=True, env=env)
             runs[policy].append(json.loads(child.stdout.strip().splitlines()[-1]))
     report = {"target": args.target, "tokens": args.tokens, "rounds": args.rounds,
+              "machine": machine_info(),
               "median_tokens_per_s": {p: {k: round(statistics.median(r[k] for r in rs), 2)
                                           for k in ("plain", "ngram")}
                                       for p, rs in runs.items()},

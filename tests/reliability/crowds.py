@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from runtime import model_store
+from specbench.report import machine_info
 from tests.busy import busy_loops
 from tests.conftest import _tiny_model
 from tests.reliability.support import MIB, settled_rss
@@ -47,7 +47,7 @@ def run(crowds: int, clients: int, busy: int, seed: int = 7) -> dict[str, Any]:
                       f"{peak / MIB:7.1f} MiB, {rows[-1]['seconds']:6.1f} s", flush=True)
             server.assert_clean_log()
     return {"clients": clients, "crowds": crowds, "busy_loops": busy,
-            "cpu": platform.processor() or platform.machine(),
+            "machine": machine_info(),
             "idle_mib": round(idle / MIB, 1), "rows": rows}
 
 
