@@ -132,7 +132,7 @@ def test_a_float32_target_and_its_bfloat16_draft_hold_no_embedding_table(
 
 # In a fresh process: a 24 MiB block freed (glibc then raises its mapping threshold to it),
 # fifteen 8 MiB blocks written, a 2 MiB block above them, the fifteen freed. Prints how far
-# RSS stayed above where it was before the thirty.
+# RSS stayed above where it was before the fifteen.
 _HEAP_PROBE = """
 import ctypes, os, sys
 from runtime.memory import map_large_allocations
