@@ -25,6 +25,7 @@ COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY decoding ./decoding
 COPY runtime ./runtime
+COPY wiring ./wiring
 COPY trt ./trt
 COPY observability ./observability
 COPY specserve ./specserve

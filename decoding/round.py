@@ -110,7 +110,8 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
     verdict = verify(draft.tokens, draft.probs, scores, seq.generator, len(seq.committed.tokens),
                      alternative=draft.alternative,  # greedy, unpenalised: its row as given
                      after_alternative=logits[-1] if draft.alternative is not None else None,
-                     cut_probs=draft.constrained.cut_row if draft.constrained else None)
+                     cut_probs=draft.constrained.cut_row if draft.constrained else None,
+                     first_largest=seq.target.first_largest)
     seq.keep(verdict, len(draft.tokens) + 1 + (draft.alternative is not None), features)
     timing = RoundTiming(draft.seconds, forward_s + time.perf_counter() - start, 0.0)
     draft.learn(verdict, timing)

@@ -169,7 +169,8 @@ class SequenceDecoder:
             return None
         last = logits[-1:]  # [1, vocab]: the first new token's
         token = verify((), None, self.process(last, ()), self.generator,
-                       len(self.committed.tokens)).next_token
+                       len(self.committed.tokens),
+                       first_largest=self.target.first_largest).next_token
         return self.commit([token], 0, 0, last, RoundTiming(0.0, self.prompt.seconds, 0.0),
                            self.prompt.started)
 

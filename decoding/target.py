@@ -50,6 +50,11 @@ class Target(Protocol[StateT]):
 
     def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]: ...
 
+    def first_largest(self, scores: torch.Tensor) -> list[int]:
+        """Each row's first largest score's index, exactly ``scores.float().argmax(-1)``
+        (greedy's pick; the runner's kernels may make it without the widened copy)."""
+        ...
+
     def rollback(self, state: StateT, length: int) -> None:
         """Forget every cached position at or after ``length``."""
         ...

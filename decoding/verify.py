@@ -22,13 +22,21 @@ requests that ask for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from decoding.sampling import Randomness, SamplingKey
-from runtime.kernels import first_largest
+
+ArgmaxRows = Callable[[torch.Tensor], list[int]]  # [n, vocab] -> each row's first largest
+
+
+def widened_argmax(scores: torch.Tensor) -> list[int]:
+    """Each row's first largest score's index, in float32 (``Target.first_largest``
+    makes the same picks on a runner's own kernels)."""
+    best: list[int] = scores.float().argmax(dim=-1).tolist()
+    return best
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ def verify(
     alternative: int | None = None,  # greedy only: a second candidate for draft[0]
     after_alternative: torch.Tensor | None = None,  # [vocab]: the target's scores after it
     cut_probs: torch.Tensor | None = None,  # [vocab]: the draft's row a grammar cut (below)
+    first_largest: ArgmaxRows = widened_argmax,  # greedy's pick (the target's, on its kernels)
 ) -> Verdict:
     """Keep the longest acceptable prefix of the draft, plus one target token.
 
@@ -86,6 +95,9 @@ def verify(
     the draft, which a grammar forbade and cut. That token would have been rejected for
     certain, so when every kept draft token is accepted the next one is drawn from the
     residual ``max(0, target_probs[k] - cut_probs)``, not from ``target_probs[k]``.
+
+    ``first_largest`` (greedy only) makes the target's picks: any function with
+    ``widened_argmax``'s results, such as the target's own (``Target.first_largest``).
     """
     k = len(draft_tokens)
     if target_probs.shape[0] != k + 1:
@@ -95,7 +107,8 @@ def verify(
     if alternative is not None and (generator is not None or k == 0):
         raise ValueError("an alternative is verified only greedily, beside a draft")
     if generator is None:
-        return _verify_greedy(draft_tokens, target_probs, alternative, after_alternative)
+        return _verify_greedy(draft_tokens, target_probs, alternative, after_alternative,
+                              first_largest)
     if isinstance(generator, SamplingKey):  # its draws do not depend on the draft: no cut
         return _verify_keyed(draft_tokens, target_probs, generator, position)
     return _verify_sampled(draft_tokens, draft_probs, target_probs, generator, cut_probs)
@@ -105,6 +118,7 @@ def _verify_greedy(draft_tokens: Sequence[int],
                    target_scores: torch.Tensor,  # [k + 1, vocab]
                    alternative: int | None,
                    after_alternative: torch.Tensor | None,  # [vocab]
+                   first_largest: ArgmaxRows,
                    ) -> Verdict:
     best = first_largest(target_scores)  # torch's argmax of the widened rows (same ties)
     if after_alternative is not None:  # its row last: k + 2 picks

@@ -32,16 +32,6 @@ from transformers.utils import logging as transformers_logging
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from decoding.engine import Engine
-from decoding.factory import (
-    AUTO,
-    CACHE,
-    NGRAM,
-    NO_DRAFT,
-    DraftLoader,
-    auto_choice,
-    load_drafter,
-    torch_draft_loader,
-)
 from decoding.invariance import InvarianceCheck
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import Target
@@ -66,6 +56,16 @@ from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.loading import load_target, target_precision
 from runtime.memory import MMAP_THRESHOLD_BYTES, map_large_allocations, release_freed_memory
+from wiring.drafts import (
+    AUTO,
+    CACHE,
+    NGRAM,
+    NO_DRAFT,
+    DraftLoader,
+    auto_choice,
+    load_drafter,
+    torch_draft_loader,
+)
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from decoding.factory import AUTO, CHEAP_DRAFTS, draft_parts
 from gateway.settings import ENV_PREFIX, Settings
+from wiring.drafts import AUTO, CHEAP_DRAFTS, draft_parts
 
 BUILTIN_DRAFTS = frozenset({*CHEAP_DRAFTS, AUTO, "default-draft"})
 # Loaders raise these for a wrong path, a missing package or an unusable model or

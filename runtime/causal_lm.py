@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
+from runtime import kernels
 from runtime.families import attention_dims, kv_position_bytes
 from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TokenizerMismatchError(ValueError):
-    """The draft and the target do not share a vocabulary."""
 
 
 @dataclass
@@ -97,6 +94,11 @@ class CausalLM:
         alternative that verification took: the cache ends with ``token_ids[0]`` then
         the alternative (everything else of the pass is forgotten)."""
         raise NotImplementedError(f"{self.name} does not run token trees")
+
+    def first_largest(self, scores: torch.Tensor) -> list[int]:
+        """Each row's first largest score's index, as ``scores.float().argmax(-1)``: on
+        the native kernels where this process loaded them (``kernels.first_largest``)."""
+        return kernels.first_largest(scores)
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
         """Each item's new tokens, one forward pass per sequence; the kept logits of each."""
@@ -181,21 +183,6 @@ def eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
-
-
-def check_same_vocabulary(target_tokenizer: PreTrainedTokenizerBase,
-                          draft_tokenizer: PreTrainedTokenizerBase, draft_name: str) -> None:
-    """Refuse a draft whose tokenizer differs from the target's."""
-    target_vocab = target_tokenizer.get_vocab()
-    draft_vocab = draft_tokenizer.get_vocab()
-    if target_vocab == draft_vocab:
-        return
-    differing = sum(1 for t, i in draft_vocab.items() if target_vocab.get(t) != i)
-    raise TokenizerMismatchError(
-        f"draft {draft_name!r} does not share the target's tokenizer: vocabularies of "
-        f"{len(draft_vocab)} and {len(target_vocab)} tokens differ on {differing} entries. "
-        "A draft must use exactly the target's tokenizer."
-    )
 
 
 def pretrained(path: str, dtype: str, device: str) -> tuple[Any, PreTrainedTokenizerBase]:

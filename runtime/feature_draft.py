@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from runtime import draft_format
-from runtime.batched import BatchedLM
+from runtime.batched import BatchedLM, BatchedState
 from runtime.causal_lm import DTYPES, CausalLM
 from runtime.kernels import resolve
+from runtime.passes import DraftSteps
 from runtime.quantized import block_kernels, quantized
 from runtime.weights import Matrix, Product
 
@@ -86,6 +87,23 @@ class FeatureDraft:
         parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = (self.fuse_norm * parts.flatten(-2)).to(self.runner.dtype).contiguous()
         return self.fuse(normed).to(self.runner.dtype)
+
+    @property
+    def fusion(self) -> tuple[Product, int]:
+        """The chain's input fusion: ``fc`` over [embedding | carried state], as
+        ``inputs`` makes the rows."""
+        return self.fc, 2 * self.hidden_size
+
+    def chains(self, vocab: int) -> bool:
+        """Whether greedy steps draft in one native call (``draft_chain``)."""
+        return self.runner.batch_invariant and self.runner.chain(vocab, self.fusion) is not None
+
+    def draft_chain(self, caches: Sequence[BatchedState], feeds: Sequence[Sequence[int]],
+                    steps: Sequence[int], vocab: int,
+                    carried: Sequence[torch.Tensor]) -> list[DraftSteps]:
+        """The runner's chain (``BatchedLM.draft_chain``), each call's first rows fused
+        from its carried states."""
+        return self.runner.draft_chain(caches, feeds, steps, vocab, carried, self.fusion)
 
     def inputs(self, token_ids: Sequence[int],
                features: torch.Tensor) -> torch.Tensor:  # features: [n, H] -> [n, H]

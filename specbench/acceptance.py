@@ -29,7 +29,6 @@ from typing import Any, TextIO
 import torch
 
 from decoding.drafters.base import DraftContext, Drafter
-from decoding.factory import draft_parts
 from decoding.features import FeatureRows
 from decoding.prompting import encode_chat
 from decoding.round import with_layers
@@ -50,6 +49,7 @@ from specbench.compare import (
 )
 from specbench.methods import engine_runner
 from specbench.plots import write_plots
+from wiring.drafts import draft_parts
 
 log = logging.getLogger(__name__)
 

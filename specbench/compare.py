@@ -25,7 +25,6 @@ from typing import Any
 
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import NGRAM, NO_DRAFT, load_drafter
 from decoding.prompting import encode_chat
 from runtime import feature_draft
 from runtime.causal_lm import CausalLM
@@ -44,6 +43,7 @@ from specbench.methods import (
 from specbench.plots import write_plots
 from specbench.progress import progress
 from specbench.report import load_average, machine_info, summarise, write_table
+from wiring.drafts import NGRAM, NO_DRAFT, load_drafter
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class BenchConfig:
     max_new_tokens: int
     methods: tuple[str, ...]
     quick: bool
-    draft_dtype: str = "auto"  # of a PyTorch draft model; see factory.torch_draft_dtype
+    draft_dtype: str = "auto"  # of a PyTorch draft model; see wiring.drafts.torch_draft_dtype
     kernels: str = "auto"  # the target's elementwise work and attention (runtime.kernels)
     int8_activations: bool = True  # 4-bit/Q8_0 matrices with int8 activations (BlockMatrix)
 

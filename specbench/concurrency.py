@@ -38,13 +38,13 @@ import torch
 
 from decoding.drafters.base import Drafter
 from decoding.engine import Engine
-from decoding.factory import NGRAM, load_drafter
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from runtime.causal_lm import DTYPES, CausalLM
 from runtime.loading import load_target
 from specbench.plots import write_plots
 from specbench.report import load_average, machine_info
+from wiring.drafts import NGRAM, load_drafter
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ sets; every output must equal plain decoding's. Of mixes within 2.5% of the best
 the one faster on chat wins (``choose``). ``--write`` stores the table and the
 winner beside the draft shipped for the default model (``choice.json``), or for another
 target beside its own file (``runtime.draft_choice.choice_path_for``), where
-``decoding.factory.auto_choice`` reads it:
+``wiring.drafts.auto_choice`` reads it:
 
     python -m specbench.draft_choice --target qwen2.5-coder-1.5b \
         --drafts qwen2.5-coder-0.5b --sets code_edit_tune,code_chat_tune --write
@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from runtime import draft_format, feature_draft
 from runtime.causal_lm import CausalLM
@@ -45,6 +44,7 @@ from runtime.loading import load_target
 from specbench.compare import load_prompts
 from specbench.methods import Generation, engine_runner
 from specbench.report import load_average, machine_info
+from wiring.drafts import load_drafter
 
 log = logging.getLogger("specbench.draft_choice")
 

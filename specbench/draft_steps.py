@@ -5,7 +5,7 @@
 
 Loads the default target (its GGUF file) and a draft (``--draft``: the 2-layer one shipped
 for it by default, or a feature head, fed the target's states from one pass) as the server
-would run it beside it (``decoding.factory.load_model_drafter``), prefills a
+would run it beside it (``wiring.drafts.load_model_drafter``), prefills a
 ``CONTEXT``-token prompt into both, and times, interleaved so that machine noise hits each
 alike: the target's one-token step, and the draft model's round of ``k`` greedy tokens by
 each path it has (``python``: one draft step per Python call; ``native``: the k steps in
@@ -28,13 +28,13 @@ import torch
 from decoding.drafters.base import DraftContext
 from decoding.drafters.feature import FeatureDrafter
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import load_model_drafter
 from decoding.types import SamplingParams
 from runtime.batched import BatchedLM
 from runtime.loading import load_target
 from runtime.passes import BatchItem
 from specbench.acceptance import target_features
 from specbench.compare import json_output, write_json
+from wiring.drafts import load_model_drafter
 
 MS = 1000.0
 CONTEXT = 300

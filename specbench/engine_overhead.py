@@ -25,7 +25,6 @@ import torch
 
 from decoding.drafters import Drafter
 from decoding.engine import Engine
-from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.target import Target
@@ -33,6 +32,7 @@ from decoding.types import GenerationRequest, RoundEvent, SamplingParams, Specul
 from runtime.loading import load_target
 from runtime.passes import BatchItem
 from specbench.compare import load_prompts
+from wiring.drafts import load_drafter
 
 MS = 1000.0
 PATHS = ("step", "decode", "engine")

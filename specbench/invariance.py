@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from decoding.engine import Engine
-from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from runtime.batched import BatchedLM
 from runtime.causal_lm import CausalLM
 from runtime.loading import load_target
 from specbench.compare import load_prompts
+from wiring.drafts import load_drafter
 
 
 def _decode(target: CausalLM, drafter: Any, requests: list[GenerationRequest],

@@ -222,7 +222,7 @@ def serve_rss(quantize: str, dtype: str, timeout: float = 600) -> float:
 def draft_costs(steps: int) -> list[dict[str, Any]]:
     """The shipped draft's one-token step per draft dtype beside the GGUF target's step
     (the cost of a draft token as a fraction of a target step)."""
-    from decoding.factory import load_model_drafter
+    from wiring.drafts import load_model_drafter
 
     target = load_target("default", "bfloat16", quantize="auto")
     target_step = step_time(target, steps)

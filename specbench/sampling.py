@@ -20,13 +20,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from decoding.drafters.base import Drafter
-from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from runtime.causal_lm import CausalLM
 from runtime.loading import load_target
 from specbench.compare import json_output, load_prompts
+from wiring.drafts import load_drafter
 
 SAMPLERS = ("rejection", "keyed")
 

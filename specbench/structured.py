@@ -20,12 +20,12 @@ from typing import Any
 
 from decoding.constraints import GrammarCompiler
 from decoding.drafters.base import Drafter
-from decoding.factory import load_drafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from runtime.causal_lm import CausalLM
 from specbench.report import machine_info
+from wiring.drafts import load_drafter
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -13,14 +13,14 @@ import torch
 from pydantic import ValidationError
 
 from decoding.drafters.base import Drafter
-from decoding.factory import DraftSpecError
+from decoding.drafters.model import TokenizerMismatchError
 from decoding.prompting import encode_chat, encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import add_serve_command
 from gateway.startup import fail
 from runtime import model_store
-from runtime.causal_lm import CausalLM, TokenizerMismatchError
+from runtime.causal_lm import CausalLM
 from runtime.draft_format import DraftFormatError
 from runtime.kernels import CHOICES as KERNEL_CHOICES
 from runtime.loading import DRAFT_DTYPES, QUANTIZE, load_target
@@ -31,6 +31,7 @@ from specdistill.cli import add_distill_command
 from trt.backends import BACKENDS, load_draft
 from trt.cli import add_export_command
 from trt.errors import DraftBackendError
+from wiring.drafts import DraftSpecError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

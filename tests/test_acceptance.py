@@ -10,7 +10,6 @@ import pytest
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
-from decoding.factory import load_drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode
@@ -18,6 +17,7 @@ from decoding.types import GenerationRequest, SamplingParams
 from runtime.causal_lm import CausalLM
 from specbench.acceptance import replay
 from specserve.cli import main
+from wiring.drafts import load_drafter
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [

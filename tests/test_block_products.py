@@ -202,8 +202,8 @@ def test_a_tied_embedding_is_read_from_the_head_s_blocks(native: Any,
     """The default GGUF's input embedding is its Q8_0 head's blocks, looked up row by
     row: bitwise the bfloat16 table it stood for, which is never built (54 MB), and the
     shipped draft shares it."""
-    from decoding.factory import load_drafter
     from runtime.quantized import BlockEmbedding
+    from wiring.drafts import load_drafter
 
     path = model_store.default_gguf()
     model = GGUFModel(path)

@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import auto_draft, load_drafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
@@ -33,6 +32,7 @@ from specdistill.data import (
 )
 from specdistill.train import CHECKPOINT_NAME, collate, loss_and_hits, subset_index
 from specserve.cli import main
+from wiring.drafts import auto_draft, load_drafter
 
 VOCAB_TOP = 512
 
@@ -523,9 +523,9 @@ def test_auto_adds_the_shipped_draft_only_for_the_target_it_fits(
 ) -> None:
     """Without a stored measurement (as for any target but the default model), ``auto``
     is lookup plus the draft made for the target."""
-    from decoding import factory
+    from wiring import drafts
 
-    monkeypatch.setattr(factory, "read_choice", lambda: None)
+    monkeypatch.setattr(drafts, "read_choice", lambda: None)
     assert auto_draft(default_target, prefix_cache=True) == \
         f"ngram+cache+{distilled.DEFAULT_DRAFT}"
     assert auto_draft(default_target, prefix_cache=False) == f"ngram+{distilled.DEFAULT_DRAFT}"
@@ -538,9 +538,9 @@ def test_auto_serves_the_stored_measured_choice_for_the_default_model(
     """The shipped measurement names the mix ``auto`` serves the default model, the
     continuation cache joining it where a prefix cache runs; it never applies to another
     target."""
-    from decoding.factory import auto_choice
     from runtime.draft_choice import choice_path, read_choice
     from specbench import draft_choice
+    from wiring.drafts import auto_choice
 
     measured = read_choice()
     assert measured is not None, f"{choice_path()} is shipped and readable"

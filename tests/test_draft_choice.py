@@ -73,10 +73,10 @@ def test_another_targets_choice_is_measured_with_its_drafts_and_stored_beside_it
     ``--draft auto`` then reads it."""
     import shutil
 
-    from decoding import factory
     from runtime.causal_lm import CausalLM
     from runtime.draft_choice import choice_path_for
     from runtime.loading import load_target
+    from wiring import drafts
 
     target_dir = tmp_path / "target"
     shutil.copytree(tiny_target_dir, target_dir)
@@ -92,6 +92,6 @@ def test_another_targets_choice_is_measured_with_its_drafts_and_stored_beside_it
     assert stored == target_dir / "choice.json" and stored.is_file()
     target = load_target(str(target_dir))
     assert isinstance(target, CausalLM)
-    spec, reason = factory.auto_choice(target, prefix_cache=False)
+    spec, reason = drafts.auto_choice(target, prefix_cache=False)
     assert spec == report["choice"] and reason.startswith("chosen by measurement")
     assert choice_path_for("/models/x.gguf") == Path("/models/x.gguf.choice.json")

@@ -10,13 +10,13 @@ from transformers import AutoTokenizer
 from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
 from decoding.drafters.base import BaseDrafter, DraftProposal
 from decoding.drafters.combined import CombinedDrafter
-from decoding.drafters.model import CHAIN_STEPS
+from decoding.drafters.model import CHAIN_STEPS, TokenizerMismatchError
 from decoding.prompting import encode_text
 from decoding.round import decode, step
 from decoding.sequence import SequenceDecoder
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM, TokenizerMismatchError
+from runtime.causal_lm import CausalLM
 from tests.policies import SteadyTimingPolicy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -270,8 +270,8 @@ def test_the_shipped_draft_chains_natively_and_drafts_its_step_loop_s_tokens(
         default_model_dir: Path) -> None:
     """The shipped draft beside the served target (its head over part of the vocabulary,
     the target's 4-bit embedding rows): the chain runs, with the step loop's tokens."""
-    from decoding.factory import load_model_drafter
     from runtime.loading import load_target
+    from wiring.drafts import load_model_drafter
 
     target = load_target("default", "bfloat16", quantize="auto")
     drafter = load_model_drafter("default-draft", target, "bfloat16")

@@ -303,7 +303,7 @@ def test_streams_verifying_alternatives_together_match_each_alone(
     """The shipped draft's alternatives in a batch of streams (greedy, float32): each
     stream's output is its own plain decoding, and alternatives were taken on the way
     (alternatives run without batch invariance: ``BatchedLM.capabilities``)."""
-    from decoding.factory import load_model_drafter
+    from wiring.drafts import load_model_drafter
 
     monkeypatch.setattr(default_target, "batch_invariant", False)
     from decoding.prompting import encode_chat

@@ -345,8 +345,8 @@ def test_the_native_chain_drafts_the_feature_head_s_step_loop_tokens(
 def test_the_shipped_feature_head_chains_natively_beside_the_served_target() -> None:
     """The shipped head beside the served target (bfloat16, 4-bit blocks): the chain
     runs, with the step loop's tokens, from a verify pass's states."""
-    from decoding.factory import load_model_drafter
     from runtime.loading import load_target
+    from wiring.drafts import load_model_drafter
 
     target = load_target("default", "bfloat16", quantize="auto")
     assert isinstance(target, BatchedLM)

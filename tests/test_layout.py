@@ -1,10 +1,12 @@
 """The package layout is the architecture: imports point one way.
 
 gateway -> decoding -> runtime, and trt implements decoding's drafter protocol;
-benchmarks (specbench) and training (specdistill) import the core and nothing serving
-imports them; observability is imported by anyone and imports nothing of ours (callers
-hand it plain values); the command line (specserve) is the one place that imports
-everything.
+decoding sees the runtime only through its contract (``runtime.passes``: the pass's
+items and the runner's declared capabilities), and the wiring (``wiring``) builds the
+concrete models and drafters from names, above both; benchmarks (specbench) and
+training (specdistill) import the core and nothing serving imports them; observability
+is imported by anyone and imports nothing of ours (callers hand it plain values); the
+command line (specserve) is the one place that imports everything.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "decoding", "runtime", "trt", "observability", "specbench",
+PACKAGES = ("gateway", "decoding", "runtime", "wiring", "trt", "observability", "specbench",
             "specdistill", "specserve")
 # what each package must never import (directly, at any depth of the module)
 FORBIDDEN = {
-    "decoding": {"gateway", "trt", "specbench", "specdistill", "specserve", "observability",
-                 "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
-    "runtime": {"gateway", "decoding", "trt", "specbench", "specdistill", "specserve",
-                "observability", "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
+    "decoding": {"gateway", "wiring", "trt", "specbench", "specdistill", "specserve",
+                 "observability", "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
+    "runtime": {"gateway", "decoding", "wiring", "trt", "specbench", "specdistill",
+                "specserve", "observability", "fastapi", "redis", "tensorrt", "onnxruntime",
+                "uvicorn"},
+    "wiring": {"gateway", "trt", "specbench", "specdistill", "specserve", "observability",
+               "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
     "gateway": {"trt", "specbench", "specdistill", "specserve", "tensorrt", "onnxruntime"},
     "trt": {"gateway", "specbench", "specdistill", "specserve"},
-    "observability": {"gateway", "decoding", "runtime", "trt", "specbench", "specdistill",
-                      "specserve"},
+    "observability": {"gateway", "decoding", "runtime", "wiring", "trt", "specbench",
+                      "specdistill", "specserve"},
     "specbench": {"specserve", "specdistill"},
     "specdistill": {"specserve", "specbench", "gateway"},
 }
@@ -52,6 +57,21 @@ def test_no_import_points_the_wrong_way(package: str) -> None:
     wrong = {f"{path.relative_to(ROOT)} imports {name}"
              for path in _modules(package) for name in _imports(path) & FORBIDDEN[package]}
     assert not wrong, sorted(wrong)
+
+
+# the runtime modules the speculative core may import: the contract, no runner
+RUNTIME_CONTRACT = {"runtime.passes"}
+
+
+def test_the_core_sees_the_runtime_only_through_its_contract() -> None:
+    """decoding imports no concrete runner, model, kernel or file format (not even for
+    type checking): it is handed a target and drafters that meet its protocols."""
+    names = _module_names()
+    concrete = {f"{path.relative_to(ROOT)} imports {name}"
+                for path in _modules("decoding")
+                for name in _module_imports(path, names)
+                if name.split(".")[0] == "runtime" and name not in RUNTIME_CONTRACT}
+    assert not concrete, sorted(concrete)
 
 
 def test_every_package_is_checked() -> None:

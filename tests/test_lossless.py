@@ -227,7 +227,7 @@ def test_real_model_draft_lengths_set_by_confidence_stay_lossless(
 
     monkeypatch.setattr(default_target, "batch_invariant", False)
 
-    from decoding.factory import load_model_drafter
+    from wiring.drafts import load_model_drafter
 
     drafter = load_model_drafter("default-draft", default_target, "float32", "bfloat16")
     assert next(drafter.model.model.parameters()).dtype == torch.bfloat16  # type: ignore[attr-defined]

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import DraftSpecError, load_drafter
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
@@ -29,6 +28,7 @@ from runtime.model_store import CatalogueModel, ModelStoreError, Part
 from specserve.cli import main
 from trt.backends import load_draft
 from trt.errors import DraftBackendError
+from wiring.drafts import DraftSpecError, load_drafter
 
 PACKAGE = re.compile(r"^[a-z0-9][a-z0-9-]*==[0-9][0-9.]*$")
 

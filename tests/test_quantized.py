@@ -9,7 +9,6 @@ import torch
 
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.engine import Engine
-from decoding.factory import load_model_drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_text
 from decoding.round import decode
@@ -25,6 +24,7 @@ from runtime.quantized import (
     quantize_int8,
     quantized,
 )
+from wiring.drafts import load_model_drafter
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",

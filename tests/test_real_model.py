@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.drafters.model import ModelDrafter
-from decoding.factory import load_drafter
+from decoding.drafters.model import ModelDrafter, TokenizerMismatchError
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.params import SamplingDefaults, model_stops, sampling_defaults
 from runtime import model_store
 from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM, TokenizerMismatchError
+from runtime.causal_lm import CausalLM
 from runtime.loading import load_target
+from wiring.drafts import load_drafter
 
 TARGET = model_store.QWEN_CODER_1_5B
 DRAFT = model_store.QWEN_CODER_0_5B

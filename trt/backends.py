@@ -11,7 +11,7 @@ no GPU) raises a ``DraftBackendError`` at start-up; it never falls back.
 ``onnx`` and ``tensorrt`` export the draft on first use (once; later starts
 reuse the export while the draft's weights are unchanged).
 
-Specs are those of ``decoding.factory.load_drafter`` (e.g. ``ngram+cache+MODEL``),
+Specs are those of ``wiring.drafts.load_drafter`` (e.g. ``ngram+cache+MODEL``),
 where only the model part runs on the backend, plus ``default-truncated:N`` and
 export directories (holding ``manifest.json``), which run on ONNX Runtime or
 TensorRT without the original model.
@@ -26,13 +26,6 @@ from pathlib import Path
 
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
-from decoding.factory import (
-    DraftSpecError,
-    cheap_only,
-    load_drafter,
-    load_model_drafter,
-    resolve_auto,
-)
 from decoding.prefix_cache import PrefixCache
 from runtime.causal_lm import CausalLM
 from runtime.loading import torch_draft_dtype
@@ -51,6 +44,13 @@ from trt.onnx_drafter import (
 from trt.sources import DraftSource, DraftSourceError
 from trt.tensorrt_build import require_tensorrt, tensorrt_unavailable_reason
 from trt.tensorrt_drafter import load_tensorrt_drafter
+from wiring.drafts import (
+    DraftSpecError,
+    cheap_only,
+    load_drafter,
+    load_model_drafter,
+    resolve_auto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,9 @@ def load_draft(
 ) -> tuple[Drafter | None, str]:
     """The drafter for ``spec`` with its model on ``backend``, and the backend chosen.
 
-    ``spec`` is what ``decoding.factory.load_drafter`` takes (``none``, ``ngram``,
+    ``spec`` is what ``wiring.drafts.load_drafter`` takes (``none``, ``ngram``,
     ``cache``, a draft model, or several joined by ``+``), or ``auto`` (see
-    ``decoding.factory.resolve_auto``); only the model part runs on the backend. The
+    ``wiring.drafts.resolve_auto``); only the model part runs on the backend. The
     chosen backend is ``none``/``builtin`` when no model runs. On PyTorch the model runs
     in ``draft_dtype`` (``auto``: ``runtime.loading.torch_draft_dtype``).
     """

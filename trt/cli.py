@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from decoding.factory import NGRAM, NO_DRAFT
 from runtime.causal_lm import DTYPES
 from trt import store
 from trt.errors import DraftBackendError
@@ -28,6 +27,7 @@ from trt.manifest import Manifest, ManifestError
 from trt.sources import DraftSource, DraftSourceError
 from trt.tensorrt_build import BuildSettings, require_tensorrt
 from trt.tensorrt_drafter import load_tensorrt_engine
+from wiring.drafts import NGRAM, NO_DRAFT
 
 log = logging.getLogger(__name__)
 

@@ -13,21 +13,56 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol
 
 import torch
 
 from decoding.drafters.base import DraftContext
-from decoding.drafters.model import CHAIN_STEPS, StepDrafter
-from runtime.batched import BatchedState
-from runtime.causal_lm import CausalLM
-from runtime.feature_draft import FeatureDraft
-from runtime.passes import BatchItem, DraftSteps
-from runtime.weights import Product
+from decoding.drafters.model import CHAIN_STEPS, CacheT, DraftedFor, DraftModel, StepDrafter
+from runtime.passes import BatchItem, DraftSteps, PreparedPass
+
+
+class FeatureRunner(DraftModel[CacheT], Protocol[CacheT]):
+    """The draft's layer: a runner that starts from given rows (``BatchItem.inputs``) and
+    gives its own final states (``BatchItem.features``)."""
+
+    dtype: torch.dtype
+
+    def prepare_pass(self, items: Sequence[BatchItem]) -> PreparedPass: ...
+
+    def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]: ...
+
+
+class FeatureModel(Protocol[CacheT]):
+    """A draft over the target's features (``runtime.feature_draft.FeatureDraft``): its
+    layer, the rows it starts each position from, and its native chain."""
+
+    @property
+    def runner(self) -> FeatureRunner[CacheT]: ...
+
+    def target_feature(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, H (+ L*H)] of the target's -> [n, H]: its rows as the draft reads them."""
+        ...
+
+    def inputs(self, token_ids: Sequence[int], features: torch.Tensor) -> torch.Tensor:
+        """[n, H]: each token's embedding beside the feature before it, fused."""
+        ...
+
+    def chains(self, vocab: int) -> bool:
+        """Whether greedy steps run in one native call (``draft_chain``)."""
+        ...
+
+    def draft_chain(self, caches: Sequence[CacheT], feeds: Sequence[Sequence[int]],
+                    steps: Sequence[int], vocab: int,
+                    carried: Sequence[torch.Tensor]) -> list[DraftSteps]:
+        """Each sequence fed its tokens, each beside its carried row and then its own
+        states, and ``steps`` tokens drafted (``ChainDrafting.draft_chain``)."""
+        ...
 
 
 @dataclass
-class FeatureDraftState:
-    cache: BatchedState  # the draft layer's KV: entry e holds the token at first + e
+class FeatureDraftState(Generic[CacheT]):
+    cache: CacheT  # the draft layer's KV: entry e holds the token at first + e
     first: int = 1  # the position of the first entry's token
     fed: list[int] = field(default_factory=list)  # the entries' tokens
     real: int = 0  # leading entries fed beside the target's own states
@@ -36,26 +71,19 @@ class FeatureDraftState:
     judged: int = CHAIN_STEPS  # tokens the judge let through the last chained round
 
 
-class FeatureDrafter(StepDrafter[FeatureDraftState]):
+class FeatureDrafter(StepDrafter[FeatureDraftState[CacheT]]):
     reads_features = True
 
-    def __init__(self, draft: FeatureDraft, target: CausalLM | None = None,
+    def __init__(self, draft: FeatureModel[CacheT], target: DraftedFor | None = None,
                  name: str = "feature-draft") -> None:
         super().__init__(draft.runner, target, name=name)
         self.draft = draft
 
     def can_chain(self) -> bool:
-        """Whether greedy rounds draft in one native call: the chain's input fusion runs
-        the draft's ``fc`` over [embedding | carried state], as ``FeatureDraft.inputs``
-        does."""
-        runner = self.draft.runner
-        return (self.native_chain and runner.batch_invariant
-                and runner.chain(self.target_vocab, self._fusion()) is not None)
+        """Whether greedy rounds draft in one native call (the draft's ``chains``)."""
+        return self.native_chain and self.draft.chains(self.target_vocab)
 
-    def _fusion(self) -> tuple[Product, int]:
-        return self.draft.fc, 2 * self.draft.hidden_size
-
-    def _chain_steps(self, states: Sequence[FeatureDraftState],
+    def _chain_steps(self, states: Sequence[FeatureDraftState[CacheT]],
                      feeds: Sequence[list[int]], steps: Sequence[int]) -> list[DraftSteps]:
         """One native call: a round's catch-up beside the target's states, a later
         call's first token beside the state the call before left; every drafted token
@@ -65,8 +93,8 @@ class FeatureDrafter(StepDrafter[FeatureDraftState]):
             before = state.pending if state.pending is not None else state.last
             assert before is not None
             carried.append(before.reshape(len(feed), -1).to(self.draft.runner.dtype))
-        drafted = self.draft.runner.draft_chain([s.cache for s in states], feeds, steps,
-                                                self.target_vocab, carried, self._fusion())
+        drafted = self.draft.draft_chain([s.cache for s in states], feeds, steps,
+                                         self.target_vocab, carried)
         for state, feed, n, got in zip(states, feeds, steps, drafted, strict=True):
             state.fed.extend(feed)
             if state.pending is not None:
@@ -76,10 +104,10 @@ class FeatureDrafter(StepDrafter[FeatureDraftState]):
             state.last = got.state
         return drafted
 
-    def begin(self, prompt_ids: Sequence[int]) -> FeatureDraftState:
+    def begin(self, prompt_ids: Sequence[int]) -> FeatureDraftState[CacheT]:
         return FeatureDraftState(cache=self.draft.runner.new_state())
 
-    def _catch_up(self, state: FeatureDraftState,
+    def _catch_up(self, state: FeatureDraftState[CacheT],
                   context: DraftContext) -> list[int]:
         """Keep the entries fed beside the target's states; the committed tokens to feed
         beside theirs (none where the sequence holds no states for them)."""
@@ -103,7 +131,7 @@ class FeatureDrafter(StepDrafter[FeatureDraftState]):
         state.pending = self.draft.target_feature(rows.get(start - 1, last))
         return list(tokens[start : last + 1])
 
-    def _step(self, states: list[FeatureDraftState],
+    def _step(self, states: list[FeatureDraftState[CacheT]],
               feeds: list[list[int]]) -> list[torch.Tensor]:
         items = []
         for state, feed in zip(states, feeds, strict=True):
@@ -122,13 +150,13 @@ class FeatureDrafter(StepDrafter[FeatureDraftState]):
             state.last = own[-1]
         return [out[0] for out in logits]
 
-    def rollback(self, state: FeatureDraftState, length: int) -> None:
+    def rollback(self, state: FeatureDraftState[CacheT], length: int) -> None:
         keep = max(0, length - state.first)
         if keep < len(state.fed):
             self.draft.runner.rollback(state.cache, keep)
             del state.fed[keep:]
             state.real = min(state.real, keep)
 
-    def release(self, state: FeatureDraftState) -> None:
+    def release(self, state: FeatureDraftState[CacheT]) -> None:
         self.draft.runner.release(state.cache)
         state.fed.clear()

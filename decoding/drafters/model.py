@@ -14,7 +14,6 @@ import torch
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
-from runtime.causal_lm import CausalLM, check_same_vocabulary
 from runtime.passes import BatchItem, ChainDrafting, DraftSteps, TargetCapabilities
 
 if TYPE_CHECKING:
@@ -27,6 +26,33 @@ if TYPE_CHECKING:
 CHAIN_STEPS = 4
 
 CacheT = TypeVar("CacheT")  # a draft model's per-sequence KV cache state
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft and the target do not share a vocabulary."""
+
+
+def check_same_vocabulary(target_tokenizer: PreTrainedTokenizerBase,
+                          draft_tokenizer: PreTrainedTokenizerBase, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer differs from the target's."""
+    target_vocab = target_tokenizer.get_vocab()
+    draft_vocab = draft_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sum(1 for t, i in draft_vocab.items() if target_vocab.get(t) != i)
+    raise TokenizerMismatchError(
+        f"draft {draft_name!r} does not share the target's tokenizer: vocabularies of "
+        f"{len(draft_vocab)} and {len(target_vocab)} tokens differ on {differing} entries. "
+        "A draft must use exactly the target's tokenizer."
+    )
+
+
+class DraftedFor(Protocol):
+    """What a drafter reads of the target it drafts for: its tokenizer (a draft must use
+    exactly it) and the vocabulary its logits span."""
+
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
 
 
 class DraftModel(Protocol[CacheT]):
@@ -79,7 +105,7 @@ class StepDrafter(BaseDrafter[StateS]):
 
     native_chain = True  # greedy rounds in one native call where the model offers it
 
-    def __init__(self, model: DraftModel, target: CausalLM | None = None,
+    def __init__(self, model: DraftModel, target: DraftedFor | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, name: str = "draft") -> None:
         tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         if target is not None:

@@ -21,7 +21,7 @@ from packaging.utils import canonicalize_name
 from tests.deploy.conftest import REPO, require_tool
 
 DOCKERFILE = REPO / "Dockerfile"
-SOURCE_DIRS = ("gateway", "decoding", "runtime", "trt", "observability", "specserve",
+SOURCE_DIRS = ("gateway", "decoding", "runtime", "wiring", "trt", "observability", "specserve",
                "specbench", "specdistill")
 
 

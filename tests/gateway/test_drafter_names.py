@@ -50,11 +50,11 @@ def test_a_measured_choice_of_none_serves_plain_decoding(
         default_target: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the stored measurement found no mix faster than plain decoding, ``auto`` on
     the default model without a prefix cache has no default drafter, and says why."""
-    from decoding import factory
     from runtime.draft_choice import Measured
+    from wiring import drafts
 
     measured = Measured("none", {"chat": 1.0, "grounded": 1.0}, "a CPU", 2, "a command")
-    monkeypatch.setattr(factory, "read_choice", lambda: measured)
+    monkeypatch.setattr(drafts, "read_choice", lambda: measured)
     engine = build_engine(Settings(draft="auto", prefix_cache=False, served_model_name=TINY,
                                    api_keys=[], cors_origins=[]))
     try:
