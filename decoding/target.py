@@ -1,7 +1,7 @@
 """The model that scores drafts, as the speculative core sees it.
 
-The runtime (``runtime.causal_lm.CausalLM``, ``runtime.batched.BatchedLM``) implements
-it; the core never builds a target, it is handed one.
+The runtime's runners (``runtime.causal_lm.CausalLM``: ``TransformersLM`` and
+``runtime.batched.BatchedLM``) implement it; the core never builds a target, it is handed one.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ StateT = TypeVar("StateT")  # a target's per-sequence state: its KV cache's hand
 class Target(Protocol[StateT]):
     """The model that scores drafts: a forward pass over a batch of (sequence, new
     tokens) gives logits for every kept position; each sequence's KV rolls back to a
-    length. ``CausalLM`` (one sequence per pass) and ``BatchedLM`` implement it."""
+    length. ``TransformersLM`` (one sequence per pass) and ``BatchedLM`` implement it."""
 
     name: str
     tokenizer: PreTrainedTokenizerBase
@@ -31,7 +31,9 @@ class Target(Protocol[StateT]):
     vocab_size: int
     max_context: int
     eos_token_ids: frozenset[int]
-    capabilities: TargetCapabilities
+
+    @property
+    def capabilities(self) -> TargetCapabilities: ...
 
     @property
     def num_layers(self) -> int: ...

@@ -1,6 +1,6 @@
 """What a forward pass takes and gives: the runtime's side of ``decoding.target.Target``.
 
-Every runner (``causal_lm.CausalLM``, ``batched.BatchedLM``) declares its
+Every runner (``causal_lm.TransformersLM``, ``batched.BatchedLM``) declares its
 ``TargetCapabilities`` and runs ``BatchItem``s, prepared as a ``PreparedPass``.
 """
 

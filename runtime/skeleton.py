@@ -9,7 +9,7 @@ from these modules, their configs read by ``model_config.read_config``: transfor
 parameter names and arithmetic for Llama, Mistral, Qwen2 and Qwen3 (the same logits,
 bitwise: ``tests/test_skeleton.py``), Phi-3 (its fused projections split into these) and
 Gemma 3 (transformers' logits to float32's rounding: ``tests/test_gemma.py``), no forward
-of the model's own. ``CausalLM`` (any family, one
+of the model's own. ``TransformersLM`` (any family, one
 sequence per pass) and training keep transformers' classes. The linears are made on the
 meta device: whoever builds one fills what it reads (``fill``) or replaces the matrices
 (a GGUF file's).

@@ -21,7 +21,7 @@ from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
 from runtime import model_store
 from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
+from runtime.causal_lm import CausalLM, TransformersLM
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -94,7 +94,7 @@ def tiny_target(tiny_target_dir: Path) -> CausalLM:
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_target_dir: Path) -> CausalLM:
     """The tiny target as transformers runs it: its own model class and forward pass."""
-    return CausalLM.load(str(tiny_target_dir), dtype="float32")
+    return TransformersLM.load(str(tiny_target_dir), dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +122,7 @@ def tiny_long_target(tmp_path_factory: pytest.TempPathFactory,
 
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_draft_dir: Path) -> CausalLM:
-    return CausalLM.load(str(tiny_draft_dir), dtype="float32")
+    return TransformersLM.load(str(tiny_draft_dir), dtype="float32")
 
 
 def require_program(name: str, package: str) -> str:

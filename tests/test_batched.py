@@ -11,7 +11,7 @@ import torch
 from decoding.drafters import NgramDrafter
 from runtime import layout, weights
 from runtime.batched import BatchedLM, BatchedState
-from runtime.causal_lm import CausalLM
+from runtime.causal_lm import CausalLM, TransformersLM
 from runtime.layout import attention_blocks
 from runtime.memory import FileRows
 from runtime.passes import BatchItem
@@ -444,7 +444,7 @@ def test_a_family_the_batched_runner_lacks_is_named_with_what_it_needs(
     tokenizer = types.SimpleNamespace(eos_token_id=None)  # the runner reads no more of it
     with caplog.at_level("WARNING"):
         runner = BatchedLM.wrap(model, tokenizer, name="tiny")
-    assert type(runner) is CausalLM
+    assert type(runner) is TransformersLM
     assert reason in caplog.text
     ids = [1, 5, 9, 3]
     state = runner.new_state()

@@ -16,7 +16,7 @@ from decoding.round import decode, step
 from decoding.sequence import SequenceDecoder
 from decoding.types import GenerationRequest, SamplingParams
 from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
+from runtime.causal_lm import CausalLM, TransformersLM
 from tests.policies import SteadyTimingPolicy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -341,7 +341,7 @@ def test_mismatched_tokenizer_is_refused(
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_draft_dir)
     tokenizer.add_tokens(["<extra-token-a>", "<extra-token-b>"])
-    draft = CausalLM.load(str(tiny_draft_dir))
+    draft = TransformersLM.load(str(tiny_draft_dir))
     draft.tokenizer = tokenizer
     with pytest.raises(TokenizerMismatchError, match="does not share the target's tokenizer"):
         ModelDrafter(draft, tiny_target)

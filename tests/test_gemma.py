@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as GT
 
 from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
+from runtime.causal_lm import TransformersLM
 from runtime.causal_lm import pretrained as transformers_pretrained
 from runtime.kernels import KernelsUnavailable
 from runtime.loading import load_target
@@ -76,7 +76,7 @@ def test_a_gemma3_model_runs_batched_with_transformers_logits(gemma_dir: Path) -
     assert own.kernels == "torch"
     assert [w.window for w in own.stack.weights] == [WINDOW, None, WINDOW]
     full = own.score(own.new_state(), IDS)
-    reference = CausalLM.load(str(gemma_dir), dtype="float32")  # transformers' forward
+    reference = TransformersLM.load(str(gemma_dir), dtype="float32")  # transformers' forward
     want = reference.score(reference.new_state(), IDS)
     torch.testing.assert_close(full, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(full.argmax(-1), want.argmax(-1))
@@ -118,7 +118,7 @@ def test_an_alternative_sees_its_window_and_itself(gemma_dir: Path) -> None:
     from tests.batching import check_alternatives
 
     target = BatchedLM.load(str(gemma_dir), dtype="float32")
-    reference = CausalLM.load(str(gemma_dir), dtype="float32")
+    reference = TransformersLM.load(str(gemma_dir), dtype="float32")
     assert isinstance(target, BatchedLM)
     check_alternatives(target, reference, [IDS[:11], IDS[3:26], IDS[:3]],
                        [[901, 902, 903, 904], [905], [906, 907, 908]], [True, False, True],

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
+from runtime.causal_lm import TransformersLM
 from runtime.causal_lm import pretrained as transformers_pretrained
 from runtime.families import attention_dims, unbatchable
 from runtime.model_config import model_config, read_config, tokenizer
@@ -73,7 +73,7 @@ def test_a_skeleton_runs_transformers_logits_bitwise(tmp_path: Path, default_mod
     want = theirs.score(theirs.new_state(), ids)
     assert torch.equal(own.score(own.new_state(), ids), want)
     # and transformers' own forward pass over the same weights (its biases included)
-    forward = CausalLM.load(path, dtype="float32")
+    forward = TransformersLM.load(path, dtype="float32")
     torch.testing.assert_close(forward.score(forward.new_state(), ids), want,
                                rtol=1e-4, atol=1e-4)
 
@@ -147,7 +147,7 @@ def test_a_phi3_model_runs_batched(tmp_path: Path, default_model_dir: Path,
     assert own.kernels == ("native" if window is None else "torch")
     ids = [500 + 37 * i for i in range(24)]
     got = own.score(own.new_state(), ids)
-    forward = CausalLM.load(path, dtype="float32")
+    forward = TransformersLM.load(path, dtype="float32")
     torch.testing.assert_close(got, forward.score(forward.new_state(), ids),
                                rtol=1e-4, atol=1e-4)
     rebuilt = BatchedLM.wrap(*transformers_pretrained(path, "float32", "cpu"), name=path)
@@ -168,7 +168,7 @@ def test_other_families_keep_transformers_models(tmp_path: Path,
     model, _ = pretrained(str(path), "float32", "cpu")
     assert not isinstance(model, Skeleton) and type(model).__name__ == "PhiForCausalLM"
     runner = BatchedLM.load(str(path))
-    assert type(runner) is CausalLM  # one sequence a pass, transformers' forward
+    assert type(runner) is TransformersLM  # one sequence a pass, transformers' forward
     assert runner.score(runner.new_state(), [5, 6, 7]).shape[0] == 3
     with pytest.raises(ValueError, match="unknown dtype"):
         pretrained(str(path), "float8", "cpu")

@@ -23,7 +23,7 @@ import torch
 
 from runtime import draft_format as distilled
 from runtime import model_store
-from runtime.causal_lm import DTYPES, CausalLM
+from runtime.causal_lm import DTYPES, CausalLM, TransformersLM
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class DraftSource:
         return model_store.resolve(distilled.DraftInfo.load(self.path).made_with["target"])
 
     def load_causal_lm(self, dtype: str = "float32", device: str = "cpu") -> CausalLM:
-        return CausalLM(self.load_model(dtype, device), self.load_tokenizer(), name=self.spec)
+        return TransformersLM(self.load_model(dtype, device), self.load_tokenizer(), name=self.spec)
 
     def _weight_files(self) -> list[Path]:
         files = sorted(p for p in self.path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))

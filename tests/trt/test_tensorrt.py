@@ -17,7 +17,7 @@ import torch
 
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM
+from runtime.causal_lm import CausalLM, TransformersLM
 from trt import tensorrt_drafter
 from trt.errors import DraftBackendError
 from trt.export import export_onnx
@@ -69,7 +69,7 @@ def test_engine_needs_tensorrt_and_a_gpu(tiny_draft_export: Path, tiny_target: C
 @pytest.fixture
 def gpu_target(tiny_target_dir: Path) -> CausalLM:
     pytest.importorskip("tensorrt", reason="TensorRT is not installed on this GPU machine")
-    return CausalLM.load(str(tiny_target_dir), device="cuda")
+    return TransformersLM.load(str(tiny_target_dir), device="cuda")
 
 
 @pytest.fixture(params=["float32", "bfloat16"])
