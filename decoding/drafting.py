@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar, cast
 
 import torch
 
@@ -17,6 +17,8 @@ from decoding.features import FeatureRows
 from decoding.policy import AdaptiveSpeculation
 from decoding.types import RoundTiming
 from decoding.verify import Verdict
+
+DraftStateT = TypeVar("DraftStateT")  # the drafter's per-sequence state
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Draft:
             alternative_taken=verdict.alternative_taken)
 
 
-class SequenceDrafting:
+class SequenceDrafting(Generic[DraftStateT]):
     """One sequence's drafter and its state, the source that drafts the next round, each
     source's draft-length policy, and the target's feature rows where the drafter reads
     them. It is also the ``DraftJudge`` of the sequence's drafts: the drafting source's
@@ -55,7 +57,7 @@ class SequenceDrafting:
 
     def __init__(
         self,
-        drafter: Drafter,
+        drafter: Drafter[DraftStateT],
         prompt_ids: Sequence[int],
         alternatives: bool,
         features: bool,
@@ -68,7 +70,8 @@ class SequenceDrafting:
         draft-length policy for every source; else each source gets its own from
         ``new_policy(source)`` (default: a fresh one), at most ``max_draft_tokens`` long."""
         self.drafter = drafter
-        self.state: Any = drafter.begin(prompt_ids)
+        # the drafter's state (None for a stateless drafter), dropped once released
+        self.state: DraftStateT | None = drafter.begin(prompt_ids)
         self.alternatives = alternatives
         self.features = FeatureRows() if features else None  # the target's, by position
         self.policies: dict[str, AdaptiveSpeculation] = {}  # by draft source
@@ -77,6 +80,12 @@ class SequenceDrafting:
         self._shared_policy = policy
         self._new_policy = new_policy
         self._max_draft_tokens = max_draft_tokens
+
+    @property
+    def drafter_state(self) -> DraftStateT:
+        """What the drafter's calls take: the state it began with (None for a stateless
+        drafter, and once released)."""
+        return cast(DraftStateT, self.state)
 
     @property
     def policy(self) -> AdaptiveSpeculation:
@@ -95,7 +104,7 @@ class SequenceDrafting:
         round); ``policy`` is then that source's."""
         if self._chosen_for == round_index:
             return
-        self.source = self.drafter.source(self.state, context())
+        self.source = self.drafter.source(self.drafter_state, context())
         self._chosen_for = round_index
 
     @property
@@ -104,11 +113,11 @@ class SequenceDrafting:
         return self.source or self.drafter.name
 
     def propose(self, context: DraftContext, k: int) -> DraftProposal:
-        return self.drafter.propose(self.state, context, k)
+        return self.drafter.propose(self.drafter_state, context, k)
 
     def rollback(self, length: int) -> None:
         """The sequence now has ``length`` committed tokens."""
-        self.drafter.rollback(self.state, length)
+        self.drafter.rollback(self.drafter_state, length)
 
     def release(self) -> None:
         """Free the drafter's state (idempotent)."""

@@ -17,11 +17,10 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from decoding.target import Target
+from decoding.target import StateT, Target
 from runtime.passes import BatchItem
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class InvarianceCheck:
     def sample(self) -> bool:
         return self.rate > 0.0 and self._rng.random() < self.rate
 
-    def check(self, target: Target, state: Any, token: int, logits: torch.Tensor,
+    def check(self, target: Target[StateT], state: StateT, token: int, logits: torch.Tensor,
               request_id: str = "") -> bool:
         """Recompute the logits after ``token``, the last position ``state`` caches, as a
         one-token step, and compare them with ``logits`` (what the pass gave there)."""

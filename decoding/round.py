@@ -22,7 +22,7 @@ from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation
 from decoding.prefix_cache import PrefixCache
 from decoding.sequence import SequenceDecoder
-from decoding.target import Target
+from decoding.target import StateT, Target
 from decoding.types import (
     GenerationRequest,
     PromptChunk,
@@ -35,6 +35,7 @@ from runtime.passes import BatchItem, PreparedPass
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+S = TypeVar("S")  # any runner's per-sequence state
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class RoundResult:
     pass_s: float  # its seconds (0 when the batched pass failed)
 
 
-def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, int]],
-                      decoding: Sequence[tuple[SequenceDecoder, int]],
+def speculative_round(target: Target[StateT],
+                      prompts: Sequence[tuple[SequenceDecoder[StateT], int]],
+                      decoding: Sequence[tuple[SequenceDecoder[StateT], int]],
                       check: InvarianceCheck | None = None,
                       starting: Callable[[], None] | None = None) -> RoundResult:
     """One iteration: the next chunk (at most the given tokens) of each prompt in
@@ -67,7 +69,7 @@ def speculative_round(target: Target, prompts: Sequence[tuple[SequenceDecoder, i
     the target pass is prepared, right before its long call (the engine hands the
     previous round's events over there)."""
     outcomes: list[Outcome] = []
-    work: list[tuple[SequenceDecoder, PromptChunk | Draft]] = []
+    work: list[tuple[SequenceDecoder[StateT], PromptChunk | Draft]] = []
     for seq, limit in prompts:
         chunk = _attempt(seq, outcomes, seq.next_prompt_chunk, limit)
         if chunk is not None:
@@ -127,7 +129,8 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
     return event
 
 
-def _check_invariance(check: InvarianceCheck, target: Target, seq: SequenceDecoder,
+def _check_invariance(check: InvarianceCheck, target: Target[StateT],
+                      seq: SequenceDecoder[StateT],
                       draft: Draft, event: RoundEvent, logits: torch.Tensor) -> None:
     """The pass's logits at the last position the round cached (those that chose the
     next token) against a one-token step's; rounds that end the sequence or took an
@@ -156,7 +159,7 @@ def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: li
         start = time.perf_counter()
         try:
             drafting = [s.drafting for s in seqs if s.drafting is not None]  # all (grouped so)
-            proposals = drafting[0].drafter.propose_many([d.state for d in drafting],
+            proposals = drafting[0].drafter.propose_many([d.drafter_state for d in drafting],
                                                          [s.draft_context() for s in seqs], ks)
         except Exception:
             log.warning("drafting for %d requests together failed; each drafts alone",
@@ -172,7 +175,8 @@ def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: li
 Features = list[torch.Tensor | None]  # per sequence: its tokens' final hidden states
 
 
-def target_pass(target: Target, work: Sequence[tuple[SequenceDecoder, PromptChunk | Draft]],
+def target_pass(target: Target[StateT],
+                work: Sequence[tuple[SequenceDecoder[StateT], PromptChunk | Draft]],
                 starting: Callable[[], None] | None = None,
                 ) -> tuple[list[torch.Tensor | None], Features, int, int, float]:
     """The kept logits of every sequence's tokens from one forward pass, and their final
@@ -210,8 +214,8 @@ def target_pass(target: Target, work: Sequence[tuple[SequenceDecoder, PromptChun
     return outputs, features, sum(out is not None for out in outputs), tokens, 0.0
 
 
-def _run(target: Target, items: Sequence[BatchItem], starting: Callable[[], None] | None = None
-         ) -> tuple[list[torch.Tensor], Features]:
+def _run(target: Target[StateT], items: Sequence[BatchItem[StateT]],
+         starting: Callable[[], None] | None = None) -> tuple[list[torch.Tensor], Features]:
     prepared = target.prepare_pass(items)
     if starting is not None:
         starting()
@@ -219,7 +223,7 @@ def _run(target: Target, items: Sequence[BatchItem], starting: Callable[[], None
     return logits, with_layers(prepared) or [None] * len(items)
 
 
-def with_layers(prepared: PreparedPass) -> Features:
+def with_layers(prepared: PreparedPass[S]) -> Features:
     """Each item's final hidden states, and where the target captures layers (for a
     feature draft that fuses them) those layers' outputs after them: [n, H + L*H]."""
     if not prepared.layers:
@@ -239,7 +243,7 @@ def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[..., 
         return None
 
 
-def step(decoder: SequenceDecoder) -> RoundEvent:
+def step(decoder: SequenceDecoder[StateT]) -> RoundEvent:
     """Run one round of ``decoder`` alone and describe what it committed (the whole
     prompt's prefill is one round here; an engine feeds a long prompt in chunks)."""
     while True:
@@ -253,7 +257,7 @@ def step(decoder: SequenceDecoder) -> RoundEvent:
 
 
 def decode(
-    target: Target,
+    target: Target[StateT],
     drafter: Drafter | None,
     request: GenerationRequest,
     policy: AdaptiveSpeculation | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Generic
 
 import torch
 
@@ -27,7 +27,7 @@ from decoding.policy import AdaptiveSpeculation
 from decoding.prefill import PromptPrefill
 from decoding.prefix_cache import PrefixCache
 from decoding.sampling import apply_penalties, logits_to_probs, make_randomness, output_counts
-from decoding.target import Target
+from decoding.target import StateT, Target
 from decoding.text import Committed
 from decoding.types import (
     FinishReason,
@@ -46,10 +46,10 @@ class ContextOverflowError(ValueError):
     """The prompt leaves no room to generate within the model's context."""
 
 
-class SequenceDecoder:
+class SequenceDecoder(Generic[StateT]):
     def __init__(
         self,
-        target: Target,
+        target: Target[StateT],
         drafter: Drafter | None,
         request: GenerationRequest,
         policy: AdaptiveSpeculation | None = None,
@@ -75,7 +75,7 @@ class SequenceDecoder:
                                    request.stop)
         self.prompt = PromptPrefill(request.prompt_ids, prefix_cache,
                                     request.top_logprobs if request.prompt_logprobs else None)
-        self.state: Any = target.new_state()
+        self.state: StateT | None = target.new_state()  # None once closed
         self.rounds = 0
         self._counts: torch.Tensor | None = None  # output token counts, for penalties
         spec = request.speculation  # a grammar the output must match (decoding/constrained.py)
@@ -96,6 +96,13 @@ class SequenceDecoder:
         return self.committed.finished
 
     @property
+    def live_state(self) -> StateT:
+        """The target's state of this sequence (not yet closed)."""
+        if self.state is None:
+            raise RuntimeError("the sequence is closed")
+        return self.state
+
+    @property
     def features(self) -> FeatureRows | None:
         """The target's hidden states by position, for a drafter that reads them."""
         return self.drafting.features if self.drafting is not None else None
@@ -111,7 +118,7 @@ class SequenceDecoder:
         the longest cached prefix (``PromptPrefill.next_chunk``)."""
         if self.finished or self.rounds:
             raise RuntimeError("the prompt has been prefilled")
-        return self.prompt.next_chunk(self.target, self.state, limit)
+        return self.prompt.next_chunk(self.target, self.live_state, limit)
 
     def propose(self, k: int, made: tuple[DraftProposal, float] | None = None) -> Draft:
         """This round's draft of at most ``k`` tokens, or ``made`` (a proposal drafted with
@@ -119,7 +126,7 @@ class SequenceDecoder:
         if self.finished:
             raise RuntimeError("the sequence has already finished")
         start = time.perf_counter()
-        self.prompt.store(self.target, self.state)  # after the first token went out
+        self.prompt.store(self.target, self.live_state)  # after the first token went out
         if made is None:
             began = time.perf_counter()
             proposal = self._propose(k)
@@ -143,18 +150,19 @@ class SequenceDecoder:
         return Draft(tokens, probs, alternative, proposal, seconds, start, policy,
                      expected[-1] - 1.0 if expected else None, constrained)
 
-    def pass_item(self, part: PromptChunk | Draft) -> BatchItem:
+    def pass_item(self, part: PromptChunk | Draft) -> BatchItem[StateT]:
         """What the target runs for this sequence: a prompt chunk (keeping the logits
         ``PromptPrefill.kept_rows`` says), or the pending token, the draft and (last) the
         alternative."""
         features = self.features is not None
         if isinstance(part, PromptChunk):
-            return BatchItem(self.state, part.tokens, self.prompt.kept_rows(part),
+            return BatchItem(self.live_state, part.tokens, self.prompt.kept_rows(part),
                              features=features)
         tokens = [self.committed.tokens[-1], *part.tokens]
         if part.alternative is not None:
             tokens.append(part.alternative)
-        return BatchItem(self.state, tokens, len(tokens), alternative=part.alternative is not None,
+        return BatchItem(self.live_state, tokens, len(tokens),
+                         alternative=part.alternative is not None,
                          features=features)
 
     def prompt_done(self, chunk: PromptChunk, logits: torch.Tensor, forward_s: float,
@@ -182,9 +190,9 @@ class SequenceDecoder:
         ``features``."""
         pending = len(self.committed.tokens) - 1  # the pending token's position
         if verdict.alternative_taken:
-            self.target.adopt_alternative(self.state, pending, passed)
+            self.target.adopt_alternative(self.live_state, pending, passed)
         else:
-            self.target.rollback(self.state, len(self.committed.tokens) + verdict.accepted)
+            self.target.rollback(self.live_state, len(self.committed.tokens) + verdict.accepted)
         if self.features is not None and features is not None:
             self.features.add_verified(pending, features, verdict.accepted,
                                        verdict.alternative_taken)
@@ -278,7 +286,7 @@ class SequenceDecoder:
                     if self.request.logprobs else ())
         self.rounds += 1
         if finish is not None:
-            self.prompt.ended(self.target, self.state, self.committed.tokens, finish)
+            self.prompt.ended(self.target, self.live_state, self.committed.tokens, finish)
             self.close()
         bookkeeping = time.perf_counter() - start - timing.draft_s - timing.verify_s
         return RoundEvent(

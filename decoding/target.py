@@ -16,7 +16,13 @@ from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-StateT = TypeVar("StateT")  # a target's per-sequence state: its KV cache's handle
+class SequenceState(Protocol):
+    """What the core reads of a target's per-sequence state (its KV cache's handle)."""
+
+    length: int  # the positions it caches
+
+
+StateT = TypeVar("StateT", bound=SequenceState)  # a target's per-sequence state
 
 
 class Target(Protocol[StateT]):
@@ -40,17 +46,17 @@ class Target(Protocol[StateT]):
 
     def new_state(self) -> StateT: ...
 
-    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+    def forward_batch(self, items: Sequence[BatchItem[StateT]]) -> list[torch.Tensor]:
         """Each item's tokens appended to its sequence; each item's kept logits,
         ``[keep, vocab]`` (``run_pass`` of ``prepare_pass``)."""
         ...
 
-    def prepare_pass(self, items: Sequence[BatchItem]) -> PreparedPass:
+    def prepare_pass(self, items: Sequence[BatchItem[StateT]]) -> PreparedPass[StateT]:
         """The pass checked and built up to its long call, which ``run_pass`` makes
         (the GIL mostly released): between the two the engine hands its events over."""
         ...
 
-    def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]: ...
+    def run_pass(self, prepared: PreparedPass[StateT]) -> list[torch.Tensor]: ...
 
     def first_largest(self, scores: torch.Tensor) -> list[int]:
         """Each row's first largest score's index, exactly ``scores.float().argmax(-1)``

@@ -262,7 +262,8 @@ class BatchedLM(CausalLM[BatchedState]):
     # -- forward passes -----------------------------------------------------------------
 
     @torch.inference_mode()
-    def prepare_pass(self, items: Sequence[BatchItem]) -> PreparedPass:
+    def prepare_pass(self, items: Sequence[BatchItem[BatchedState]]
+                     ) -> PreparedPass[BatchedState]:
         """A pass checked and made ready up to its long call: the layout and, on the
         native kernels, the embedded tokens and their rotary tables. Between this and
         ``run_pass`` the caller may let other Python threads run (the engine hands its
@@ -278,7 +279,7 @@ class BatchedLM(CausalLM[BatchedState]):
                                                      if native else None))
 
     @torch.inference_mode()
-    def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]:
+    def run_pass(self, prepared: PreparedPass[BatchedState]) -> list[torch.Tensor]:
         """Run a prepared pass: each item's kept logits; every sequence's cache grows by
         its tokens."""
         items = prepared.items

@@ -94,16 +94,16 @@ class CausalLM(Generic[S]):
         """Append ``token_ids`` to the cache; return the logits after each of them."""
         return self.forward_batch([BatchItem(state, token_ids, len(token_ids))])[0]
 
-    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+    def forward_batch(self, items: Sequence[BatchItem[S]]) -> list[torch.Tensor]:
         """Each item's new tokens appended to its sequence; the kept logits of each,
         ``[keep, vocab]``, in the order given."""
         return self.run_pass(self.prepare_pass(items))
 
-    def prepare_pass(self, items: Sequence[BatchItem]) -> PreparedPass:
+    def prepare_pass(self, items: Sequence[BatchItem[S]]) -> PreparedPass[S]:
         """A pass checked and made ready up to its long call (``run_pass``)."""
         raise NotImplementedError
 
-    def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]:
+    def run_pass(self, prepared: PreparedPass[S]) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def adopt_alternative(self, state: S, start: int, n: int) -> None:
@@ -168,7 +168,8 @@ class TransformersLM(CausalLM[CacheState]):
     def score(self, state: CacheState, token_ids: Sequence[int]) -> torch.Tensor:  # [n, vocab]
         return self._forward(state, token_ids, keep=len(token_ids))
 
-    def prepare_pass(self, items: Sequence[BatchItem]) -> PreparedPass:
+    def prepare_pass(self, items: Sequence[BatchItem[CacheState]]
+                     ) -> PreparedPass[CacheState]:
         """A pass made ready to run (here: checked; every pass is a long call)."""
         if any(item.alternative for item in items):
             raise ValueError(f"{self.name} does not run token trees")
@@ -177,7 +178,7 @@ class TransformersLM(CausalLM[CacheState]):
         return PreparedPass(items)
 
     @torch.inference_mode()
-    def run_pass(self, prepared: PreparedPass) -> list[torch.Tensor]:
+    def run_pass(self, prepared: PreparedPass[CacheState]) -> list[torch.Tensor]:
         """Run a prepared pass, one forward call per sequence: the kept logits of each."""
         return [self._forward(item.state, item.token_ids, keep=max(1, item.keep))[-item.keep:]
                 if item.keep else self._forward(item.state, item.token_ids, keep=1)[:0]

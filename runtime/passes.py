@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
+
+S = TypeVar("S")  # a runner's per-sequence state
+S_contra = TypeVar("S_contra", contravariant=True)
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class DraftSteps:
     state: torch.Tensor | None = None  # [H]: the state after the last fed token (a fusion's)
 
 
-class ChainDrafting(Protocol):
+class ChainDrafting(Protocol[S_contra]):
     """A runner whose capabilities declare ``draft_chain``: greedy drafting of several
     sequences, each fed its tokens and then ``steps`` tokens drafted and fed back, in
     one native call, bitwise the same tokens as those steps through ``forward_batch``."""
@@ -47,12 +50,12 @@ class ChainDrafting(Protocol):
         cannot run (no native kernels)."""
         ...
 
-    def draft_chain(self, states: Sequence[Any], feeds: Sequence[Sequence[int]],
+    def draft_chain(self, states: Sequence[S_contra], feeds: Sequence[Sequence[int]],
                     steps: Sequence[int], vocab: int) -> list[DraftSteps]: ...
 
 
 @dataclass(frozen=True)
-class BatchItem:
+class BatchItem(Generic[S]):
     """Tokens to append to one sequence; the logits after the last ``keep`` of them
     come back (0: none, e.g. a prefill chunk that is not the prompt's last).
 
@@ -62,7 +65,7 @@ class BatchItem:
     runner with ``branches`` takes one; its KV sits after the others' until
     ``adopt_alternative`` moves it into place."""
 
-    state: Any
+    state: S
     token_ids: Sequence[int]
     keep: int
     alternative: bool = False
@@ -72,12 +75,12 @@ class BatchItem:
 
 
 @dataclass
-class PreparedPass:
+class PreparedPass(Generic[S]):
     """A forward pass made ready to run (``prepare_pass``): its items, and whatever the
     runner built for it before its long call (the layout, the embedded tokens)."""
 
-    items: Sequence[BatchItem]
-    work: Any = None
+    items: Sequence[BatchItem[S]]
+    work: object = None  # the runner's own (``BatchedLM``: a ``PassWork``)
     # after the run, per item: its new tokens' final hidden states (normed by the final
     # norm: what the output head reads), [n, H], where the item asked for them, else None
     features: list[torch.Tensor | None] = field(default_factory=list)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from decoding.drafters.base import BaseDrafter, DraftContext, Drafter, DraftProposal
 from decoding.policy import MAX_DRAFT_TOKENS
@@ -53,7 +52,7 @@ class _Round:
 
 @dataclass
 class CombinedState:
-    parts: list[Any]  # each drafter's own state
+    parts: list[object]  # each drafter's own state (opaque here)
     kept: list[float | None]  # per source: tokens the target kept per proposal
     pending: list[_Proposed] = field(default_factory=list)  # scored on the next call
     round: _Round | None = None  # this round's decision, once made

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 import torch
 
@@ -82,8 +82,8 @@ class DraftModel(Protocol[CacheT]):
 
 
 @dataclass
-class ModelDraftState:
-    cache: Any  # the draft model's KV cache state
+class ModelDraftState(Generic[CacheT]):
+    cache: CacheT  # the draft model's KV cache state
     fed: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
     judged: int = CHAIN_STEPS  # tokens the judge let through the last chained round
 
@@ -294,8 +294,10 @@ class StepDrafter(BaseDrafter[StateS]):
         raise NotImplementedError
 
 
-class ModelDrafter(StepDrafter[ModelDraftState]):
+class ModelDrafter(StepDrafter[ModelDraftState[CacheT]]):
     """A draft model's steps over its own KV cache."""
+
+    model: DraftModel[CacheT]
 
     def can_chain(self) -> bool:
         """Whether greedy rounds draft in one native call (a model whose capabilities
@@ -308,14 +310,15 @@ class ModelDrafter(StepDrafter[ModelDraftState]):
         return (self.native_chain and own_steps and chainer is not None
                 and chainer.batch_invariant and chainer.chain(self.target_vocab) is not None)
 
-    def _chainer(self) -> ChainDrafting | None:
+    def _chainer(self) -> ChainDrafting[CacheT] | None:
         """The model as the chain-drafting runner its capabilities declare it is."""
-        return cast(ChainDrafting, self.model) if self.model.capabilities.draft_chain else None
+        return (cast(ChainDrafting[CacheT], self.model) if self.model.capabilities.draft_chain
+                else None)
 
-    def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState:
+    def begin(self, prompt_ids: Sequence[int]) -> ModelDraftState[CacheT]:
         return ModelDraftState(cache=self.model.new_state())
 
-    def _chain_steps(self, states: Sequence[ModelDraftState], feeds: Sequence[list[int]],
+    def _chain_steps(self, states: Sequence[ModelDraftState[CacheT]], feeds: Sequence[list[int]],
                      steps: Sequence[int]) -> list[DraftSteps]:
         """One native call: each state fed its feed and ``steps`` drafted tokens, every
         one but the last fed back."""
@@ -327,7 +330,7 @@ class ModelDrafter(StepDrafter[ModelDraftState]):
             state.fed.extend(got.tokens[: n - 1])  # fed back within the call
         return drafted
 
-    def _catch_up(self, state: ModelDraftState, context: DraftContext) -> list[int]:
+    def _catch_up(self, state: ModelDraftState[CacheT], context: DraftContext) -> list[int]:
         """Roll the draft back to what it fed that is still committed; the committed
         tokens it has yet to feed (at least one: the logits come after it)."""
         tokens = context.token_ids
@@ -338,7 +341,7 @@ class ModelDrafter(StepDrafter[ModelDraftState]):
         del state.fed[common:]
         return list(tokens[common:])
 
-    def _step(self, states: list[ModelDraftState], feeds: list[list[int]]
+    def _step(self, states: list[ModelDraftState[CacheT]], feeds: list[list[int]]
               ) -> list[torch.Tensor]:
         """Each state's logits after its feed, ``[vocab]`` each (one batched pass)."""
         items = [BatchItem(s.cache, f, 1) for s, f in zip(states, feeds, strict=True)]
@@ -347,12 +350,12 @@ class ModelDrafter(StepDrafter[ModelDraftState]):
             state.fed.extend(feed)
         return [out[0] for out in outputs]
 
-    def rollback(self, state: ModelDraftState, length: int) -> None:
+    def rollback(self, state: ModelDraftState[CacheT], length: int) -> None:
         if length < len(state.fed):
             self.model.rollback(state.cache, length)
             del state.fed[length:]
 
-    def release(self, state: ModelDraftState) -> None:
+    def release(self, state: ModelDraftState[CacheT]) -> None:
         self.model.release(state.cache)
         state.fed.clear()
 
