@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime import fused, layers, skeleton
+from runtime import checkpoints, fused, layers, skeleton
 from runtime.attention import GroupedAttention
 from runtime.causal_lm import CausalLM, TransformersLM, head_subset
 from runtime.chains import DraftChains, Fusion
@@ -127,7 +127,7 @@ class BatchedLM(CausalLM[BatchedState]):
         if str(path).endswith(".gguf"):
             raise ValueError(f"{path} is a GGUF file: runtime.loading.load_model loads one")
         if quantize in ("none", "auto"):
-            return cls.wrap(*skeleton.pretrained(path, dtype, device), name=str(path),
+            return cls.wrap(*checkpoints.pretrained(path, dtype, device), name=str(path),
                             kernels=kernels)
         return cls(*load_quantized(path, quantize, device), name=str(path), quantize=quantize,
                    kernels=kernels, int8_activations=int8_activations)

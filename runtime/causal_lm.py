@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from runtime import kernels
+from runtime.checkpoints import transformers_pretrained
 from runtime.families import attention_dims, kv_position_bytes
 from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
 
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 S = TypeVar("S")  # a runner's per-sequence state: its KV cache's handle
 
@@ -155,7 +154,7 @@ class TransformersLM(CausalLM[CacheState]):
 
     @classmethod
     def load(cls, path: str, dtype: str = "float32", device: str = "cpu") -> TransformersLM:
-        return cls(*pretrained(path, dtype, device), name=str(path))
+        return cls(*transformers_pretrained(path, dtype, device), name=str(path))
 
     def new_state(self) -> CacheState:
         return CacheState(cache=DynamicCache(config=self.model.config))
@@ -233,14 +232,3 @@ def eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
-
-
-def pretrained(path: str, dtype: str, device: str) -> tuple[Any, PreTrainedTokenizerBase]:
-    """A model directory's (or hub id's) model in ``dtype`` on ``device``, and its tokenizer."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    return torch.nn.Module.to(model, device), tokenizer  # (transformers types .to oddly)

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from runtime.batched import BatchedLM
-from runtime.causal_lm import DTYPES, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.checkpoints import DTYPES
 from runtime.model_config import read_config
 from runtime.skeleton import ConvertedEmbedding, Skeleton
 

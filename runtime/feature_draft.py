@@ -38,7 +38,8 @@ import torch
 
 from runtime import draft_format
 from runtime.batched import BatchedLM, BatchedState
-from runtime.causal_lm import DTYPES, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.checkpoints import DTYPES
 from runtime.kernels import resolve
 from runtime.passes import DraftSteps
 from runtime.quantized import block_kernels, quantized

@@ -453,7 +453,7 @@ def _keep(directory: Path, config: ModelConfig, tokenizer: PreTrainedTokenizerBa
 def _dequantized(file: Path, dtype: str, device: str, kernels: str = "auto") -> CausalLM:
     from transformers import AutoModelForCausalLM
 
-    from runtime.causal_lm import DTYPES
+    from runtime.checkpoints import DTYPES
 
     _, tokenizer = config_and_tokenizer(file)
     model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name,

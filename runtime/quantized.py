@@ -302,9 +302,9 @@ def load_quantized(path: str, method: str, device: str = "cpu"
                    ) -> tuple[Any, PreTrainedTokenizerBase]:
     """A model directory's model in bfloat16 (its matrices to be quantized by ``method``)
     and its tokenizer."""
-    from runtime import skeleton
+    from runtime import checkpoints
 
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of "
                          f"{['auto', *METHODS]}")
-    return skeleton.pretrained(path, str(ACTIVATIONS).removeprefix("torch."), device)
+    return checkpoints.pretrained(path, str(ACTIVATIONS).removeprefix("torch."), device)

@@ -17,7 +17,6 @@ meta device: whoever builds one fills what it reads (``fill``) or replaces the m
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,8 +27,6 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
-from runtime import causal_lm as target
-from runtime.causal_lm import DTYPES
 from runtime.families import (
     FUSED_FAMILIES,
     GEMMA_FAMILIES,
@@ -38,10 +35,9 @@ from runtime.families import (
     layer_window,
     unbatchable,
 )
-from runtime.model_config import model_config, tokenizer
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
     from runtime.model_config import ModelConfig
 
@@ -350,52 +346,3 @@ def rebuilt(model: PreTrainedModel, name: str) -> Skeleton:
     skeleton = Skeleton(model.config, model.dtype, {"eos_token_id": eos}, name=name)
     skeleton.fill(model.state_dict(), name)  # no copy: the same dtype
     return skeleton.to(next(model.parameters()).device).eval()
-
-
-def generation_settings(directory: Path) -> dict[str, Any]:
-    """A model directory's ``generation_config.json`` (its end-of-sequence ids), or {}."""
-    path = directory / "generation_config.json"
-    if not path.is_file():
-        return {}
-    settings: dict[str, Any] = json.loads(path.read_text())
-    return settings
-
-
-def safetensors_files(directory: Path) -> list[Path]:
-    """The directory's safetensors weights (one file or an index's shards), or []."""
-    single = directory / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = directory / "model.safetensors.index.json"
-    if not index.is_file():
-        return []
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return [directory / name for name in shards]
-
-
-def pretrained(path: str, dtype: str, device: str) -> tuple[Any, PreTrainedTokenizerBase]:
-    """A model directory's model in ``dtype`` on ``device`` and its tokenizer: a skeleton
-    where it can be one (a batched family in safetensors), else transformers' model
-    (``target.pretrained``)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    directory = Path(path)
-    files = safetensors_files(directory) if directory.is_dir() else []
-    config = model_config(directory) if files else None
-    if config is None or unbuildable(config) is not None:
-        return target.pretrained(path, dtype, device)
-    model = Skeleton(config, DTYPES[dtype], generation_settings(directory))
-    model.fill(read_safetensors(files), str(directory))
-    model.weight_files = tuple(files)  # where a server may read rows later (its input embedding)
-    return model.to(device).eval(), tokenizer(directory, config)
-
-
-def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as weights:
-            for key in weights.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                state[key] = weights.get_tensor(key)
-    return state

@@ -35,7 +35,8 @@ from decoding.round import with_layers
 from decoding.types import SamplingParams
 from runtime import draft_format as distilled
 from runtime import feature_draft
-from runtime.causal_lm import DTYPES, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.checkpoints import DTYPES
 from runtime.loading import load_target
 from runtime.passes import BatchItem
 from specbench.compare import (

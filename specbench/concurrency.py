@@ -40,7 +40,8 @@ from decoding.drafters.base import Drafter
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
-from runtime.causal_lm import DTYPES, CausalLM
+from runtime.causal_lm import CausalLM
+from runtime.checkpoints import DTYPES
 from runtime.loading import load_target
 from specbench.plots import write_plots
 from specbench.report import load_average, machine_info

@@ -28,7 +28,8 @@ from decoding.policy import MAX_DRAFT_TOKENS
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
 from runtime import draft_format
-from runtime.causal_lm import CausalLM, pretrained
+from runtime.causal_lm import CausalLM
+from runtime.checkpoints import transformers_pretrained
 from runtime.skeleton import Skeleton
 
 PLAIN = "plain"
@@ -157,7 +158,7 @@ def transformers_model(runner: CausalLM, target: CausalLM | None = None) -> Any:
     if target is not None and draft_format.is_draft_dir(runner.name):
         shared = transformers_model(target)
         return draft_format.load_model(Path(runner.name), shared, dtype).to(runner.device)
-    return pretrained(runner.name, dtype, str(runner.device))[0]
+    return transformers_pretrained(runner.name, dtype, str(runner.device))[0]
 
 
 def build_runners(

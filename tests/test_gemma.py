@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as GT
 
 from runtime.batched import BatchedLM
 from runtime.causal_lm import TransformersLM
-from runtime.causal_lm import pretrained as transformers_pretrained
+from runtime.checkpoints import transformers_pretrained
 from runtime.kernels import KernelsUnavailable
 from runtime.loading import load_target
 from runtime.quantized import BlockMatrix

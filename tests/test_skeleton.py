@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from runtime.batched import BatchedLM
 from runtime.causal_lm import TransformersLM
-from runtime.causal_lm import pretrained as transformers_pretrained
+from runtime.checkpoints import pretrained, transformers_pretrained
 from runtime.families import attention_dims, unbatchable
 from runtime.model_config import model_config, read_config, tokenizer
-from runtime.skeleton import Rotary, Skeleton, pretrained
+from runtime.skeleton import Rotary, Skeleton
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}

@@ -23,7 +23,8 @@ import torch
 
 from runtime import draft_format as distilled
 from runtime import model_store
-from runtime.causal_lm import DTYPES, CausalLM, TransformersLM
+from runtime.causal_lm import CausalLM, TransformersLM
+from runtime.checkpoints import DTYPES
 
 log = logging.getLogger(__name__)
 
