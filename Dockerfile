@@ -52,7 +52,7 @@ RUN python pyproject_requirements.py pyproject.toml "${EXTRAS}" > requirements.t
     && pip install -r requirements.txt
 
 # ---------------------------------------------------------------------------
-# The fused CPU kernels (runtime/csrc), built here with g++ so the slim runtime needs no
+# The fused CPU kernels (runtime/native/csrc), built here with g++ so the slim runtime needs no
 # compiler: once per instruction-set level (default, avx2, avx512, avx512_vnni), so the
 # one image runs on any x86-64 host with that host's best level (every level computes
 # the same; SPECSERVE_CPU_CAPABILITY forces a lower one).
@@ -65,7 +65,7 @@ RUN apt-get update \
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-deps /tmp/wheels/specserve-*.whl \
     && rm -rf /tmp/wheels \
-    && python -m runtime.kernels --all \
+    && python -m runtime.native.kernels --all \
     && for level in default avx2 avx512 avx512_vnni; do \
         test -n "$(find /opt/specserve/kernels -name "specserve_kernels_${level}.so")"; \
     done

@@ -27,7 +27,7 @@ install: $(STAMP)
 # the fused CPU kernels, built once per machine (a no-op when built; without g++ the
 # server runs its PyTorch path and says so)
 kernels: install
-	$(PY) -m runtime.kernels
+	$(PY) -m runtime.native.kernels
 
 model: install
 	$(BIN)/specserve models pull

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.target import StateT, Target
-from runtime.passes import BatchItem
+from runtime.runner.passes import BatchItem
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from decoding.types import (
     SamplingParams,
 )
 from decoding.verify import verify
-from runtime.passes import BatchItem, PreparedPass
+from runtime.runner.passes import BatchItem, PreparedPass
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -37,7 +37,7 @@ from decoding.types import (
     RoundTiming,
 )
 from decoding.verify import Verdict, verify
-from runtime.passes import BatchItem
+from runtime.runner.passes import BatchItem
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The model that scores drafts, as the speculative core sees it.
 
-The runtime's runners (``runtime.causal_lm.CausalLM``: ``TransformersLM`` and
-``runtime.batched.BatchedLM``) implement it; the core never builds a target, it is handed one.
+The runtime's runners (``runtime.runner.causal_lm.CausalLM``: ``TransformersLM`` and
+``runtime.runner.batched.BatchedLM``) implement it; the core never builds a target, it
+is handed one.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from runtime.passes import BatchItem, PreparedPass, TargetCapabilities
+from runtime.runner.passes import BatchItem, PreparedPass, TargetCapabilities
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

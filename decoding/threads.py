@@ -3,7 +3,7 @@
 Every pass runs on all of the process's intra-op threads by default: the kernels split a
 pass's work into more chunks than threads and let each thread claim the next chunk, so a
 thread the system lends to the HTTP event loop delays the pass by a chunk, not by its
-whole share (runtime/csrc/common.h, ``split``). ``decode_threads`` sets fewer for passes
+whole share (runtime/native/csrc/common.h, ``split``). ``decode_threads`` sets fewer for passes
 without prompt chunks. The thread count does not change any result (the kernels split
 work across outputs, never a reduction: tests/test_invariance.py). Figures:
 docs/performance.md, "Threads"."""

@@ -12,8 +12,8 @@
 # Any other command (`specserve models pull`, `bash`, ...) is run as given.
 set -eu
 
-DEFAULT_MODEL=SmolLM2-135M-Instruct  # runtime.model_store.DEFAULT_MODEL
-COMPLETE_MARKER=.complete            # runtime.model_store.COMPLETE_MARKER
+DEFAULT_MODEL=SmolLM2-135M-Instruct  # runtime.files.model_store.DEFAULT_MODEL
+COMPLETE_MARKER=.complete            # runtime.files.model_store.COMPLETE_MARKER
 
 home=${SPECSERVE_HOME:-${HOME:-/tmp}/.cache/specserve}
 target=${SPECSERVE_TARGET:-default}

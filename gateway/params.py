@@ -25,7 +25,7 @@ from gateway.fim import FimTokens
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.settings import sampling_problems
 from gateway.tools import render_messages, request_tools
-from runtime import model_store
+from runtime.files import model_store
 
 log = logging.getLogger(__name__)
 

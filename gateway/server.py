@@ -51,11 +51,11 @@ from observability.logging import configure_logging
 from observability.metrics import start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import build_tracer_provider
-from runtime import model_store
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.loading import load_target, target_precision
-from runtime.memory import MMAP_THRESHOLD_BYTES, map_large_allocations, release_freed_memory
+from runtime.files import model_store
+from runtime.loaders.loading import load_target, target_precision
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.memory import MMAP_THRESHOLD_BYTES, map_large_allocations, release_freed_memory
 from wiring.drafts import (
     AUTO,
     CACHE,
@@ -82,7 +82,7 @@ def kernels_key(target: CausalLM) -> str:
     products = getattr(target, "product_activations", "")
     if getattr(target, "kernels", "torch") != "native":
         return "torch" if products != "int8" else "torch-int8"
-    from runtime.kernels import source_digest
+    from runtime.native.kernels import source_digest
 
     return f"native-{source_digest()[:16]}" + ("-int8" if products == "int8" else "")
 
@@ -92,7 +92,7 @@ def kernels_name(target: CausalLM) -> str:
     instruction-set level of the kernels loaded (``native-avx2``)."""
     if getattr(target, "kernels", "torch") != "native":
         return "torch"
-    from runtime.kernels import native
+    from runtime.native.kernels import native
 
     return f"native-{native().capability()}"
 

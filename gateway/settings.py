@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from runtime import model_store
-from runtime.kernels import CHOICES as KERNEL_CHOICES
-from runtime.kernels import KernelChoice
+from runtime.files import model_store
+from runtime.native.kernels import CHOICES as KERNEL_CHOICES
+from runtime.native.kernels import KernelChoice
 
 ENV_PREFIX = "SPECSERVE_"
 MIB = 1 << 20

@@ -5,7 +5,7 @@
 #   the linter shellcheck  for the image's entrypoint script
 #   chromium, chromedriver the playground page in a headless browser
 #   node, npm              the official openai npm package against a real server (tests/sdk)
-#   g++                    builds the fused CPU kernels (runtime/csrc), which the tests run
+#   g++                    builds the fused CPU kernels (runtime/native/csrc), which the tests run
 #   podman, runc           build and run the image, the two-replica stack and the chart's pods
 #   catatonit              the pause process of the pods `podman kube play` makes
 #   debootstrap            stand-in base images from Debian's packages (no registry needed)

@@ -33,12 +33,12 @@ from decoding.features import FeatureRows
 from decoding.prompting import encode_chat
 from decoding.round import with_layers
 from decoding.types import SamplingParams
-from runtime import draft_format as distilled
-from runtime import feature_draft
-from runtime.causal_lm import CausalLM
-from runtime.checkpoints import DTYPES
-from runtime.loading import load_target
-from runtime.passes import BatchItem
+from runtime.drafts import draft_format as distilled
+from runtime.drafts import feature_draft
+from runtime.loaders.loading import load_target
+from runtime.models.checkpoints import DTYPES
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 from specbench.compare import (
     QUICK_MAX_TOKENS,
     QUICK_PROMPTS,

@@ -26,9 +26,9 @@ from typing import Any
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.prompting import encode_chat
-from runtime import feature_draft
-from runtime.causal_lm import CausalLM
-from runtime.loading import PRECISIONS, load_target, torch_draft_dtype
+from runtime.drafts import feature_draft
+from runtime.loaders.loading import PRECISIONS, load_target, torch_draft_dtype
+from runtime.runner.causal_lm import CausalLM
 from specbench.methods import (
     ALL_METHODS,
     DRAFT_METHODS,
@@ -79,7 +79,7 @@ class BenchConfig:
     methods: tuple[str, ...]
     quick: bool
     draft_dtype: str = "auto"  # of a PyTorch draft model; see wiring.drafts.torch_draft_dtype
-    kernels: str = "auto"  # the target's elementwise work and attention (runtime.kernels)
+    kernels: str = "auto"  # the target's elementwise work and attention (runtime.native.kernels)
     int8_activations: bool = True  # 4-bit/Q8_0 matrices with int8 activations (BlockMatrix)
 
     @classmethod

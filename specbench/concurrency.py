@@ -40,9 +40,9 @@ from decoding.drafters.base import Drafter
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
-from runtime.causal_lm import CausalLM
-from runtime.checkpoints import DTYPES
-from runtime.loading import load_target
+from runtime.loaders.loading import load_target
+from runtime.models.checkpoints import DTYPES
+from runtime.runner.causal_lm import CausalLM
 from specbench.plots import write_plots
 from specbench.report import load_average, machine_info
 from wiring.drafts import NGRAM, load_drafter

@@ -12,7 +12,7 @@ A mix's score is the geometric mean of its speed-ups over plain decoding on the 
 sets; every output must equal plain decoding's. Of mixes within 2.5% of the best score,
 the one faster on chat wins (``choose``). ``--write`` stores the table and the
 winner beside the draft shipped for the default model (``choice.json``), or for another
-target beside its own file (``runtime.draft_choice.choice_path_for``), where
+target beside its own file (``runtime.drafts.draft_choice.choice_path_for``), where
 ``wiring.drafts.auto_choice`` reads it:
 
     python -m specbench.draft_choice --target qwen2.5-coder-1.5b \
@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from decoding.prompting import encode_chat
-from runtime import draft_format, feature_draft
-from runtime.causal_lm import CausalLM
-from runtime.draft_choice import CHOICE_FORMAT, CHOICE_VERSION, choice_path, choice_path_for
-from runtime.loading import load_target
+from runtime.drafts import draft_format, feature_draft
+from runtime.drafts.draft_choice import CHOICE_FORMAT, CHOICE_VERSION, choice_path, choice_path_for
+from runtime.loaders.loading import load_target
+from runtime.runner.causal_lm import CausalLM
 from specbench.compare import load_prompts
 from specbench.methods import Generation, engine_runner
 from specbench.report import load_average, machine_info

@@ -36,8 +36,8 @@ from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM
-from runtime.loading import load_target
+from runtime.loaders.loading import load_target
+from runtime.runner.causal_lm import CausalLM
 from trt.backends import load_draft
 
 log = logging.getLogger(__name__)

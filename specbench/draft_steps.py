@@ -29,9 +29,9 @@ from decoding.drafters.base import DraftContext
 from decoding.drafters.feature import FeatureDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.types import SamplingParams
-from runtime.batched import BatchedLM
-from runtime.loading import load_target
-from runtime.passes import BatchItem
+from runtime.loaders.loading import load_target
+from runtime.runner.batched import BatchedLM
+from runtime.runner.passes import BatchItem
 from specbench.acceptance import target_features
 from specbench.compare import json_output, write_json
 from wiring.drafts import load_model_drafter

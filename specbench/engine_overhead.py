@@ -29,8 +29,8 @@ from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.target import Target
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
-from runtime.loading import load_target
-from runtime.passes import BatchItem
+from runtime.loaders.loading import load_target
+from runtime.runner.passes import BatchItem
 from specbench.compare import load_prompts
 from wiring.drafts import load_drafter
 

@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from runtime import model_store
+    from runtime.files import model_store
 
     tok = AutoTokenizer.from_pretrained(model_store.resolve(args.target))
     text = json.dumps(ANSWER, separators=(",", ":"))

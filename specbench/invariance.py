@@ -29,9 +29,9 @@ import torch
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.loading import load_target
+from runtime.loaders.loading import load_target
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
 from specbench.compare import load_prompts
 from wiring.drafts import load_drafter
 

@@ -14,7 +14,7 @@ table gives the bytes a one-token step reads (every layer matrix and the head as
 products hold them; for a GGUF file also the file's own bytes of those tensors) and the
 step against its read floor. With ``--products``, also each of
 the default model's matrix shapes as PyTorch's int4 product against the native block
-product with int8 activations (``runtime.quantized.BlockMatrix``), the same codes,
+product with int8 activations (``runtime.matrices.quantized.BlockMatrix``), the same codes,
 interleaved, beside
 the block product's two floors at the threads in use: reading its bytes at the memory
 bandwidth measured here, and its multiply-adds at the int8 MACs a core's cycle of the
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from runtime.batched import BatchedLM
-from runtime.loading import load_target
-from runtime.passes import BatchItem
+from runtime.loaders.loading import load_target
+from runtime.runner.batched import BatchedLM
+from runtime.runner.passes import BatchItem
 from specbench.compare import json_output, write_json
 
 MS = 1000.0
@@ -77,7 +77,7 @@ def step_macs(target: BatchedLM) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from runtime import kernels
+    from runtime.native import kernels
     from specbench.concurrency import measure_bandwidth
     from specbench.quant import step_bytes
 
@@ -151,7 +151,7 @@ def file_matrix_bytes(path: str) -> int:
     input embedding (whose one row a step looks up), the head included."""
     from pathlib import Path
 
-    from runtime import gguf_file
+    from runtime.files import gguf_file
 
     tensors = gguf_file.read(Path(path)).tensors
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
@@ -183,8 +183,8 @@ def _call_us(product: Any, x: torch.Tensor, repeats: int) -> float:
 
 def products(args: argparse.Namespace) -> list[dict[str, Any]]:
     """PyTorch's int4 product against the block product, per shape and token count."""
-    from runtime import kernels
-    from runtime.quantized import BlockMatrix, Int4Matrix, quantize_int4
+    from runtime.matrices.quantized import BlockMatrix, Int4Matrix, quantize_int4
+    from runtime.native import kernels
     from specbench.concurrency import measure_bandwidth
 
     native = kernels.native()

@@ -1,5 +1,5 @@
 """Decode speed under glibc's own allocation policy against a fixed mapping threshold
-(``runtime.memory.map_large_allocations``, which ``specserve serve`` sets), each run in a
+(``runtime.runner.memory.map_large_allocations``, which ``specserve serve`` sets), each run in a
 fresh process, the policies alternated:
 
     python -m specbench.malloc_policy --target qwen2.5-coder-1.5b --rounds 3 \\
@@ -30,7 +30,7 @@ POLICIES = {"glibc": None, "1 MiB": 1 << 20, "4 MiB": 4 << 20}
 def one_process(target: str, tokens: int, repeats: int, threshold: int | None) -> dict[str, float]:
     """Run in this process: the threshold first, then the target and its decodes."""
     if threshold is not None:
-        from runtime.memory import map_large_allocations
+        from runtime.runner.memory import map_large_allocations
 
         assert map_large_allocations(threshold)
     import torch
@@ -38,7 +38,7 @@ def one_process(target: str, tokens: int, repeats: int, threshold: int | None) -
     from decoding.drafters.ngram import NgramDrafter
     from decoding.round import decode
     from decoding.types import GenerationRequest, SamplingParams
-    from runtime.loading import load_target
+    from runtime.loaders.loading import load_target
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = load_target(target, quantize="auto")

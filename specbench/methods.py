@@ -5,7 +5,7 @@ returns a ``Generation``: the output ids, the wall time of the whole call, and,
 for our own engine, what each speculation round did. Our methods go through
 ``decode()``; the transformers baselines call ``model.generate()`` on the same
 weights: the loaded model itself, or where the runner holds only the modules it runs
-(``runtime.skeleton``), the same files loaded by transformers.
+(``runtime.models.skeleton``), the same files loaded by transformers.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from decoding.drafters.ngram import DEFAULT_MAX_NGRAM, NgramDrafter
 from decoding.policy import MAX_DRAFT_TOKENS
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
-from runtime import draft_format
-from runtime.causal_lm import CausalLM
-from runtime.checkpoints import transformers_pretrained
-from runtime.skeleton import Skeleton
+from runtime.drafts import draft_format
+from runtime.models.checkpoints import transformers_pretrained
+from runtime.models.skeleton import Skeleton
+from runtime.runner.causal_lm import CausalLM
 
 PLAIN = "plain"
 SPEC_NGRAM = "spec:ngram"

@@ -105,7 +105,7 @@ def locate(name_or_path: str) -> Path:
     local = Path(name_or_path).expanduser()
     if local.exists():
         return local
-    from runtime import model_store
+    from runtime.files import model_store
 
     return Path(model_store.resolve(name_or_path))
 

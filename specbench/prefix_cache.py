@@ -30,9 +30,9 @@ from decoding.engine import Engine
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams
-from runtime import model_store
-from runtime.causal_lm import CausalLM
-from runtime.loading import load_target
+from runtime.files import model_store
+from runtime.loaders.loading import load_target
+from runtime.runner.causal_lm import CausalLM
 from specbench.prefix_replicas import chat, redis_url_or_local, replica_rows, rules
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -36,14 +36,14 @@ import numpy as np
 import torch
 
 from decoding.prompting import encode_chat
-from runtime import model_store
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.kernels import CHOICES as KERNEL_CHOICES
-from runtime.kquants import KQuantMatrix
-from runtime.loading import PRECISIONS, load_target
-from runtime.quantized import BlockMatrix, Int4Matrix, Int8Matrix
-from runtime.weights import Matrix, Product, Stacked
+from runtime.files import model_store
+from runtime.loaders.loading import PRECISIONS, load_target
+from runtime.matrices.kquants import KQuantMatrix
+from runtime.matrices.quantized import BlockMatrix, Int4Matrix, Int8Matrix
+from runtime.matrices.weights import Matrix, Product, Stacked
+from runtime.native.kernels import CHOICES as KERNEL_CHOICES
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
 from specbench.compare import load_prompts
 from specbench.concurrency import measure_bandwidth
 
@@ -152,9 +152,9 @@ def scale_error(gguf_path: Path) -> dict[str, Any]:
     kernels have block products, how far the block matrices' float16 scales move them."""
     import gguf
 
-    from runtime import kernels
-    from runtime.gguf_weights import INT4_TYPES, int4_rows
-    from runtime.quantized import BlockMatrix, block_kernels
+    from runtime.loaders.gguf_weights import INT4_TYPES, int4_rows
+    from runtime.matrices.quantized import BlockMatrix, block_kernels
+    from runtime.native import kernels
 
     try:
         blocks = block_kernels(kernels.native(), int8_activations=True)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
-                        help="the targets' elementwise work and attention (runtime.kernels)")
+                        help="the targets' elementwise work and attention (runtime.native.kernels)")
     parser.add_argument("--rss", action="store_true", help="also a served process's RSS")
     parser.add_argument("--draft-cost", action="store_true",
                         help="also the shipped draft's step per draft dtype")

@@ -23,8 +23,8 @@ from decoding.drafters.base import Drafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
-from runtime.causal_lm import CausalLM
-from runtime.loading import load_target
+from runtime.loaders.loading import load_target
+from runtime.runner.causal_lm import CausalLM
 from specbench.compare import json_output, load_prompts
 from wiring.drafts import load_drafter
 

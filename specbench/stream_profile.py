@@ -90,8 +90,8 @@ def _instrument(clock: _Clock) -> None:
     from decoding.handoff import Outbox
     from gateway import streaming
     from gateway.formats import ChatFormat
-    from runtime import fused
-    from runtime.batched import BatchedLM
+    from runtime.runner import fused
+    from runtime.runner.batched import BatchedLM
 
     clock.wrap(Engine, "_iteration", "round", window=True)
     round_ = engine_module.speculative_round

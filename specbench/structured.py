@@ -23,7 +23,7 @@ from decoding.drafters.base import Drafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from specbench.report import machine_info
 from wiring.drafts import load_drafter
 
@@ -92,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from runtime import model_store
-    from runtime.batched import BatchedLM
+    from runtime.files import model_store
+    from runtime.runner.batched import BatchedLM
 
     target = BatchedLM.load(model_store.resolve(args.target), dtype="float32")
     compiler = GrammarCompiler(target.tokenizer, target.vocab_size)

@@ -18,7 +18,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from runtime import model_store
+from runtime.files import model_store
 from specdistill import prompts as prompt_source
 from specdistill.data import (
     POOLS_NAME,

@@ -29,9 +29,9 @@ from typing import Any, cast
 import torch
 
 from decoding.prompting import encode_chat
-from runtime.causal_lm import CausalLM
-from runtime.families import kv_position_bytes
-from runtime.passes import BatchItem
+from runtime.models.families import kv_position_bytes
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 from specdistill import prompts as prompt_source
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ def generate(target_dir: str, data_dir: Path, settings: DataSettings,
     have = sum(answer_tokens(load_shard(p)) for p in done)
     if have >= settings.tokens and (data_dir / HELD_OUT_NAME).exists():
         return have
-    from runtime.batched import BatchedLM
+    from runtime.runner.batched import BatchedLM
 
     target = BatchedLM.load(target_dir, dtype="float32", device=device)
     pools = load_or_make_pools(data_dir, settings.seed)

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from runtime.draft_format import CONFIG_NAME, VOCAB_IDS, WEIGHTS_NAME
-from runtime.feature_draft import FORMAT, FUSE, FUSE_NORM, VERSION, feature_layers, write
+from runtime.drafts.draft_format import CONFIG_NAME, VOCAB_IDS, WEIGHTS_NAME
+from runtime.drafts.feature_draft import FORMAT, FUSE, FUSE_NORM, VERSION, feature_layers, write
 
 LAYER = "model.layers.0."
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -301,7 +301,7 @@ def layer_config(target_config: Any, vocab_size: int) -> dict[str, Any]:
 
 
 def save_draft(draft: FeatureDraft, info: dict[str, Any], directory: Path) -> None:
-    """Write the draft's directory (``runtime.feature_draft.write``: float16, ids int64)."""
+    """Write the draft's directory (``runtime.drafts.feature_draft.write``: float16, ids int64)."""
     write(directory, info, draft.stored_state())
 
 

@@ -27,7 +27,7 @@ def run_feature_distill(args: argparse.Namespace, command_line: str, work: Path)
     import torch
     from tqdm import tqdm
 
-    from runtime.loading import load_target
+    from runtime.loaders.loading import load_target
     from specdistill.feature_data import (
         DEFAULT_DISK_GB,
         FeatureDataSettings,
@@ -122,7 +122,7 @@ def _init_from(spec: str | None) -> str:
     one), resolved; empty without it."""
     if not spec:
         return ""
-    from runtime.feature_draft import resolve_feature_draft_dir
+    from runtime.drafts.feature_draft import resolve_feature_draft_dir
 
     directory = resolve_feature_draft_dir(spec)
     if directory is None:

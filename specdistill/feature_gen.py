@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from runtime.passes import BatchItem
+from runtime.runner.passes import BatchItem
 
 TOP_K = 40  # sampled tokens are drawn among this many of the most likely
 

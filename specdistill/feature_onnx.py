@@ -182,7 +182,7 @@ def check(draft: FeatureDraft, directory: Path, cases: int = 3, count: int = 4,
 def main(argv: list[str] | None = None) -> int:
     """``python -m specdistill.feature_onnx DRAFT_DIR OUT_DIR``: export a feature draft
     for the default target (or ``--target``) and check it with ONNX Runtime."""
-    from runtime.loading import load_target
+    from runtime.loaders.loading import load_target
     from specdistill.feature_train import load_draft
 
     p = argparse.ArgumentParser(prog="python -m specdistill.feature_onnx")

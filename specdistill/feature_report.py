@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.loading import load_target
+from runtime.loaders.loading import load_target
 from specdistill.feature_data import load_rows, scan
 from specdistill.feature_eval import full_evaluation
 from specdistill.feature_scaling import rows as table

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from runtime import draft_format
+from runtime.drafts import draft_format
 from specdistill.feature import LAYER_KEYS
 
 GGUF_NAMES = {  # transformers' name in a layer -> the GGUF tensor's
@@ -44,7 +44,7 @@ def head_table(target: Any, embedding: torch.Tensor) -> torch.Tensor:  # [vocab,
 
 
 def _gguf(target: Any) -> Any:
-    from runtime.gguf_weights import GGUFModel
+    from runtime.loaders.gguf_weights import GGUFModel
 
     return GGUFModel(Path(target.name))
 
@@ -71,5 +71,5 @@ def last_layer_weights(target: Any) -> dict[str, torch.Tensor]:
 
 
 def identity(target: Any) -> draft_format.TargetIdentity:
-    """The same target identity block ``runtime.draft_format`` writes."""
+    """The same target identity block ``runtime.drafts.draft_format`` writes."""
     return draft_format.target_identity(target.model, Path(str(target.name)).name)

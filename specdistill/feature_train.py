@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from runtime.draft_format import VOCAB_IDS
-from runtime.feature_draft import FUSE
+from runtime.drafts.draft_format import VOCAB_IDS
+from runtime.drafts.feature_draft import FUSE
 from specdistill import feature_target
 from specdistill.feature import (
     FeatureDraft,

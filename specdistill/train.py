@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from runtime import draft_format as draft_format
+from runtime.drafts import draft_format as draft_format
 from specdistill.data import HELD_OUT_NAME, Example, existing_shards, load_shard, save_atomic
 
 log = logging.getLogger(__name__)

@@ -19,11 +19,11 @@ from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import add_serve_command
 from gateway.startup import fail
-from runtime import model_store
-from runtime.causal_lm import CausalLM
-from runtime.draft_format import DraftFormatError
-from runtime.kernels import CHOICES as KERNEL_CHOICES
-from runtime.loading import DRAFT_DTYPES, QUANTIZE, load_target
+from runtime.drafts.draft_format import DraftFormatError
+from runtime.files import model_store
+from runtime.loaders.loading import DRAFT_DTYPES, QUANTIZE, load_target
+from runtime.native.kernels import CHOICES as KERNEL_CHOICES
+from runtime.runner.causal_lm import CausalLM
 from specbench.compare import DraftLoader
 from specbench.methods import ALL_METHODS
 from specbench.peer import add_peer_flags
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("runtime.model_store").setLevel(logging.INFO)
+    logging.getLogger("runtime.files.model_store").setLevel(logging.INFO)
     logging.getLogger("trt.backends").setLevel(logging.INFO)  # which engine runs the draft
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)

@@ -15,9 +15,9 @@ from decoding.policy import AdaptiveSpeculation, StepCost
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 
 GREEDY = SamplingParams(temperature=0.0)
 

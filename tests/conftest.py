@@ -19,9 +19,9 @@ import torch
 from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.drafters.base import Drafter
 from decoding.drafters.combined import CombinedDrafter
-from runtime import model_store
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM, TransformersLM
+from runtime.files import model_store
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM, TransformersLM
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

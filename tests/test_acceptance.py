@@ -14,7 +14,7 @@ from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from specbench.acceptance import replay
 from specserve.cli import main
 from wiring.drafts import load_drafter

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from runtime import kernels
-from runtime.batched import BatchedLM
+from runtime.native import kernels
+from runtime.runner.batched import BatchedLM
 from tests.batching import mixed_passes
 
 # (out rows, inputs): one whole tile, tiles and a ragged last one, one block to ten
@@ -184,7 +184,7 @@ def test_a_refused_tile_permission_falls_back_to_avx512_vnni(
     call's answer faked: no host here can refuse it), the best level is avx512_vnni, one
     log line says why, and naming amx is an error saying why."""
     monkeypatch.setattr(kernels, "_arch_prctl", _kernel_answers(amx_cpu, request_errno, granted))
-    with caplog.at_level(logging.WARNING, logger="runtime.kernels"):
+    with caplog.at_level(logging.WARNING, logger="runtime.native.kernels"):
         assert kernels.host_levels()[-1] == "avx512_vnni"
         assert kernels.capability() == "avx512_vnni"
         assert "amx" not in kernels.host_levels()
@@ -206,7 +206,7 @@ def test_a_granted_tile_permission_makes_amx_the_best_level(
     """Granted (the bit of XTILEDATA read back), amx is the level chosen, with no
     fallback line, and a lower level can still be named."""
     monkeypatch.setattr(kernels, "_arch_prctl", _kernel_answers(amx_cpu, 0, 1 << 18 | 3))
-    with caplog.at_level(logging.WARNING, logger="runtime.kernels"):
+    with caplog.at_level(logging.WARNING, logger="runtime.native.kernels"):
         assert kernels.host_levels() == list(kernels.LEVELS)
         assert kernels.capability() == "amx"
     assert [option for option, _ in amx_cpu] == [kernels.ARCH_REQ_XCOMP_PERM,

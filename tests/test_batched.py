@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from decoding.drafters import NgramDrafter
-from runtime import layout, weights
-from runtime.batched import BatchedLM, BatchedState
-from runtime.causal_lm import CausalLM, TransformersLM
-from runtime.layout import attention_blocks
-from runtime.memory import FileRows
-from runtime.passes import BatchItem
+from runtime.matrices import weights
+from runtime.runner import layout
+from runtime.runner.batched import BatchedLM, BatchedState
+from runtime.runner.causal_lm import CausalLM, TransformersLM
+from runtime.runner.layout import attention_blocks
+from runtime.runner.memory import FileRows
+from runtime.runner.passes import BatchItem
 from tests.batching import (
     PROMPTS,
     _alone,
@@ -431,7 +432,7 @@ def test_a_family_the_batched_runner_lacks_is_named_with_what_it_needs(
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from runtime.families import supports
+    from runtime.models.families import supports
 
     config = getattr(transformers, config_name)(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""Block matrices (runtime.quantized.BlockMatrix): 4- and 8-bit codes with float16 scales
+"""Block matrices (runtime.matrices.quantized.BlockMatrix): 4- and 8-bit codes with float16 scales
 and minimums per block of 32 inputs, multiplied with int8 activations by the native
 kernels' ``block_product`` (AVX512-VNNI, or AVX2). Each product against a reference computed here
 from the same int8 activations, a token's result independent of the batch and the thread
@@ -16,12 +16,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 
-from runtime import kernels, model_store
-from runtime.batched import BatchedLM
-from runtime.gguf_weights import GGUFModel, int4_rows
-from runtime.loading import load_target
-from runtime.passes import BatchItem
-from runtime.quantized import BlockMatrix, Int4Matrix, quantize_int4
+from runtime.files import model_store
+from runtime.loaders.gguf_weights import GGUFModel, int4_rows
+from runtime.loaders.loading import load_target
+from runtime.matrices.quantized import BlockMatrix, Int4Matrix, quantize_int4
+from runtime.native import kernels
+from runtime.runner.batched import BatchedLM
+from runtime.runner.passes import BatchItem
 from tests.test_gguf import NAMES, dense, encode, file_weights, tiny_dir, write_gguf
 from tests.test_kernels import at_level, lower_levels
 
@@ -202,7 +203,7 @@ def test_a_tied_embedding_is_read_from_the_head_s_blocks(native: Any,
     """The default GGUF's input embedding is its Q8_0 head's blocks, looked up row by
     row: bitwise the bfloat16 table it stood for, which is never built (54 MB), and the
     shipped draft shares it."""
-    from runtime.quantized import BlockEmbedding
+    from runtime.matrices.quantized import BlockEmbedding
     from wiring.drafts import load_drafter
 
     path = model_store.default_gguf()
@@ -283,8 +284,8 @@ def test_every_level_computes_the_same_products(native: Any, tmp_path: Path, lev
     torch.save({"cases": cases, "inputs": inputs}, tmp_path / "cases.pt")
     at_level(level, (
         "import torch\n"
-        "from runtime import kernels\n"
-        "from runtime.quantized import BlockMatrix\n"
+        "from runtime.native import kernels\n"
+        "from runtime.matrices.quantized import BlockMatrix\n"
         "native = kernels.native()\n"
         f"assert native.capability() == {level!r}\n"
         f"data = torch.load({str(tmp_path / 'cases.pt')!r})\n"
@@ -307,7 +308,7 @@ def test_a_gguf_of_mixed_types_runs_as_one_layer_stack(native: Any, tmp_path: Pa
                                                        tiny_dir: Path) -> None:
     """4-bit, 8-bit (Q8_0) and K-quant (Q6_K) layer matrices run in one ``LayerStack``
     call a pass: bitwise the per-layer Python loop's logits."""
-    from runtime import fused
+    from runtime.runner import fused
 
     kinds = {"attn_q": GT.Q8_0, "attn_k": GT.Q8_0, "attn_v": GT.Q8_0, "ffn_down": GT.Q6_K}
     target = load_target(str(write_gguf(tmp_path, tiny_dir, kinds)), quantize="auto")

@@ -27,7 +27,7 @@ from decoding.types import (
     SamplingParams,
     SpeculationParams,
 )
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 PERSON = {

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from runtime import kernels, weights
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem
+from runtime.matrices import weights
+from runtime.native import kernels
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 from tests.test_kernels import at_level, lower_levels
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -215,7 +216,7 @@ def test_every_level_computes_the_same_products(native: Any, tmp_path: Path, lev
     torch.save(cases, tmp_path / "cases.pt")
     at_level(level, (
         "import torch\n"
-        "from runtime import kernels, weights\n"
+        "from runtime.native import kernels\nfrom runtime.matrices import weights\n"
         "native = kernels.native()\n"
         f"assert native.capability() == {level!r}\n"
         f"cases = torch.load({str(tmp_path / 'cases.pt')!r})\n"

@@ -18,8 +18,8 @@ from decoding.drafters.model import ModelDrafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
-from runtime import draft_format as distilled
-from runtime.causal_lm import CausalLM
+from runtime.drafts import draft_format as distilled
+from runtime.runner.causal_lm import CausalLM
 from specdistill import data as distill_data
 from specdistill import prompts as prompt_source
 from specdistill.data import (
@@ -538,7 +538,7 @@ def test_auto_serves_the_stored_measured_choice_for_the_default_model(
     """The shipped measurement names the mix ``auto`` serves the default model, the
     continuation cache joining it where a prefix cache runs; it never applies to another
     target."""
-    from runtime.draft_choice import choice_path, read_choice
+    from runtime.drafts.draft_choice import choice_path, read_choice
     from specbench import draft_choice
     from wiring.drafts import auto_choice
 
@@ -559,7 +559,7 @@ def test_auto_serves_the_stored_measured_choice_for_the_default_model(
 
 def test_a_stored_choice_that_cannot_be_read_is_ignored_with_a_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from runtime.draft_choice import CHOICE_FORMAT, read_choice
+    from runtime.drafts.draft_choice import CHOICE_FORMAT, read_choice
 
     assert read_choice(tmp_path / "missing.json") is None
     good = {"format": CHOICE_FORMAT, "version": 1, "choice": "ngram", "threads": 2,
@@ -573,7 +573,7 @@ def test_a_stored_choice_that_cannot_be_read_is_ignored_with_a_warning(
     for broken in ({**good, "version": 99}, {**good, "choice": "ngram+default-draft"},
                    {k: v for k, v in good.items() if k != "mixes"}):
         path.write_text(json.dumps(broken))
-        with caplog.at_level(logging.WARNING, logger="runtime.draft_choice"):
+        with caplog.at_level(logging.WARNING, logger="runtime.drafts.draft_choice"):
             assert read_choice(path) is None
         assert "ignoring the stored draft choice" in caplog.text
         caplog.clear()

@@ -32,7 +32,7 @@ from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.sampling import apply_penalties, logits_to_probs, output_counts
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 
 K = 8
 NEW_TOKENS = K + 2  # the prompt's token, eight drafts, the bonus

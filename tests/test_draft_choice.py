@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.draft_choice import CHOICE_FORMAT, read_choice
+from runtime.drafts.draft_choice import CHOICE_FORMAT, read_choice
 from specbench import draft_choice
 
 
@@ -73,9 +73,9 @@ def test_another_targets_choice_is_measured_with_its_drafts_and_stored_beside_it
     ``--draft auto`` then reads it."""
     import shutil
 
-    from runtime.causal_lm import CausalLM
-    from runtime.draft_choice import choice_path_for
-    from runtime.loading import load_target
+    from runtime.drafts.draft_choice import choice_path_for
+    from runtime.loaders.loading import load_target
+    from runtime.runner.causal_lm import CausalLM
     from wiring import drafts
 
     target_dir = tmp_path / "target"

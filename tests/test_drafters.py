@@ -15,8 +15,8 @@ from decoding.prompting import encode_text
 from decoding.round import decode, step
 from decoding.sequence import SequenceDecoder
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM, TransformersLM
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM, TransformersLM
 from tests.policies import SteadyTimingPolicy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -270,7 +270,7 @@ def test_the_shipped_draft_chains_natively_and_drafts_its_step_loop_s_tokens(
         default_model_dir: Path) -> None:
     """The shipped draft beside the served target (its head over part of the vocabulary,
     the target's 4-bit embedding rows): the chain runs, with the step loop's tokens."""
-    from runtime.loading import load_target
+    from runtime.loaders.loading import load_target
     from wiring.drafts import load_model_drafter
 
     target = load_target("default", "bfloat16", quantize="auto")
@@ -458,7 +458,7 @@ def test_each_source_keeps_a_draft_length_of_its_own(tiny_target: CausalLM) -> N
 
 def test_a_draft_runs_in_bfloat16_beside_a_float32_target_where_the_cpu_has_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime import loading
+    from runtime.loaders import loading
 
     monkeypatch.setattr(loading, "cpu_has_bf16", lambda: True)
     assert loading.torch_draft_dtype("float32", "cpu") == "bfloat16"

@@ -17,8 +17,8 @@ from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.sequence import ContextOverflowError
 from decoding.types import FinishReason, GenerationRequest, SamplingParams, SpeculationParams
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
 from tests.clocks import TickingClock
 
 # a request that never ends must fail the test, not hang the suite

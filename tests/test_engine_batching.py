@@ -19,8 +19,8 @@ from decoding.types import (
     SamplingParams,
     SpeculationParams,
 )
-from runtime.batched import BatchedLM, BatchedState
-from runtime.causal_lm import CausalLM
+from runtime.runner.batched import BatchedLM, BatchedState
+from runtime.runner.causal_lm import CausalLM
 from tests.batching import (
     GREEDY,
     PROMPTS,

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.batched import BatchedLM
-from runtime.passes import BatchItem
+from runtime.runner.batched import BatchedLM
+from runtime.runner.passes import BatchItem
 from specdistill import feature_data, feature_train
 from specdistill.feature import (
     FORMAT,

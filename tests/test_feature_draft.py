@@ -16,10 +16,10 @@ from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from runtime import draft_format, feature_draft
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem
+from runtime.drafts import draft_format, feature_draft
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 from specbench.acceptance import target_features
 
 
@@ -345,7 +345,7 @@ def test_the_native_chain_drafts_the_feature_head_s_step_loop_tokens(
 def test_the_shipped_feature_head_chains_natively_beside_the_served_target() -> None:
     """The shipped head beside the served target (bfloat16, 4-bit blocks): the chain
     runs, with the step loop's tokens, from a verify pass's states."""
-    from runtime.loading import load_target
+    from runtime.loaders.loading import load_target
     from wiring.drafts import load_model_drafter
 
     target = load_target("default", "bfloat16", quantize="auto")

@@ -14,13 +14,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 
-from runtime.batched import BatchedLM
-from runtime.causal_lm import TransformersLM
-from runtime.checkpoints import transformers_pretrained
-from runtime.kernels import KernelsUnavailable
-from runtime.loading import load_target
-from runtime.quantized import BlockMatrix
-from runtime.skeleton import GemmaNorm, Skeleton
+from runtime.loaders.loading import load_target
+from runtime.matrices.quantized import BlockMatrix
+from runtime.models.checkpoints import transformers_pretrained
+from runtime.models.skeleton import GemmaNorm, Skeleton
+from runtime.native.kernels import KernelsUnavailable
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import TransformersLM
 from tests.test_gguf import encode
 
 WINDOW = 7

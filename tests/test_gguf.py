@@ -12,12 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 
-from runtime import model_store
-from runtime.batched import BatchedLM
-from runtime.gguf_weights import GGUFTypeError, byte_codes, int4_rows
-from runtime.loading import load_target
-from runtime.quantized import Int4Matrix
-from runtime.weights import Matrix, Stacked
+from runtime.files import model_store
+from runtime.loaders.gguf_weights import GGUFTypeError, byte_codes, int4_rows
+from runtime.loaders.loading import load_target
+from runtime.matrices.quantized import Int4Matrix
+from runtime.matrices.weights import Matrix, Stacked
+from runtime.runner.batched import BatchedLM
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # Q4_K/Q6_K need rows of 256
 NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -358,7 +358,7 @@ def test_a_lone_file_s_config_and_tokenizer_are_converted_once(
     start still succeeds and says why."""
     import transformers
 
-    from runtime.gguf_weights import config_and_tokenizer, converted
+    from runtime.loaders.gguf_weights import config_and_tokenizer, converted
 
     lone = tmp_path / "files" / "model.gguf"
     lone.parent.mkdir()
@@ -395,7 +395,7 @@ def test_the_loader_s_reader_reads_what_gguf_s_reads(tmp_path: Path, tiny_dir: P
     reader builds: the same tensors (names, types, shapes, bytes) and scalar values, for
     the real default file and one of every type the loader takes; a file that is not a
     GGUF, or ends early, is refused saying so."""
-    from runtime import gguf_file
+    from runtime.files import gguf_file
 
     kinds = {"attn_q": GT.Q4_K, "attn_k": GT.Q5_0, "attn_v": GT.Q5_1, "attn_output": GT.Q6_K,
              "ffn_gate": GT.Q4_0, "ffn_up": GT.F16, "ffn_down": GT.Q8_0, "embed": GT.F32}

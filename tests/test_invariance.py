@@ -22,10 +22,10 @@ from decoding.policy import AdaptiveSpeculation, FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.scheduler import Scheduler
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM
-from runtime.layout import Layout
-from runtime.loading import load_target
-from runtime.passes import BatchItem, PreparedPass
+from runtime.loaders.loading import load_target
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.layout import Layout
+from runtime.runner.passes import BatchItem, PreparedPass
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (runtime/csrc/): each against PyTorch's own ops, each token's
+"""The fused CPU kernels (runtime/native/csrc/): each against PyTorch's own ops, each token's
 result independent of the batch and of the thread count, bad calls refused with an
 error, the runner's choice between them and PyTorch's path, and every instruction-set
 level computing bitwise the same."""
@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from runtime import kernels
-from runtime.attention import rotate
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem
+from runtime.native import kernels
+from runtime.runner.attention import rotate
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 from tests.batching import mixed_passes
 
 
@@ -267,7 +267,7 @@ def test_a_machine_that_cannot_build_them_runs_pytorch(
     monkeypatch.setattr(kernels, "build", kernels.build.__wrapped__)
     with pytest.raises(kernels.KernelsUnavailable, match="could not be built"):
         kernels.resolve("native", torch.device("cpu"))
-    with caplog.at_level(logging.WARNING, logger="runtime.kernels"):
+    with caplog.at_level(logging.WARNING, logger="runtime.native.kernels"):
         assert kernels.resolve("auto", torch.device("cpu")) is None
     assert "PyTorch path" in caplog.text
 
@@ -345,7 +345,7 @@ def test_every_level_computes_the_same_kernels(native: Any, tmp_path: Path, leve
                         rows, limits, extras) for dim in (64, 24)],
             "silu": (torch.randn(t, 2 * 40, generator=g) * 4).to(dtype)}
     torch.save(cases, tmp_path / "cases.pt")
-    at_level(level, "import torch\nfrom runtime import kernels\n"
+    at_level(level, "import torch\nfrom runtime.native import kernels\n"
                     "from tests.test_kernels import every_kernel\n"
                     f"native = kernels.native()\nassert native.capability() == {level!r}\n"
                     f"cases = torch.load({str(tmp_path / 'cases.pt')!r})\n"
@@ -364,8 +364,8 @@ def test_every_level_gives_the_same_logits_and_text(tiny_target_dir: Any, tmp_pa
     the same greedy text."""
     script = (
         "import sys, torch\n"
-        "from runtime.batched import BatchedLM\n"
-        "from runtime.passes import BatchItem\n"
+        "from runtime.runner.batched import BatchedLM\n"
+        "from runtime.runner.passes import BatchItem\n"
         "out = {}\n"
         "for dtype, quantize in (('float32', 'none'), ('bfloat16', 'none'),\n"
         "                        ('float32', 'int4')):\n"
@@ -426,7 +426,7 @@ def test_every_level_drafts_the_same_native_chain(tiny_target_dir: Any, tmp_path
     """The native draft chain on another level's kernels: bitwise this level's tokens,
     confidences, second choices and cache contents."""
     out = tmp_path / "chain.pt"
-    at_level(level, "import torch\nfrom runtime import kernels\n"
+    at_level(level, "import torch\nfrom runtime.native import kernels\n"
                     "from tests.test_kernels import chain_drafts\n"
                     f"assert kernels.native().capability() == {level!r}\n"
                     f"torch.save(chain_drafts({str(tiny_target_dir)!r}), {str(out)!r})\n")
@@ -610,7 +610,7 @@ def test_the_prefix_cache_namespace_names_the_kernels(tiny_target: CausalLM) -> 
 def test_the_rotary_table_is_the_model_s_rotary_embedding_bitwise(tiny_target: CausalLM) -> None:
     """A pass looks its positions' cos/sin up in a table the model's own rotary embedding
     filled (grown as positions pass its end): bitwise what running it per pass gives."""
-    from runtime.stack import Rotary
+    from runtime.runner.stack import Rotary
 
     assert isinstance(tiny_target, BatchedLM)
     module = tiny_target.model.model.rotary_emb
@@ -662,7 +662,7 @@ def test_the_norms_the_kernels_hold_are_copies(tiny_target: CausalLM) -> None:
     """The norms a pass (and ``LayerStack``) reads are copies of the model's weights, in
     its dtype, even where no conversion is needed (float32): a view would keep the
     weights file's whole mapping resident once a server lets the model's weights go."""
-    from runtime import fused
+    from runtime.runner import fused
 
     assert isinstance(tiny_target, BatchedLM) and tiny_target.dtype == torch.float32
     modules = fused._norms(tiny_target.model)

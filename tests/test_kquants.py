@@ -1,4 +1,4 @@
-"""K-quant matrices (runtime.kquants.KQuantMatrix): GGUF's Q4_K, Q5_K and Q6_K
+"""K-quant matrices (runtime.matrices.kquants.KQuantMatrix): GGUF's Q4_K, Q5_K and Q6_K
 super-blocks multiplied natively with int8 activations. Each product bitwise against a
 model of the kernel's integer and float steps written here from gguf's own decoding of
 the blocks, and near the float product of gguf's dequantization; the rows gguf's
@@ -16,11 +16,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 
-from runtime import fused, kernels
-from runtime.batched import BatchedLM
-from runtime.kquants import KQuantEmbedding, KQuantMatrix
-from runtime.loading import load_target
-from runtime.passes import BatchItem
+from runtime.loaders.loading import load_target
+from runtime.matrices.kquants import KQuantEmbedding, KQuantMatrix
+from runtime.native import kernels
+from runtime.runner import fused
+from runtime.runner.batched import BatchedLM
+from runtime.runner.passes import BatchItem
 from tests.test_gguf import dense, file_weights, k_blocks, tiny_dir, write_gguf
 from tests.test_kernels import at_level, lower_levels
 
@@ -233,8 +234,8 @@ def test_every_level_computes_the_same_k_quant_products(native: Any, tmp_path: P
     torch.save({"parts": parts, "x": x}, tmp_path / "cases.pt")
     script = (
         "import torch\n"
-        "from runtime import kernels\n"
-        "from runtime.kquants import KQuantMatrix\n"
+        "from runtime.native import kernels\n"
+        "from runtime.matrices.kquants import KQuantMatrix\n"
         "native = kernels.native()\n"
         f"assert native.capability() == {level!r}\n"
         f"data = torch.load({str(tmp_path / 'cases.pt')!r})\n"

@@ -1,7 +1,7 @@
 """The package layout is the architecture: imports point one way.
 
 gateway -> decoding -> runtime, and trt implements decoding's drafter protocol;
-decoding sees the runtime only through its contract (``runtime.passes``: the pass's
+decoding sees the runtime only through its contract (``runtime.runner.passes``: the pass's
 items and the runner's declared capabilities), and the wiring (``wiring``) builds the
 concrete models and drafters from names, above both; benchmarks (specbench) and
 training (specdistill) import the core and nothing serving imports them; observability
@@ -60,7 +60,7 @@ def test_no_import_points_the_wrong_way(package: str) -> None:
 
 
 # the runtime modules the speculative core may import: the contract, no runner
-RUNTIME_CONTRACT = {"runtime.passes"}
+RUNTIME_CONTRACT = {"runtime.runner.passes"}
 
 
 def test_the_core_sees_the_runtime_only_through_its_contract() -> None:
@@ -74,15 +74,41 @@ def test_the_core_sees_the_runtime_only_through_its_contract() -> None:
     assert not concrete, sorted(concrete)
 
 
+# runtime's layers, bottom first: a module imports runtime modules of its own layer or
+# those below (the loaders and the shipped drafts stand side by side at the top)
+RUNTIME_LAYERS = (("files",), ("native",), ("models",), ("matrices",), ("runner",),
+                  ("loaders", "drafts"))
+
+
+def test_the_runtime_is_a_stack_of_layers() -> None:
+    """Every runtime module sits in one of the layers' subpackages, and none imports a
+    module of a layer above its own (not even inside a function or for type checking)."""
+    rank = {layer: i for i, layers in enumerate(RUNTIME_LAYERS) for layer in layers}
+    names = _module_names()
+    loose = [name for name in names
+             if name.startswith("runtime.") and name.split(".")[1] not in rank]
+    assert not loose, loose
+    upward = []
+    for name, path in names.items():
+        parts = name.split(".")
+        if parts[0] != "runtime" or len(parts) < 3:
+            continue
+        for imported in _module_imports(path, names):
+            other = imported.split(".")
+            if other[0] == "runtime" and len(other) > 1 and rank[other[1]] > rank[parts[1]]:
+                upward.append(f"{name} imports {imported}")
+    assert not upward, sorted(upward)
+
+
 def test_every_package_is_checked() -> None:
     found = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} - {"tests"}
     assert found == set(PACKAGES)
 
 
 def test_kernel_sources_are_one_file_per_concern_apart_from_the_core() -> None:
-    """The C++ lives in runtime/csrc, one file per concern (judged by what each holds,
-    not by its length); the speculative core has none."""
-    sources = sorted((ROOT / "runtime" / "csrc").glob("*.[ch]*"))
+    """The C++ lives in runtime/native/csrc, one file per concern (judged by what each
+    holds, not by its length); the speculative core has none."""
+    sources = sorted((ROOT / "runtime" / "native" / "csrc").glob("*.[ch]*"))
     assert {p.name for p in sources} >= {"vec.h", "norms_rotary.cpp", "attention.cpp",
                                          "block_products.cpp", "dense_products.cpp",
                                          "layer_stack.cpp", "bindings.cpp"}
@@ -203,7 +229,7 @@ def _private_members(tree: ast.AST) -> set[str]:
 def test_no_module_reads_the_private_attributes_of_another_s_objects() -> None:
     """An object's ``_private`` attributes are its class's module's own: another module
     reads what it needs through a public, typed name (the batched runner hands its layer
-    paths ``runtime.stack.Stack``), not through ``Any`` and ``obj._x``. A name some class
+    paths ``runtime.runner.stack.Stack``), not through ``Any`` and ``obj._x``. A name some class
     of the reading module also sets is taken for that class's own."""
     trees = {path: ast.parse(path.read_text(encoding="utf-8"))
              for path in _module_names().values()}

@@ -12,9 +12,9 @@ from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
 from decoding.round import decode
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem, TargetCapabilities
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem, TargetCapabilities
 from tests.policies import SteadyTimingPolicy
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from runtime import draft_format, weights
-from runtime.batched import BatchedLM
-from runtime.memory import FileRows
-from runtime.skeleton import ConvertedEmbedding, Embedding
+from runtime.drafts import draft_format
+from runtime.matrices import weights
+from runtime.models.skeleton import ConvertedEmbedding, Embedding
+from runtime.runner.batched import BatchedLM
+from runtime.runner.memory import FileRows
 
 NAME = "model.embed_tokens.weight"
 
@@ -135,7 +136,7 @@ def test_a_float32_target_and_its_bfloat16_draft_hold_no_embedding_table(
 # RSS stayed above where it was before the fifteen.
 _HEAP_PROBE = """
 import ctypes, os, sys
-from runtime.memory import map_large_allocations
+from runtime.runner.memory import map_large_allocations
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]

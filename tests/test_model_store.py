@@ -20,11 +20,12 @@ from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.settings import Settings, sampling_problems
-from runtime import kernels, model_store
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.loading import load_model
-from runtime.model_store import CatalogueModel, ModelStoreError, Part
+from runtime.files import model_store
+from runtime.files.model_store import CatalogueModel, ModelStoreError, Part
+from runtime.loaders.loading import load_model
+from runtime.native import kernels
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
 from specserve.cli import main
 from trt.backends import load_draft
 from trt.errors import DraftBackendError

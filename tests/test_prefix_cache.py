@@ -18,7 +18,7 @@ from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
 from gateway.redis_store import KEY_PREFIX, RedisStore
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.clocks import ManualClock
 from tests.conftest import RedisServer
 from tests.gateway.conftest import wait_until

@@ -18,7 +18,7 @@ from decoding.prompting import encode_chat, encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
 from gateway.redis_store import RedisStore
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.clocks import ManualClock
 from tests.conftest import RedisServer
 

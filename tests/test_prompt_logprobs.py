@@ -15,7 +15,7 @@ from decoding.prefix_cache import InProcessStore, PrefixCache
 from decoding.round import decode
 from decoding.sequence import SequenceDecoder
 from decoding.types import FinishReason, GenerationRequest, RoundEvent, SamplingParams
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 TOP = 3

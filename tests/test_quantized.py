@@ -13,10 +13,8 @@ from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.loading import load_target
-from runtime.quantized import (
+from runtime.loaders.loading import load_target
+from runtime.matrices.quantized import (
     BlockMatrix,
     Int4Matrix,
     Int8Matrix,
@@ -24,6 +22,8 @@ from runtime.quantized import (
     quantize_int8,
     quantized,
 )
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
 from wiring.drafts import load_model_drafter
 
 GREEDY = SamplingParams(temperature=0.0)

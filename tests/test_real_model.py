@@ -12,10 +12,10 @@ from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.params import SamplingDefaults, model_stops, sampling_defaults
-from runtime import model_store
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.loading import load_target
+from runtime.files import model_store
+from runtime.loaders.loading import load_target
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
 from wiring.drafts import load_drafter
 
 TARGET = model_store.QWEN_CODER_1_5B

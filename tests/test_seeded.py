@@ -18,7 +18,7 @@ from decoding.prefix_cache import InProcessStore, PrefixCache
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",

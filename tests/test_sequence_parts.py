@@ -21,8 +21,8 @@ from decoding.prefix_cache import InProcessStore, PrefixCache
 from decoding.text import Committed
 from decoding.types import FinishReason, RoundTiming, SamplingParams
 from decoding.verify import Verdict
-from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 
 EOS = 256
 

@@ -1,4 +1,4 @@
-"""The batched families built from the project's own modules (``runtime.skeleton``): the
+"""The batched families built from the project's own modules (``runtime.models.skeleton``): the
 same logits as transformers' model classes, bitwise, and a server that never imports
 transformers' modeling code."""
 
@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.batched import BatchedLM
-from runtime.causal_lm import TransformersLM
-from runtime.checkpoints import pretrained, transformers_pretrained
-from runtime.families import attention_dims, unbatchable
-from runtime.model_config import model_config, read_config, tokenizer
-from runtime.skeleton import Rotary, Skeleton
+from runtime.files.model_config import model_config, read_config, tokenizer
+from runtime.models.checkpoints import pretrained, transformers_pretrained
+from runtime.models.families import attention_dims, unbatchable
+from runtime.models.skeleton import Rotary, Skeleton
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import TransformersLM
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}

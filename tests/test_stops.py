@@ -9,7 +9,7 @@ from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.text import TextStream, _backend
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"

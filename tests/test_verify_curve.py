@@ -8,7 +8,7 @@ import pytest
 from decoding.policy import MAX_DRAFT_TOKENS, AdaptiveSpeculation, SpeculationPrior
 from decoding.policy.cost import VerifyCost, VerifyCurve
 from decoding.policy.curve import describe, from_seconds, measure
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 
 
 def _line(slope: float, most: int = MAX_DRAFT_TOKENS) -> VerifyCurve:

@@ -27,8 +27,8 @@ from pathlib import Path
 from decoding.drafters.base import Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.prefix_cache import PrefixCache
-from runtime.causal_lm import CausalLM
-from runtime.loading import torch_draft_dtype
+from runtime.loaders.loading import torch_draft_dtype
+from runtime.runner.causal_lm import CausalLM
 from trt import store
 from trt.errors import BackendUnavailableError, DraftBackendError
 from trt.manifest import Manifest
@@ -91,7 +91,7 @@ def load_draft(
     ``cache``, a draft model, or several joined by ``+``), or ``auto`` (see
     ``wiring.drafts.resolve_auto``); only the model part runs on the backend. The
     chosen backend is ``none``/``builtin`` when no model runs. On PyTorch the model runs
-    in ``draft_dtype`` (``auto``: ``runtime.loading.torch_draft_dtype``).
+    in ``draft_dtype`` (``auto``: ``runtime.loaders.loading.torch_draft_dtype``).
     """
     try:
         choice = DraftBackend(backend)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from runtime.checkpoints import DTYPES
+from runtime.models.checkpoints import DTYPES
 from trt import store
 from trt.errors import DraftBackendError
 from trt.export import DEFAULT_OPSET, export_onnx

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import torch
 
 from decoding.drafters.model import ModelDrafter
-from runtime.causal_lm import CausalLM
-from runtime.passes import BatchItem, TargetCapabilities
+from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem, TargetCapabilities
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from trt.errors import BackendUnavailableError, MissingDependencyError
 from trt.kv_drafter import KVCache, KVDrafter
 from trt.manifest import INPUT_IDS, LOGITS, Manifest

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from runtime import draft_format as distilled
-from runtime import model_store
-from runtime.causal_lm import CausalLM, TransformersLM
-from runtime.checkpoints import DTYPES
+from runtime.drafts import draft_format as distilled
+from runtime.files import model_store
+from runtime.models.checkpoints import DTYPES
+from runtime.runner.causal_lm import CausalLM, TransformersLM
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime import model_store
+from runtime.files import model_store
 from trt import export
 from trt.manifest import MANIFEST_NAME, Manifest, ManifestError
 from trt.sources import DraftSource

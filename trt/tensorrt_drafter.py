@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from trt.kv_drafter import KVCache, KVDrafter
 from trt.manifest import INPUT_IDS, LOGITS, Manifest
 from trt.sources import DraftSource

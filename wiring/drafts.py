@@ -13,12 +13,13 @@ from decoding.drafters.feature import FeatureDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.prefix_cache import PrefixCache
-from runtime import draft_format as distilled
-from runtime import feature_draft, model_store
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
-from runtime.draft_choice import choice_path_for, read_choice
-from runtime.loading import load_model, quantized_target, torch_draft_dtype
+from runtime.drafts import draft_format as distilled
+from runtime.drafts import feature_draft
+from runtime.drafts.draft_choice import choice_path_for, read_choice
+from runtime.files import model_store
+from runtime.loaders.loading import load_model, quantized_target, torch_draft_dtype
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def auto_draft(target: CausalLM, prefix_cache: bool) -> str:
 
 def auto_choice(target: CausalLM, prefix_cache: bool) -> tuple[str, str]:
     """What ``auto`` means for ``target``, and why: the mix measured fastest for it where
-    a measurement is stored (``runtime.draft_choice``), else n-gram lookup plus the draft
+    a measurement is stored (``runtime.drafts.draft_choice``), else n-gram lookup plus the draft
     shipped for the default model when ``target`` is the model it was made for (a draft
     refuses any other); with a prefix cache, continuation drafts join either."""
     fits = distilled.default_draft_fits(target)
@@ -183,7 +184,7 @@ def load_model_drafter(spec: str, target: CausalLM, dtype: str = "float32",
 def gguf_draft(path: str, target: CausalLM, dtype: str = "float32",
                draft_dtype: str = "auto") -> CausalLM:
     """A GGUF file as a draft model, by the runner a target of that file gets
-    (``runtime.loading.load_model``): on a CPU with ``draft_dtype`` auto, the file's own
+    (``runtime.loaders.loading.load_model``): on a CPU with ``draft_dtype`` auto, the file's own
     quantized weights; else the file dequantized to ``draft_dtype`` (``torch_draft_dtype``).
     int8 and int4 are refused: the file is quantized already."""
     if draft_dtype in ("int8", "int4"):

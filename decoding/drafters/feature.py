@@ -1,4 +1,4 @@
-"""A drafter that reads the target's features (``runtime.feature_draft``, EAGLE-style).
+"""A drafter that reads the target's features (``runtime.drafts.feature_draft``, EAGLE-style).
 
 Each round it first feeds the committed tokens it has not fed yet, each beside the
 target's feature before it (its final hidden state, or for a fused draft its captured
@@ -19,7 +19,7 @@ import torch
 
 from decoding.drafters.base import DraftContext
 from decoding.drafters.model import CHAIN_STEPS, CacheT, DraftedFor, DraftModel, StepDrafter
-from runtime.passes import BatchItem, DraftSteps, PreparedPass
+from runtime.runner.passes import BatchItem, DraftSteps, PreparedPass
 
 
 class FeatureRunner(DraftModel[CacheT], Protocol[CacheT]):
@@ -34,7 +34,7 @@ class FeatureRunner(DraftModel[CacheT], Protocol[CacheT]):
 
 
 class FeatureModel(Protocol[CacheT]):
-    """A draft over the target's features (``runtime.feature_draft.FeatureDraft``): its
+    """A draft over the target's features (``runtime.drafts.feature_draft.FeatureDraft``): its
     layer, the rows it starts each position from, and its native chain."""
 
     @property

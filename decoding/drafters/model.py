@@ -14,7 +14,7 @@ import torch
 
 from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
-from runtime.passes import BatchItem, ChainDrafting, DraftSteps, TargetCapabilities
+from runtime.runner.passes import BatchItem, ChainDrafting, DraftSteps, TargetCapabilities
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

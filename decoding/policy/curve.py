@@ -20,7 +20,7 @@ from typing import Any
 
 from decoding.policy.cost import MAX_DRAFT_TOKENS, VerifyCurve
 from decoding.target import Target
-from runtime.passes import BatchItem
+from runtime.runner.passes import BatchItem
 
 CONTEXT = 256  # tokens of context the timed passes follow (a short chat's)
 REPEATS = 3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import model_store
+from runtime.files import model_store
 from tests.conftest import free_port, require_program, wait_for_status
 from tests.deploy.conftest import REPO
 

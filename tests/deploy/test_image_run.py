@@ -23,7 +23,7 @@ import pytest
 import yaml
 from openai.types.chat import ChatCompletionMessageParam
 
-from runtime.kernels import host_levels
+from runtime.native.kernels import host_levels
 from tests.deploy import podman as pm
 from tests.deploy.conftest import CHART, REPO, load_manifests, require_tool
 

@@ -25,7 +25,7 @@ from decoding.engine import Engine
 from gateway.server import create_app
 from gateway.settings import Settings
 from observability.metrics import Metrics
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 
 TINY = "tiny"
 CHAT = [{"role": "user", "content": "Say something."}]

@@ -21,7 +21,7 @@ import pytest
 from decoding.drafters.ngram import NgramDrafter
 from decoding.engine import Engine
 from gateway.server import create_app
-from runtime.batched import BatchedLM
+from runtime.runner.batched import BatchedLM
 from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings
 
 DIGITS = 600

@@ -23,7 +23,7 @@ from typing import Any
 import openai
 import pytest
 
-from runtime import model_store
+from runtime.files import model_store
 from tests.gateway.conftest import openai_client
 from tests.reliability.support import ServeProcess, serve
 from tests.sdk.conftest import serve_default

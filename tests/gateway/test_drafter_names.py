@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 
 from gateway.server import build_drafters, build_engine, build_prefix_cache, create_app
 from gateway.settings import Settings
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import TINY, in_process, tiny_settings
 
 
@@ -50,7 +50,7 @@ def test_a_measured_choice_of_none_serves_plain_decoding(
         default_target: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the stored measurement found no mix faster than plain decoding, ``auto`` on
     the default model without a prefix cache has no default drafter, and says why."""
-    from runtime.draft_choice import Measured
+    from runtime.drafts.draft_choice import Measured
     from wiring import drafts
 
     measured = Measured("none", {"chat": 1.0, "grounded": 1.0}, "a CPU", 2, "a command")

@@ -20,8 +20,8 @@ from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest
 from gateway.server import build_engine, create_app
 from gateway.settings import Settings, add_settings_flags, settings_from_args
-from runtime.batched import BatchedLM
-from runtime.causal_lm import CausalLM
+from runtime.runner.batched import BatchedLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 
 
@@ -340,7 +340,7 @@ async def test_models_report_quantized_weights(tiny_target_dir: Path,
     assert all(cell["speedup"] >= 1.0 for row in profile["ceiling"].values()
                for cell in row.values())
     # int4 matrices as block matrices, on the native kernels of this host's level
-    from runtime import kernels
+    from runtime.native import kernels
 
     assert card["metadata"]["product_activations"] == "int8"
     assert card["metadata"]["kernels"] == f"native-{kernels.capability()}"

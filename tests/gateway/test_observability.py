@@ -27,7 +27,7 @@ from gateway.server import build_engine, create_app
 from observability.metrics import Metrics, start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import RequestSpan, build_tracer_provider
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.conftest import free_port, require_program
 from tests.gateway.conftest import TINY, in_process, live_server, openai_client, tiny_settings
 

@@ -15,7 +15,7 @@ import pytest
 from decoding.engine import Engine
 from gateway.server import create_app
 from observability.telemetry import Telemetry
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import (
     CHAT,
     TINY,

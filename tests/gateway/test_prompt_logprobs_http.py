@@ -15,7 +15,7 @@ from gateway.formats import CompletionFormat, Job
 from gateway.params import Prompt
 from gateway.tokens import TokenTexts
 from gateway.totals import ChoiceTotals
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import TINY, openai_client
 
 PROMPT = "Score every token of this prompt, please."

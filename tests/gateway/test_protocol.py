@@ -27,7 +27,7 @@ from gateway.params import (
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.server import create_app
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import tiny_settings
 
 LIMITS = Limits(max_context=100, max_prompt_tokens=None, max_tokens=40, timeout_s=5.0,

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from runtime import model_store
+from runtime.files import model_store
 from tests.gateway.conftest import openai_client
 from tests.reliability.support import ServeProcess, serve
 

@@ -20,7 +20,7 @@ from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import create_app
 from gateway.settings import Settings
 from observability.telemetry import Telemetry
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import live_server, metric_total, openai_client, wait_until
 
 pytestmark = pytest.mark.real_model

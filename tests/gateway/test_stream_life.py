@@ -21,7 +21,7 @@ import pytest
 
 from decoding.engine import Engine
 from gateway.server import create_app
-from runtime.batched import BatchedLM
+from runtime.runner.batched import BatchedLM
 from tests.gateway.conftest import CHAT, TINY, live_server, openai_client, tiny_settings
 
 HEARTBEAT_S = 0.05

@@ -12,7 +12,7 @@ import pytest
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from gateway.server import create_app
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 from tests.gateway.test_inprocess import assert_error
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime import model_store
+from runtime.files import model_store
 from specbench.report import machine_info
 from tests.busy import busy_loops
 from tests.conftest import _tiny_model

@@ -19,7 +19,7 @@ from decoding.drafters.base import DraftContext, DraftProposal
 from decoding.drafters.ngram import NgramDrafter, NgramState
 from decoding.engine import Engine
 from gateway.server import create_app
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import live_server, openai_client, tiny_settings
 from tests.reliability.conftest import Measure
 from tests.reliability.support import (

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from gateway.server import build_drafters
 from gateway.settings import Settings
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.conftest import RedisServer
 from tests.reliability.conftest import Measure
 from tests.reliability.support import (

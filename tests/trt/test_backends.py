@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from decoding.drafters.combined import CombinedDrafter
 from decoding.drafters.model import ModelDrafter
 from decoding.drafters.ngram import NgramDrafter
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from trt import export
 from trt.backends import backend_name, load_draft
 from trt.errors import DraftBackendError, MissingDependencyError

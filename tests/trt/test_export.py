@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from trt.export import export_onnx
 from trt.manifest import ONNX_NAME, Manifest
 from trt.onnx_drafter import OrtEngine

@@ -11,7 +11,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from trt.export import export_onnx
 from trt.manifest import INPUT_IDS, Manifest
 from trt.onnx_drafter import OrtEngine

@@ -12,7 +12,7 @@ from decoding.drafters.base import DraftContext, Drafter
 from decoding.drafters.model import ModelDrafter
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from trt.kv_drafter import KVCache, KVDrafter
 from trt.onnx_drafter import load_onnx_drafter
 

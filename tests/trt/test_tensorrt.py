@@ -17,7 +17,7 @@ import torch
 
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM, TransformersLM
+from runtime.runner.causal_lm import CausalLM, TransformersLM
 from trt import tensorrt_drafter
 from trt.errors import DraftBackendError
 from trt.export import export_onnx

@@ -21,7 +21,7 @@ import torch
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import build_engine, create_app
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import in_process, tiny_settings
 from tests.trt import fake_tensorrt
 from trt import backends, tensorrt_build, tensorrt_drafter

@@ -16,7 +16,7 @@ from decoding.drafters.model import ModelDrafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
-from runtime.causal_lm import CausalLM
+from runtime.runner.causal_lm import CausalLM
 from trt.backends import load_draft
 from trt.manifest import Manifest
 from trt.sources import DraftSource
