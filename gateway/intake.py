@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from decoding.engine import Engine
 from gateway.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -134,12 +135,14 @@ def _has_lone_surrogate(payload: Any) -> bool:
     return False
 
 
-async def parse_request(request: Request, state: GatewayState, model: type[M]) -> M:
-    """The body as ``model``, once the server can answer it and for a model it serves."""
-    state.require_engine()
+async def parse_request(request: Request, state: GatewayState, model: type[M]
+                        ) -> tuple[M, Engine]:
+    """The body as ``model``, for a model the server serves, and the engine that will
+    answer it (checked before the body is read: a 503 while loading or draining)."""
+    engine = state.require_engine()
     body = await read_body(request, state.settings.max_body_bytes)
     parsed = parse_body(model, body)
     name = getattr(parsed, "model", "")
     if name not in state.aliases:
         raise model_not_found(name)
-    return parsed
+    return parsed, engine

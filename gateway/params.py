@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from decoding.constraints import Grammar
@@ -24,7 +24,7 @@ from gateway.errors import InvalidRequestError
 from gateway.fim import FimTokens
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.settings import sampling_problems
-from gateway.tools import render_messages, request_tools
+from gateway.tools import ToolPlan, render_messages
 from runtime.files import model_store
 
 log = logging.getLogger(__name__)
@@ -160,8 +160,11 @@ def logprob_options(request: AnyRequest) -> tuple[bool, int]:
 # -- prompts --------------------------------------------------------------------------
 
 
-def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> Prompt:
-    messages, tools = render_messages(request.messages, request_tools(request), tokenizer)
+def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, plan: ToolPlan | None
+                ) -> Prompt:
+    """The conversation as the chat template renders it, with the tools of ``plan``
+    (``request_tools``)."""
+    messages, tools = render_messages(request.messages, plan, tokenizer)
     try:
         ids = encode_chat(tokenizer, messages, tools)
     except Exception as exc:  # a template that refuses the conversation (role order, ...)
@@ -276,14 +279,13 @@ def budget_positions(budget: KvBudget) -> int | None:
 
 def generation_requests(
     request: AnyRequest, prompts: Sequence[Prompt], limits: Limits, request_id: str,
-    grammar: Grammar | None = None,
     seed: int | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per choice, in choice-index order, sampling with ``seed``
-    (``request_seed``; None: the request's own)."""
+    (``request_seed``; None: the request's own); each prompt checked against the limits
+    (the number of choices is checked before the prompts are read: ``check_choices``)."""
     chat = isinstance(request, ChatCompletionRequest)
     param = "messages" if chat else "prompt"
-    check_choices(request, len(prompts), limits)
     logprobs, top_logprobs = logprob_options(request)
     prompt_logprobs = isinstance(request, CompletionRequest) and request.prompt_logprobs
     speculation = speculation_params(request)
@@ -305,7 +307,14 @@ def generation_requests(
                 speculation=speculation,
                 timeout_s=limits.timeout_s,
                 request_id=f"{request_id}-{len(out)}",
-                grammar=grammar,
                 prompt_logprobs=prompt_logprobs,
             ))
     return out
+
+
+def with_grammar(requests: Sequence[GenerationRequest], grammar: Grammar | None
+                 ) -> list[GenerationRequest]:
+    """The requests, each constrained by ``grammar`` (compiled once their checks passed)."""
+    if grammar is None:
+        return list(requests)
+    return [replace(r, grammar=grammar) for r in requests]

@@ -25,18 +25,24 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from decoding.types import FinishReason, SamplingParams
-from gateway.errors import APIError, error_type_of, from_validation_errors
+from decoding.types import FinishReason, RoundEvent, SamplingParams
+from gateway.errors import APIError, from_validation_errors
 from gateway.formats import Job
 from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import responses_route
-from gateway.params import chat_prompt, generation_requests, operator_cap
+from gateway.params import (
+    chat_prompt,
+    check_choices,
+    generation_requests,
+    operator_cap,
+    with_grammar,
+)
 from gateway.responses_protocol import ResponsesRequest
-from gateway.streaming import Idle, ResponseRun, interleave, request_trace
+from gateway.streaming import Idle, ResponseRun, request_trace
 from gateway.structured import request_grammar
 from gateway.tool_calls import CallParser
 from gateway.tools import ToolPlan, request_tools
-from gateway.totals import ChoiceTotals, Ended, usage_of
+from gateway.totals import ChoiceTotals, usage_of
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -220,23 +226,17 @@ class ResponsesRun(ResponseRun):
         totals = self.totals[0]
         yield fmt.event("response.created", response=fmt.body("in_progress", None))
         yield fmt.event("response.in_progress", response=fmt.body("in_progress", None))
-        async for _, item in interleave(self.streams, self.heartbeat_s):
+        async for _, item in self.rounds(self.heartbeat_s):
             if isinstance(item, Idle):  # an event a client's idle timer counts
                 yield fmt.event("response.in_progress", response=fmt.body("in_progress", None))
                 continue
-            if isinstance(item, Ended):
-                totals.end(item)
-            else:
-                totals.add(item)
-                self._observe(0, item)
+            if isinstance(item, RoundEvent):
                 for event in fmt.feed(item.text, item.finished):
                     yield event
-            if totals.error is not None:
-                self.outcome = f"error {totals.error.status_code}"
-                self.stream_error = error_type_of(totals.error.status_code, totals.error.code)
+            error = self.failed(0)
+            if error is not None:
                 body = fmt.body("failed", totals)
-                body["error"] = {"code": totals.error.code or "server_error",
-                                 "message": totals.error.message}
+                body["error"] = {"code": error.code or "server_error", "message": error.message}
                 yield fmt.event("response.failed", response=body)
                 return
         status = _status(totals)
@@ -269,8 +269,7 @@ def responses_params() -> Iterator[None]:
 async def create_response(request: Request) -> Response:
     """Stateless Responses API (``store`` and ``previous_response_id`` are refused)."""
     state = gateway_state(request)
-    api = await parse_request(request, state, ResponsesRequest)
-    engine = state.require_engine()
+    api, engine = await parse_request(request, state, ResponsesRequest)
     hosted = api.hosted_tools()
     if hosted:
         log.info("left out of the prompt, hosted tools this server cannot run: %s",
@@ -280,21 +279,21 @@ async def create_response(request: Request) -> Response:
             chat = api.chat_request()
         except ValidationError as exc:
             raise from_validation_errors(exc.errors()) from exc
-        prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, chat)
+        limits = state.limits(engine)
+        check_choices(chat, 1, limits)
         plan = request_tools(chat)
+        prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, chat, plan)
+        job_id = f"resp_{uuid.uuid4().hex}"
+        requests = generation_requests(chat, [prompt], limits, job_id)
         grammar = await request_grammar(state, engine, chat.response_format, plan,
                                         "text.format")
-        job_id = f"resp_{uuid.uuid4().hex}"
-        limits = state.limits()
-        requests = generation_requests(chat, [prompt], limits, job_id, grammar)
+        requests = with_grammar(requests, grammar)
     job = Job(id=job_id, created=int(time.time()), model=state.settings.model_name,
               prompts=[prompt], per_prompt=1, logprobs=False)
-    fmt = ResponsesFormat(job, api, plan, requests[0].sampling)
-    trace = request_trace(state, request, job_id, requests, chat)
-    run = ResponsesRun(state, job, fmt, engine, requests, endpoint=request.url.path,
-                       user=api.user, trace=trace,
+    run = ResponsesRun(state, job, ResponsesFormat(job, api, plan, requests[0].sampling),
+                       endpoint=request.url.path, user=api.user,
+                       trace=request_trace(state, request, job_id, requests, chat),
                        tool_choice=plan.mode if plan is not None else None,
                        operator_cap=operator_cap(chat, limits))
-    if api.stream:
-        return run.streaming_response()
-    return await run.whole_response(request.receive)
+    run.submit(engine, requests)
+    return await run.respond(request.receive, api.stream)

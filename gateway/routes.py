@@ -11,7 +11,6 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from decoding.constraints import Grammar
 from decoding.engine import Engine
 from gateway.errors import model_not_found
 from gateway.formats import ChatFormat, CompletionFormat, Format, Job
@@ -19,8 +18,10 @@ from gateway.intake import gateway_state, parse_request, require_api_key
 from gateway.openapi import MODEL_ERRORS, completion_route, error_responses
 from gateway.params import (
     AnyRequest,
+    Limits,
     Prompt,
     chat_prompt,
+    check_choices,
     choices_per_prompt,
     completion_prompts,
     generation_requests,
@@ -28,6 +29,7 @@ from gateway.params import (
     logprob_options,
     operator_cap,
     request_seed,
+    with_grammar,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import (
@@ -57,32 +59,35 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
          **completion_route(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk))
 async def chat_completions(request: Request) -> Response:
     state = gateway_state(request)
-    api_request = await parse_request(request, state, ChatCompletionRequest)
-    engine = state.require_engine()
-    prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, api_request)
+    api_request, engine = await parse_request(request, state, ChatCompletionRequest)
+    limits = state.limits(engine)
+    check_choices(api_request, 1, limits)
     plan = request_tools(api_request)
-    grammar = await request_grammar(state, engine, api_request.response_format, plan)
-    return await _run(request, state, engine, api_request, [prompt], "chatcmpl", grammar, plan)
+    prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, api_request, plan)
+    return await _run(request, state, engine, limits, api_request, [prompt], "chatcmpl", plan)
 
 
 @v1.post("/completions", **completion_route(CompletionRequest, Completion, Completion))
 async def completions(request: Request) -> Response:
     state = gateway_state(request)
-    api_request = await parse_request(request, state, CompletionRequest)
-    engine = state.require_engine()
+    api_request, engine = await parse_request(request, state, CompletionRequest)
+    limits = state.limits(engine)
+    check_choices(api_request, len(api_request.prompt_list()), limits)
     prompts = await asyncio.to_thread(completion_prompts, engine.target.tokenizer, api_request,
                                       engine.target.vocab_size, state.fim)
-    grammar = await request_grammar(state, engine, api_request.response_format, None)
-    return await _run(request, state, engine, api_request, prompts, "cmpl", grammar)
+    return await _run(request, state, engine, limits, api_request, prompts, "cmpl")
 
 
-async def _run(request: Request, state: GatewayState, engine: Engine, api_request: AnyRequest,
-               prompts: list[Prompt], prefix: str, grammar: Grammar | None = None,
+async def _run(request: Request, state: GatewayState, engine: Engine, limits: Limits,
+               api_request: AnyRequest, prompts: list[Prompt], prefix: str,
                tools: ToolPlan | None = None) -> Response:
+    """The engine requests (each prompt checked against the limits), then the grammar
+    (compiled last: it may take seconds), the format, and the run that submits them."""
     job_id = f"{prefix}-{uuid.uuid4().hex}"
-    limits = state.limits()
     seed = request_seed(api_request)
-    requests = generation_requests(api_request, prompts, limits, job_id, grammar, seed)
+    requests = generation_requests(api_request, prompts, limits, job_id, seed)
+    grammar = await request_grammar(state, engine, api_request.response_format, tools)
+    requests = with_grammar(requests, grammar)
     job = Job(
         id=job_id, created=int(time.time()), model=state.settings.model_name, prompts=prompts,
         per_prompt=choices_per_prompt(api_request), logprobs=logprob_options(api_request)[0],
@@ -90,20 +95,20 @@ async def _run(request: Request, state: GatewayState, engine: Engine, api_reques
         seed=None if requests[0].sampling.greedy else seed,
         usage=include_usage(api_request),
     )
-    hidden = engine.target.eos_token_ids
-    fmt: Format = (ChatFormat(job, state.token_texts(), hidden)
-                   if isinstance(api_request, ChatCompletionRequest)
-                   else CompletionFormat(job, state.token_texts(), hidden))
+    texts, hidden = state.token_texts(), engine.target.eos_token_ids
+    fmt: Format
     if tools is not None:
-        fmt = ToolChatFormat(job, state.token_texts(), hidden, tools)
-    trace = request_trace(state, request, job_id, requests, api_request)
-    run = ResponseRun(state, job, fmt, engine, requests, endpoint=request.url.path,
-                      user=api_request.user, trace=trace,
+        fmt = ToolChatFormat(job, texts, hidden, tools)
+    elif isinstance(api_request, ChatCompletionRequest):
+        fmt = ChatFormat(job, texts, hidden)
+    else:
+        fmt = CompletionFormat(job, texts, hidden)
+    run = ResponseRun(state, job, fmt, endpoint=request.url.path, user=api_request.user,
+                      trace=request_trace(state, request, job_id, requests, api_request),
                       tool_choice=tools.mode if tools is not None else None,
                       operator_cap=operator_cap(api_request, limits))
-    if api_request.stream:
-        return run.streaming_response()
-    return await run.whole_response(request.receive)
+    run.submit(engine, requests)
+    return await run.respond(request.receive, api_request.stream)
 
 
 def _card(state: GatewayState) -> ModelCard:

@@ -112,8 +112,8 @@ class GatewayState:
                                           code="not_ready")
         return self.engine
 
-    def limits(self) -> Limits:
-        engine = self.require_engine()
+    def limits(self, engine: Engine) -> Limits:
+        """What a request may ask of ``engine`` (the one ``require_engine`` gave)."""
         return Limits(
             max_context=engine.target.max_context,
             max_prompt_tokens=self.settings.max_prompt_tokens,

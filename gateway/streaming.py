@@ -16,7 +16,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -93,7 +94,7 @@ class Idle:
 
 
 async def interleave(streams: Sequence[RequestStream], idle_s: float | None = None
-                     ) -> AsyncIterator[tuple[int, RoundEvent | Ended | Idle]]:
+                     ) -> AsyncGenerator[tuple[int, RoundEvent | Ended | Idle]]:
     """Events of all choices as they arrive, tagged with the choice index; each
     choice ends with one ``Ended``; with ``idle_s``, an ``Idle`` (index -1) after every
     ``idle_s`` seconds without an event. Closing the iterator cancels every choice."""
@@ -160,11 +161,12 @@ class _EventStream(EventSourceResponse):
 
 
 class ResponseRun:
-    """One API request's choices on the engine, and their delivery. Made, it has
-    submitted every choice (or, refused, none) and counts as in flight until closed."""
+    """One API request's choices on the engine, and their delivery: ``submit`` puts
+    every choice on the engine (or, refused, none), after which the run counts as in
+    flight until closed; ``respond`` answers with an SSE stream or one body, both read
+    through ``rounds``, the one loop over the choices' events."""
 
-    def __init__(self, state: GatewayState, job: Job, fmt: Format, engine: Engine,
-                 requests: Sequence[GenerationRequest], endpoint: str,
+    def __init__(self, state: GatewayState, job: Job, fmt: Format, endpoint: str,
                  user: str | None = None, trace: RequestTelemetry | None = None,
                  tool_choice: str | None = None, operator_cap: int | None = None) -> None:
         self.state = state
@@ -179,10 +181,46 @@ class ResponseRun:
         self.stream_error: str | None = None  # error type of a failure after streaming began
         self.status = 200
         self.error_code: str | None = None
-        self.streams = submit_traced(engine, requests, trace)
-        self.totals = [ChoiceTotals(drafter=s.drafter) for s in self.streams]
-        state.begin(self.streams)
+        self.streams: list[RequestStream] = []
+        self.totals: list[ChoiceTotals] = []
         self.started = time.monotonic()
+
+    def submit(self, engine: Engine, requests: Sequence[GenerationRequest]) -> None:
+        """Every choice on the engine, or none (a refusal raises, its span ended)."""
+        self.streams = submit_traced(engine, requests, self.trace)
+        self.totals = [ChoiceTotals(drafter=s.drafter) for s in self.streams]
+        self.state.begin(self.streams)
+        self.started = time.monotonic()
+
+    async def respond(self, receive: Callable[[], Awaitable[Any]], stream: bool | None
+                      ) -> Response:
+        """The submitted choices' answer: an SSE stream of their events, or one body."""
+        if stream:
+            return self.streaming_response()
+        return await self.whole_response(receive)
+
+    async def rounds(self, idle_s: float | None = None
+                     ) -> AsyncIterator[tuple[int, RoundEvent | Ended | Idle]]:
+        """The one loop over the choices' events (``interleave``): each round counted in
+        its choice's totals and its span, and each end in its totals, before it is handed
+        on. Closing it cancels every choice still running."""
+        async with aclosing(interleave(self.streams, idle_s)) as events:
+            async for index, item in events:
+                if isinstance(item, Ended):
+                    self.totals[index].end(item)
+                elif isinstance(item, RoundEvent):
+                    self.totals[index].add(item)
+                    self._observe(index, item)
+                yield index, item
+
+    def failed(self, index: int) -> APIError | None:
+        """Choice ``index``'s failure, if it failed (after streaming began: the stream's
+        outcome and error type say so)."""
+        error = self.totals[index].error
+        if error is not None:
+            self.outcome = f"error {error.status_code}"
+            self.stream_error = error_type_of(error.status_code, error.code)
+        return error
 
     # -- streaming ------------------------------------------------------------------------
 
@@ -205,23 +243,17 @@ class ResponseRun:
         whenever none came for the heartbeat interval."""
         for opening in self.fmt.opening():
             yield chunk_json(opening)
-        async for index, item in interleave(self.streams, self.heartbeat_s):
+        async for index, item in self.rounds(self.heartbeat_s):
             if isinstance(item, Idle):
                 yield chunk_json(self.fmt.heartbeat())
                 continue
-            totals = self.totals[index]
-            if isinstance(item, Ended):
-                totals.end(item)
-            else:
-                totals.add(item)
-                self._observe(index, item)
-                chunk = self.fmt.chunk(index, item, totals)
+            if isinstance(item, RoundEvent):
+                chunk = self.fmt.chunk(index, item, self.totals[index])
                 if chunk is not None:
                     yield chunk_json(chunk)
-            if totals.error is not None:
-                self.outcome = f"error {totals.error.status_code}"
-                self.stream_error = error_type_of(totals.error.status_code, totals.error.code)
-                yield json.dumps(totals.error.body())
+            error = self.failed(index)
+            if error is not None:
+                yield json.dumps(error.body())
                 return
         if self.job.usage:
             yield chunk_json(self.fmt.usage_chunk(self.totals))
@@ -251,12 +283,8 @@ class ResponseRun:
             self._close()
 
     async def _collect(self) -> bool:
-        async for index, item in interleave(self.streams):
-            if isinstance(item, Ended):
-                self.totals[index].end(item)
-            elif isinstance(item, RoundEvent):
-                self.totals[index].add(item)
-                self._observe(index, item)
+        async for index, item in self.rounds():
+            if isinstance(item, RoundEvent):
                 self.fmt.observe(index, item)
         return True
 
