@@ -24,6 +24,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY decoding ./decoding
+COPY drafters ./drafters
 COPY runtime ./runtime
 COPY wiring ./wiring
 COPY trt ./trt

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from decoding.constraints import Constraint, Grammar
-from decoding.drafters.base import DraftProposal
+from decoding.drafter import DraftProposal
 from decoding.types import RoundEvent
 
 MAX_FORCED = 32  # grammar-forced draft tokens per round

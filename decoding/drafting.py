@@ -12,7 +12,7 @@ from typing import Generic, TypeVar, cast
 import torch
 
 from decoding.constrained import ConstrainedDraft
-from decoding.drafters.base import DraftContext, Drafter, DraftProposal
+from decoding.drafter import DraftContext, Drafter, DraftProposal
 from decoding.features import FeatureRows
 from decoding.policy import AdaptiveSpeculation
 from decoding.types import RoundTiming

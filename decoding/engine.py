@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from decoding.drafters.base import Drafter
+from decoding.drafter import Drafter
 from decoding.handoff import Outbox
 from decoding.invariance import InvarianceCheck
 from decoding.kv_budget import KvBudget

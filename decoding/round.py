@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from decoding.drafters.base import Drafter, DraftProposal
+from decoding.drafter import Drafter, DraftProposal
 from decoding.drafting import Draft
 from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation

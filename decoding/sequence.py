@@ -19,7 +19,7 @@ from typing import Generic
 import torch
 
 from decoding.constrained import ConstrainedDecoding
-from decoding.drafters.base import DraftContext, Drafter, DraftProposal
+from decoding.drafter import DraftContext, Drafter, DraftProposal
 from decoding.drafting import Draft, SequenceDrafting
 from decoding.features import FeatureRows
 from decoding.logprobs import token_logprobs

@@ -29,13 +29,13 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from transformers.utils import logging as transformers_logging
 
-from decoding.drafters.base import Drafter
-from decoding.drafters.combined import CombinedDrafter
+from decoding.drafter import Drafter
 from decoding.engine import Engine
 from decoding.invariance import InvarianceCheck
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import Target
 from decoding.threads import default_decode_threads
+from drafters.combined import CombinedDrafter
 from gateway import pages
 from gateway.errors import install_error_handlers
 from gateway.middleware import HeadAsGetMiddleware, RequestMetricsMiddleware

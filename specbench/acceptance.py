@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import torch
 
-from decoding.drafters.base import DraftContext, Drafter
+from decoding.drafter import DraftContext, Drafter
 from decoding.features import FeatureRows
 from decoding.prompting import encode_chat
 from decoding.round import with_layers

@@ -23,9 +23,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from decoding.drafters.base import Drafter
-from decoding.drafters.model import ModelDrafter
+from decoding.drafter import Drafter
 from decoding.prompting import encode_chat
+from drafters.model import ModelDrafter
 from runtime.drafts import feature_draft
 from runtime.loaders.loading import PRECISIONS, load_target, torch_draft_dtype
 from runtime.runner.causal_lm import CausalLM

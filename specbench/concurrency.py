@@ -36,7 +36,7 @@ from typing import Any, TextIO
 
 import torch
 
-from decoding.drafters.base import Drafter
+from decoding.drafter import Drafter
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams

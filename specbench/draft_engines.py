@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from decoding.drafters.base import DraftContext, Drafter
+from decoding.drafter import DraftContext, Drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from decoding.drafters.base import DraftContext
-from decoding.drafters.feature import FeatureDrafter
-from decoding.drafters.model import ModelDrafter
+from decoding.drafter import DraftContext
 from decoding.types import SamplingParams
+from drafters.feature import FeatureDrafter
+from drafters.model import ModelDrafter
 from runtime.loaders.loading import load_target
 from runtime.runner.batched import BatchedLM
 from runtime.runner.passes import BatchItem

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from decoding.drafters import Drafter
+from decoding.drafter import Drafter
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from decoding.round import decode

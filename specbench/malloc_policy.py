@@ -35,9 +35,9 @@ def one_process(target: str, tokens: int, repeats: int, threshold: int | None) -
         assert map_large_allocations(threshold)
     import torch
 
-    from decoding.drafters.ngram import NgramDrafter
     from decoding.round import decode
     from decoding.types import GenerationRequest, SamplingParams
+    from drafters.ngram import NgramDrafter
     from runtime.loaders.loading import load_target
 
     torch.set_num_threads(os.cpu_count() or 1)

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from decoding.drafters.base import Drafter
-from decoding.drafters.combined import MODEL_MARGIN, CombinedDrafter
-from decoding.drafters.model import ModelDrafter
-from decoding.drafters.ngram import DEFAULT_MAX_NGRAM, NgramDrafter
+from decoding.drafter import Drafter
 from decoding.policy import MAX_DRAFT_TOKENS
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
+from drafters.combined import MODEL_MARGIN, CombinedDrafter
+from drafters.model import ModelDrafter
+from drafters.ngram import DEFAULT_MAX_NGRAM, NgramDrafter
 from runtime.drafts import draft_format
 from runtime.models.checkpoints import transformers_pretrained
 from runtime.models.skeleton import Skeleton

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from decoding.constraints import GrammarCompiler
-from decoding.drafters.base import Drafter
+from decoding.drafter import Drafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams

@@ -12,11 +12,11 @@ from typing import Any, NoReturn, cast
 import torch
 from pydantic import ValidationError
 
-from decoding.drafters.base import Drafter
-from decoding.drafters.model import TokenizerMismatchError
+from decoding.drafter import Drafter
 from decoding.prompting import encode_chat, encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.model import TokenizerMismatchError
 from gateway.server import add_serve_command
 from gateway.startup import fail
 from runtime.drafts.draft_format import DraftFormatError

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from decoding.drafters.base import Drafter
+from decoding.drafter import Drafter
 from decoding.engine import Engine
 from decoding.policy import AdaptiveSpeculation, StepCost
 from decoding.prompting import encode_text

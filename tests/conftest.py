@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.drafters.base import Drafter
-from decoding.drafters.combined import CombinedDrafter
+from decoding.drafter import Drafter
+from drafters.combined import CombinedDrafter
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.files import model_store
 from runtime.runner.batched import BatchedLM
 from runtime.runner.causal_lm import CausalLM, TransformersLM

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from decoding.drafters.base import Drafter
-from decoding.drafters.model import ModelDrafter
-from decoding.drafters.ngram import NgramDrafter
+from decoding.drafter import Drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.runner.causal_lm import CausalLM
 from specbench.acceptance import replay
 from specserve.cli import main

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from decoding.drafters import NgramDrafter
+from drafters.ngram import NgramDrafter
 from runtime.matrices import weights
 from runtime.runner import layout
 from runtime.runner.batched import BatchedLM, BatchedState

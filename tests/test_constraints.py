@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from decoding.constraints import GrammarCompiler, GrammarError
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.drafters.base import BaseDrafter, DraftContext, Drafter, DraftProposal
-from decoding.drafters.combined import CombinedDrafter
+from decoding.drafter import BaseDrafter, DraftContext, Drafter, DraftProposal
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode
@@ -27,6 +25,9 @@ from decoding.types import (
     SamplingParams,
     SpeculationParams,
 )
+from drafters.combined import CombinedDrafter
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.runner.causal_lm import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)

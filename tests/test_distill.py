@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decoding.drafters.base import DraftContext
-from decoding.drafters.model import ModelDrafter
+from decoding.drafter import DraftContext
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from drafters.model import ModelDrafter
 from runtime.drafts import draft_format as distilled
 from runtime.runner.causal_lm import CausalLM
 from specdistill import data as distill_data

@@ -25,13 +25,13 @@ import torch
 from scipy.stats import chi2
 
 import decoding.verify
-from decoding.drafters import ModelDrafter
-from decoding.drafters.base import DraftContext, Drafter
+from decoding.drafter import DraftContext, Drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.sampling import apply_penalties, logits_to_probs, output_counts
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.model import ModelDrafter
 from runtime.runner.causal_lm import CausalLM
 
 K = 8

@@ -7,14 +7,14 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from decoding.drafters import DraftContext, ModelDrafter, NgramDrafter
-from decoding.drafters.base import BaseDrafter, DraftProposal
-from decoding.drafters.combined import CombinedDrafter
-from decoding.drafters.model import CHAIN_STEPS, TokenizerMismatchError
+from decoding.drafter import BaseDrafter, DraftContext, DraftProposal
 from decoding.prompting import encode_text
 from decoding.round import decode, step
 from decoding.sequence import SequenceDecoder
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.combined import CombinedDrafter
+from drafters.model import CHAIN_STEPS, ModelDrafter, TokenizerMismatchError
+from drafters.ngram import NgramDrafter
 from runtime.runner.batched import BatchedLM
 from runtime.runner.causal_lm import CausalLM, TransformersLM
 from tests.policies import SteadyTimingPolicy

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from decoding.drafters import NgramDrafter
-from decoding.drafters.base import DraftContext
+from decoding.drafter import DraftContext
 from decoding.engine import Engine, EngineClosedError, QueueFullError, UnknownDrafterError
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.sequence import ContextOverflowError
 from decoding.types import FinishReason, GenerationRequest, SamplingParams, SpeculationParams
+from drafters.ngram import NgramDrafter
 from runtime.runner.batched import BatchedLM
 from runtime.runner.causal_lm import CausalLM
 from tests.clocks import TickingClock

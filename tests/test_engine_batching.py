@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.drafters.base import Drafter
+from decoding.drafter import Drafter
 from decoding.engine import Engine
 from decoding.round import decode
 from decoding.types import (
@@ -19,6 +18,8 @@ from decoding.types import (
     SamplingParams,
     SpeculationParams,
 )
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.runner.batched import BatchedLM, BatchedState
 from runtime.runner.causal_lm import CausalLM
 from tests.batching import (

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.drafters.base import DraftContext
-from decoding.drafters.feature import FeatureDrafter
+from decoding.drafter import DraftContext
 from decoding.features import FeatureRows
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.feature import FeatureDrafter
 from runtime.drafts import draft_format, feature_draft
 from runtime.runner.batched import BatchedLM
 from runtime.runner.causal_lm import CausalLM

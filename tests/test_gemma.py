@@ -98,7 +98,7 @@ def test_a_gemma3_model_speculates_losslessly_in_batches(gemma_dir: Path) -> Non
     """In bfloat16 at three streams with itself as the draft (passes verify several
     tokens beside other sequences, past the window), each output is its plain greedy
     decoding alone."""
-    from decoding.drafters import ModelDrafter
+    from drafters.model import ModelDrafter
     from tests.batching import PROMPTS, _alone, _greedy, _serve, _tokens
 
     target = BatchedLM.load(str(gemma_dir), dtype="bfloat16")

@@ -15,13 +15,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from decoding.drafters import Drafter, NgramDrafter
+from decoding.drafter import Drafter
 from decoding.engine import Engine
 from decoding.invariance import InvarianceCheck
 from decoding.policy import AdaptiveSpeculation, FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.scheduler import Scheduler
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.ngram import NgramDrafter
 from runtime.loaders.loading import load_target
 from runtime.runner.causal_lm import CausalLM
 from runtime.runner.layout import Layout

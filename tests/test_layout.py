@@ -1,6 +1,6 @@
 """The package layout is the architecture: imports point one way.
 
-gateway -> decoding -> runtime, and trt implements decoding's drafter protocol;
+gateway -> decoding -> runtime, and drafters and trt implement decoding's drafter protocol;
 decoding sees the runtime only through its contract (``runtime.runner.passes``: the pass's
 items and the runner's declared capabilities), and the wiring (``wiring``) builds the
 concrete models and drafters from names, above both; benchmarks (specbench) and
@@ -17,20 +17,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "decoding", "runtime", "wiring", "trt", "observability", "specbench",
-            "specdistill", "specserve")
+PACKAGES = ("gateway", "decoding", "drafters", "runtime", "wiring", "trt", "observability",
+            "specbench", "specdistill", "specserve")
 # what each package must never import (directly, at any depth of the module)
 FORBIDDEN = {
-    "decoding": {"gateway", "wiring", "trt", "specbench", "specdistill", "specserve",
+    "decoding": {"gateway", "drafters", "wiring", "trt", "specbench", "specdistill",
+                 "specserve", "observability", "fastapi", "redis", "tensorrt", "onnxruntime",
+                 "uvicorn"},
+    "drafters": {"gateway", "wiring", "trt", "specbench", "specdistill", "specserve",
                  "observability", "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
-    "runtime": {"gateway", "decoding", "wiring", "trt", "specbench", "specdistill",
+    "runtime": {"gateway", "decoding", "drafters", "wiring", "trt", "specbench", "specdistill",
                 "specserve", "observability", "fastapi", "redis", "tensorrt", "onnxruntime",
                 "uvicorn"},
     "wiring": {"gateway", "trt", "specbench", "specdistill", "specserve", "observability",
                "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
     "gateway": {"trt", "specbench", "specdistill", "specserve", "tensorrt", "onnxruntime"},
     "trt": {"gateway", "specbench", "specdistill", "specserve"},
-    "observability": {"gateway", "decoding", "runtime", "wiring", "trt", "specbench",
+    "observability": {"gateway", "decoding", "drafters", "runtime", "wiring", "trt", "specbench",
                       "specdistill", "specserve"},
     "specbench": {"specserve", "specdistill"},
     "specdistill": {"specserve", "specbench", "gateway"},
@@ -64,14 +67,26 @@ RUNTIME_CONTRACT = {"runtime.runner.passes"}
 
 
 def test_the_core_sees_the_runtime_only_through_its_contract() -> None:
-    """decoding imports no concrete runner, model, kernel or file format (not even for
-    type checking): it is handed a target and drafters that meet its protocols."""
+    """decoding, and the drafters that plug into it, import no concrete runner, model,
+    kernel or file format (not even for type checking): they are handed a target and
+    draft models that meet their protocols."""
     names = _module_names()
     concrete = {f"{path.relative_to(ROOT)} imports {name}"
-                for path in _modules("decoding")
+                for package in ("decoding", "drafters") for path in _modules(package)
                 for name in _module_imports(path, names)
                 if name.split(".")[0] == "runtime" and name not in RUNTIME_CONTRACT}
     assert not concrete, sorted(concrete)
+
+
+CORE_LINES = 4_500  # the most lines of Python the speculative core holds
+
+
+def test_the_core_is_the_core() -> None:
+    """decoding holds the speculative round, its policies, the engine and their
+    protocols; the drafters, the wiring and the runtime live outside it."""
+    lines = sum(len(path.read_text(encoding="utf-8").splitlines())
+                for path in _modules("decoding"))
+    assert lines <= CORE_LINES, lines
 
 
 # runtime's layers, bottom first: a module imports runtime modules of its own layer or

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.drafters.base import Drafter
-from decoding.drafters.combined import CombinedDrafter
+from decoding.drafter import Drafter
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat, encode_text
 from decoding.round import decode
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
+from drafters.combined import CombinedDrafter
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.runner.batched import BatchedLM
 from runtime.runner.causal_lm import CausalLM
 from runtime.runner.passes import BatchItem, TargetCapabilities

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from decoding.drafters.model import ModelDrafter
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.model import ModelDrafter
 from gateway.settings import Settings, sampling_problems
 from runtime.files import model_store
 from runtime.files.model_store import CatalogueModel, ModelStoreError, Part

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from decoding.drafters.base import DraftContext
-from decoding.drafters.continuation import ContinuationDrafter
+from decoding.drafter import DraftContext
 from decoding.prefix_cache import CONTEXT_TOKENS, InProcessStore, PrefixCache, PrefixStore
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
+from drafters.continuation import ContinuationDrafter
 from gateway.redis_store import KEY_PREFIX, RedisStore
 from runtime.runner.causal_lm import CausalLM
 from tests.clocks import ManualClock

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.engine import Engine
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.loaders.loading import load_target
 from runtime.matrices.quantized import (
     BlockMatrix,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.drafters.model import ModelDrafter, TokenizerMismatchError
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.model import ModelDrafter, TokenizerMismatchError
 from gateway.params import SamplingDefaults, model_stops, sampling_defaults
 from runtime.files import model_store
 from runtime.loaders.loading import load_target

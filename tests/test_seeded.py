@@ -8,16 +8,17 @@ import uuid
 
 import pytest
 
-from decoding.drafters import ModelDrafter, NgramDrafter
-from decoding.drafters.base import Drafter
-from decoding.drafters.combined import CombinedDrafter
-from decoding.drafters.continuation import ContinuationDrafter
+from decoding.drafter import Drafter
 from decoding.engine import Engine
 from decoding.policy import FixedSpeculation
 from decoding.prefix_cache import InProcessStore, PrefixCache
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, SpeculationParams
+from drafters.combined import CombinedDrafter
+from drafters.continuation import ContinuationDrafter
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.runner.causal_lm import CausalLM
 
 PROMPTS = [

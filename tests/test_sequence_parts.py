@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from decoding.constrained import ConstrainedDraft
-from decoding.drafters import NgramDrafter
-from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
+from decoding.drafter import BaseDrafter, DraftContext, DraftProposal
 from decoding.drafting import Draft, SequenceDrafting
 from decoding.features import FeatureRows
 from decoding.policy import AdaptiveSpeculation, FixedSpeculation
@@ -21,6 +20,7 @@ from decoding.prefix_cache import InProcessStore, PrefixCache
 from decoding.text import Committed
 from decoding.types import FinishReason, RoundTiming, SamplingParams
 from decoding.verify import Verdict
+from drafters.ngram import NgramDrafter
 from runtime.runner.causal_lm import CausalLM
 from runtime.runner.passes import BatchItem
 

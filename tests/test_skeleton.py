@@ -84,7 +84,7 @@ def test_a_qwen3_model_speculates_losslessly_in_batches(tmp_path: Path, default_
     """Qwen3 runs batched (its per-head q/k norms on both paths) in bfloat16: served at
     three streams with itself as the draft (every draft accepted, so passes verify several
     tokens beside other sequences), each output is its plain greedy decoding alone."""
-    from decoding.drafters import ModelDrafter
+    from drafters.model import ModelDrafter
     from tests.batching import PROMPTS, _alone, _greedy, _serve, _tokens
 
     family, extra = FAMILIES["qwen3"]

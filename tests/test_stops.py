@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.drafters import ModelDrafter, NgramDrafter
 from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.text import TextStream, _backend
 from decoding.types import FinishReason, GenerationRequest, SamplingParams
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.runner.causal_lm import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from enum import StrEnum
 from pathlib import Path
 
-from decoding.drafters.base import Drafter
-from decoding.drafters.model import ModelDrafter
+from decoding.drafter import Drafter
 from decoding.prefix_cache import PrefixCache
+from drafters.model import ModelDrafter
 from runtime.loaders.loading import torch_draft_dtype
 from runtime.runner.causal_lm import CausalLM
 from trt import store

@@ -2,7 +2,7 @@
 
 The exported step takes token ids plus the KV cache as explicit tensors and
 returns the next-token logits plus the grown cache. ``KVDrafter`` drives such
-an engine exactly as ``decoding.drafters.model.ModelDrafter`` drives a PyTorch
+an engine exactly as ``drafters.model.ModelDrafter`` drives a PyTorch
 model: it reuses the common prefix of what it fed and what is committed, feeds
 the rest, then proposes k tokens one step at a time (greedy argmax, or sampling
 with the request's keyed noise or generator, returning the distributions).
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from decoding.drafters.model import ModelDrafter
+from drafters.model import ModelDrafter
 from runtime.runner.causal_lm import CausalLM
 from runtime.runner.passes import BatchItem, TargetCapabilities
 

@@ -1,4 +1,4 @@
-"""The wiring: concrete runtime models and decoding's drafters built from the names a
+"""The wiring: concrete runtime models and the drafters built from the names a
 user gives (a draft spec on the command line or in settings).
 
 The speculative core (``decoding``) is handed a target and a drafter and never builds

@@ -6,13 +6,13 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from decoding.drafters.base import Drafter
-from decoding.drafters.combined import CombinedDrafter
-from decoding.drafters.continuation import ContinuationDrafter
-from decoding.drafters.feature import FeatureDrafter
-from decoding.drafters.model import ModelDrafter
-from decoding.drafters.ngram import NgramDrafter
+from decoding.drafter import Drafter
 from decoding.prefix_cache import PrefixCache
+from drafters.combined import CombinedDrafter
+from drafters.continuation import ContinuationDrafter
+from drafters.feature import FeatureDrafter
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.drafts import draft_format as distilled
 from runtime.drafts import feature_draft
 from runtime.drafts.draft_choice import choice_path_for, read_choice

@@ -18,10 +18,10 @@ from fastapi import FastAPI
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decoding.drafters.base import Drafter
-from decoding.drafters.model import ModelDrafter
-from decoding.drafters.ngram import NgramDrafter
+from decoding.drafter import Drafter
 from decoding.engine import Engine
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from gateway.server import create_app
 from gateway.settings import Settings
 from observability.metrics import Metrics

@@ -18,8 +18,8 @@ from typing import Any
 import openai
 import pytest
 
-from decoding.drafters.ngram import NgramDrafter
 from decoding.engine import Engine
+from drafters.ngram import NgramDrafter
 from gateway.server import create_app
 from runtime.runner.batched import BatchedLM
 from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
+from decoding.drafter import BaseDrafter, DraftContext, DraftProposal
 from decoding.engine import Engine
 from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
+from decoding.drafter import BaseDrafter, DraftContext, DraftProposal
 from decoding.engine import Engine
 from decoding.types import RoundEvent
 from gateway.server import build_engine, create_app

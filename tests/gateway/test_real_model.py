@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 
-from decoding.drafters.ngram import NgramDrafter
 from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.ngram import NgramDrafter
 from gateway.server import create_app
 from gateway.settings import Settings
 from observability.telemetry import Telemetry

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from decoding.drafters.base import DraftContext, DraftProposal
-from decoding.drafters.ngram import NgramDrafter, NgramState
+from decoding.drafter import DraftContext, DraftProposal
 from decoding.engine import Engine
+from drafters.ngram import NgramDrafter, NgramState
 from gateway.server import create_app
 from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import live_server, openai_client, tiny_settings

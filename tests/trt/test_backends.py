@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoding.drafters.combined import CombinedDrafter
-from decoding.drafters.model import ModelDrafter
-from decoding.drafters.ngram import NgramDrafter
+from drafters.combined import CombinedDrafter
+from drafters.model import ModelDrafter
+from drafters.ngram import NgramDrafter
 from runtime.runner.causal_lm import CausalLM
 from trt import export
 from trt.backends import backend_name, load_draft

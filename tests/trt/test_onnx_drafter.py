@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.drafters.base import DraftContext, Drafter
-from decoding.drafters.model import ModelDrafter
+from decoding.drafter import DraftContext, Drafter
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.model import ModelDrafter
 from runtime.runner.causal_lm import CausalLM
 from trt.kv_drafter import KVCache, KVDrafter
 from trt.onnx_drafter import load_onnx_drafter

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from decoding.drafters.base import DraftContext
-from decoding.drafters.model import ModelDrafter
+from decoding.drafter import DraftContext
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
+from drafters.model import ModelDrafter
 from runtime.runner.causal_lm import CausalLM
 from trt.backends import load_draft
 from trt.manifest import Manifest

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
+from decoding.drafter import BaseDrafter, DraftContext, DraftProposal
 from decoding.prefix_cache import PrefixCache
 
 

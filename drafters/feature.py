@@ -17,8 +17,8 @@ from typing import Generic, Protocol
 
 import torch
 
-from decoding.drafters.base import DraftContext
-from decoding.drafters.model import CHAIN_STEPS, CacheT, DraftedFor, DraftModel, StepDrafter
+from decoding.drafter import DraftContext
+from drafters.model import CHAIN_STEPS, CacheT, DraftedFor, DraftModel, StepDrafter
 from runtime.runner.passes import BatchItem, DraftSteps, PreparedPass
 
 

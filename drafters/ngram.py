@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from decoding.drafters.base import BaseDrafter, DraftContext, DraftProposal
+from decoding.drafter import BaseDrafter, DraftContext, DraftProposal
 
 DEFAULT_MAX_NGRAM = 4
 DEFAULT_MIN_NGRAM = 2

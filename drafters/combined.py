@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from decoding.drafters.base import BaseDrafter, DraftContext, Drafter, DraftProposal
+from decoding.drafter import BaseDrafter, DraftContext, Drafter, DraftProposal
 from decoding.policy import MAX_DRAFT_TOKENS
 
 # The model must keep this many more tokens per proposal than lookup before it takes

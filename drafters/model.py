@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 import torch
 
-from decoding.drafters.base import BaseDrafter, DraftContext, DraftJudge, DraftProposal
+from decoding.drafter import BaseDrafter, DraftContext, DraftJudge, DraftProposal
 from decoding.sampling import SamplingKey, logits_to_probs
 from runtime.runner.passes import BatchItem, ChainDrafting, DraftSteps, TargetCapabilities
 
@@ -101,7 +101,7 @@ class StepDrafter(BaseDrafter[StateS]):
     """A model's steps as drafts: one batched pass a step, or greedy steps in native
     chains where ``can_chain``. The per-sequence state, how a sequence is fed and how a
     step runs are the subclass's: ``ModelDrafter`` (a draft model over its own KV) and
-    ``decoding.drafters.feature.FeatureDrafter`` (a head over the target's features)."""
+    ``drafters.feature.FeatureDrafter`` (a head over the target's features)."""
 
     native_chain = True  # greedy rounds in one native call where the model offers it
 
