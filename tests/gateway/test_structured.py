@@ -199,3 +199,23 @@ def test_bad_schemas_are_a_400_in_bounded_time(client: openai.OpenAI, body: dict
     assert needle in str(caught.value)
     ok = client.chat.completions.create(model=TINY, messages=ASK, max_tokens=3)
     assert ok.choices[0].finish_reason == "length"  # the model thread is still serving
+
+
+def test_the_cheap_checks_come_before_the_grammar(client: openai.OpenAI) -> None:
+    """A request asking for more tokens than the context holds is refused for that before
+    its schema is compiled (which may take seconds): with a schema the compiler refuses,
+    the answer names the length, not the schema."""
+    bogus = {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=TINY, messages=ASK, max_tokens=10**6,
+                                       extra_body=bogus)
+    assert caught.value.code == "context_length_exceeded", caught.value
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=TINY, prompt="Hello", max_tokens=10**6,
+                                  extra_body=bogus)
+    assert caught.value.code == "context_length_exceeded", caught.value
+    with pytest.raises(openai.BadRequestError) as caught:  # the schema alone: refused for it
+        client.chat.completions.create(model=TINY, messages=ASK, max_tokens=5,
+                                       extra_body=bogus)
+    assert "schema" in str(caught.value)
