@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class PassWork:
     """What ``prepare_pass`` builds of a pass before its long call."""
