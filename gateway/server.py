@@ -36,17 +36,17 @@ from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import Target
 from decoding.threads import default_decode_threads
 from drafters.combined import CombinedDrafter
-from gateway import pages
-from gateway.errors import install_error_handlers
-from gateway.middleware import HeadAsGetMiddleware, RequestMetricsMiddleware
-from gateway.openapi import install_openapi
-from gateway.redis_store import RedisStore, redacted
-from gateway.responses_api import router as responses_router
-from gateway.routes import router
-from gateway.settings import Settings, add_settings_flags, settings_from_args
-from gateway.startup import CONFIG_ERRORS, StartupError, check_settings, fail, one_line
-from gateway.state import GatewayState
-from gateway.tokenizing import router as tokenizing_router
+from gateway.api import pages
+from gateway.api.middleware import HeadAsGetMiddleware, RequestMetricsMiddleware
+from gateway.api.openapi import install_openapi
+from gateway.api.responses import router as responses_router
+from gateway.api.routes import router
+from gateway.api.tokenize import router as tokenizing_router
+from gateway.service.redis_store import RedisStore, redacted
+from gateway.service.settings import Settings, add_settings_flags, settings_from_args
+from gateway.service.startup import CONFIG_ERRORS, StartupError, check_settings, fail, one_line
+from gateway.service.state import GatewayState
+from gateway.wire.errors import install_error_handlers
 from observability.logging import configure_logging
 from observability.metrics import start_metrics_server
 from observability.telemetry import Telemetry

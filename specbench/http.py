@@ -32,7 +32,7 @@ from decoding.engine import Engine
 from decoding.prompting import encode_text
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import build_engine
-from gateway.settings import Settings
+from gateway.service.settings import Settings
 
 log = logging.getLogger(__name__)
 

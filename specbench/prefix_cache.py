@@ -154,7 +154,7 @@ def compression_rows(target: CausalLM, redis_url: str, tokens: int = 2048
     (decompression included): lossless compression pays only if this is faster."""
     import zlib
 
-    from gateway.redis_store import RedisStore
+    from gateway.service.redis_store import RedisStore
 
     store = InProcessStore(max_bytes=4 << 30)
     cache = PrefixCache(store, f"zlib-{uuid.uuid4().hex}")
@@ -205,7 +205,7 @@ def main() -> int:
     loads = args.loads.split(",")
     wanted = args.stores.split(",")
     with redis_url_or_local(args.redis_url) as redis_url:
-        from gateway.redis_store import RedisStore
+        from gateway.service.redis_store import RedisStore
 
         stores: dict[str, PrefixStore] = {}
         if "in-process" in wanted:

@@ -88,8 +88,8 @@ def _instrument(clock: _Clock) -> None:
     from decoding import engine as engine_module
     from decoding.engine import Engine
     from decoding.handoff import Outbox
-    from gateway import streaming
-    from gateway.formats import ChatFormat
+    from gateway.encode.formats import ChatFormat
+    from gateway.predict import run
     from runtime.runner import fused
     from runtime.runner.batched import BatchedLM
 
@@ -111,9 +111,9 @@ def _instrument(clock: _Clock) -> None:
     clock.wrap(BatchedLM, "_logits", "head")
     clock.wrap(BatchedLM, "draft_chain", "draft_chain")
     clock.wrap(Outbox, "hand_over", "hand_over")
-    clock.wrap(streaming, "chunk_json", "chunk_json")
+    clock.wrap(run, "chunk_json", "chunk_json")
     clock.wrap(ChatFormat, "chunk", "chunk")
-    clock.wrap(streaming.ResponseRun, "_observe", "metrics")
+    clock.wrap(run.ResponseRun, "_observe", "metrics")
     main = threading.main_thread()
     for kind in (selectors.EpollSelector, selectors.SelectSelector):
         select = kind.select

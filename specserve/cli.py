@@ -18,7 +18,7 @@ from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from drafters.model import TokenizerMismatchError
 from gateway.server import add_serve_command
-from gateway.startup import fail
+from gateway.service.startup import fail
 from runtime.drafts.draft_format import DraftFormatError
 from runtime.files import model_store
 from runtime.loaders.loading import DRAFT_DTYPES, QUANTIZE, load_target

@@ -93,26 +93,48 @@ def test_the_core_is_the_core() -> None:
 # those below (the loaders and the shipped drafts stand side by side at the top)
 RUNTIME_LAYERS = (("files",), ("native",), ("models",), ("matrices",), ("runner",),
                   ("loaders", "drafts"))
+# the gateway's, bottom first: the OpenAI shapes; a request decoded into the engine's
+# work; the engine's events encoded into bodies; the server's settings, state and
+# stores; a request's run; the routes. gateway/server.py, above them all, builds the app.
+GATEWAY_LAYERS = (("wire",), ("decode",), ("encode",), ("service",), ("predict",), ("api",))
+GATEWAY_TOP = {"gateway", "gateway.server"}
+
+
+def _upward_imports(package: str, layers: tuple[tuple[str, ...], ...],
+                    top: set[str]) -> tuple[list[str], list[str]]:
+    """The modules of ``package`` outside its layers, and the imports of a layer above."""
+    rank = {layer: i for i, group in enumerate(layers) for layer in group}
+    names = _module_names()
+    loose = [name for name in names if name.startswith(package + ".")
+             and name not in top and name.split(".")[1] not in rank]
+    upward = []
+    for name, path in names.items():
+        parts = name.split(".")
+        if parts[0] != package or len(parts) < 3:
+            continue
+        for imported in _module_imports(path, names):
+            other = imported.split(".")
+            if (other[0] == package and len(other) > 1 and other[1] in rank
+                    and rank[other[1]] > rank[parts[1]]):
+                upward.append(f"{name} imports {imported}")
+    return loose, sorted(upward)
 
 
 def test_the_runtime_is_a_stack_of_layers() -> None:
     """Every runtime module sits in one of the layers' subpackages, and none imports a
     module of a layer above its own (not even inside a function or for type checking)."""
-    rank = {layer: i for i, layers in enumerate(RUNTIME_LAYERS) for layer in layers}
-    names = _module_names()
-    loose = [name for name in names
-             if name.startswith("runtime.") and name.split(".")[1] not in rank]
+    loose, upward = _upward_imports("runtime", RUNTIME_LAYERS, {"runtime"})
     assert not loose, loose
-    upward = []
-    for name, path in names.items():
-        parts = name.split(".")
-        if parts[0] != "runtime" or len(parts) < 3:
-            continue
-        for imported in _module_imports(path, names):
-            other = imported.split(".")
-            if other[0] == "runtime" and len(other) > 1 and rank[other[1]] > rank[parts[1]]:
-                upward.append(f"{name} imports {imported}")
-    assert not upward, sorted(upward)
+    assert not upward, upward
+
+
+def test_the_gateway_is_a_stack_of_layers() -> None:
+    """The same for the gateway: every module but the app's builder sits in a layer, and
+    none imports a layer above its own (decode and encode never reach the server's state,
+    which is why the grammar's compiler comes through a protocol)."""
+    loose, upward = _upward_imports("gateway", GATEWAY_LAYERS, GATEWAY_TOP)
+    assert not loose, loose
+    assert not upward, upward
 
 
 def test_every_package_is_checked() -> None:

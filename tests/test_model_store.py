@@ -19,7 +19,8 @@ from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from drafters.model import ModelDrafter
-from gateway.settings import Settings, sampling_problems
+from gateway.decode.params import sampling_problems
+from gateway.service.settings import Settings
 from runtime.files import model_store
 from runtime.files.model_store import CatalogueModel, ModelStoreError, Part
 from runtime.loaders.loading import load_model

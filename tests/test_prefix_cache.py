@@ -17,7 +17,7 @@ from decoding.prompting import encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
 from drafters.continuation import ContinuationDrafter
-from gateway.redis_store import KEY_PREFIX, RedisStore
+from gateway.service.redis_store import KEY_PREFIX, RedisStore
 from runtime.runner.causal_lm import CausalLM
 from tests.clocks import ManualClock
 from tests.conftest import RedisServer

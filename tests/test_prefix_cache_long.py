@@ -17,7 +17,7 @@ from decoding.prefix_cache import PrefixCache
 from decoding.prompting import encode_chat, encode_text
 from decoding.round import decode
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams
-from gateway.redis_store import RedisStore
+from gateway.service.redis_store import RedisStore
 from runtime.runner.causal_lm import CausalLM
 from tests.clocks import ManualClock
 from tests.conftest import RedisServer

@@ -11,7 +11,7 @@ from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from drafters.model import ModelDrafter, TokenizerMismatchError
-from gateway.params import SamplingDefaults, model_stops, sampling_defaults
+from gateway.decode.params import SamplingDefaults, model_stops, sampling_defaults
 from runtime.files import model_store
 from runtime.loaders.loading import load_target
 from runtime.runner.batched import BatchedLM

@@ -193,7 +193,7 @@ def test_a_server_never_imports_transformers_models(args: list[str]) -> None:
     script = (
         "import sys, json\n"
         "from gateway.server import build_engine\n"
-        "from gateway.settings import Settings\n"
+        "from gateway.service.settings import Settings\n"
         f"settings = Settings(quantize={args[1] if args else 'auto'!r})\n"
         "engine = build_engine(settings)\n"
         "print(json.dumps({'target': type(engine.target.model).__name__,\n"

@@ -23,7 +23,7 @@ from decoding.engine import Engine
 from drafters.model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from gateway.server import create_app
-from gateway.settings import Settings
+from gateway.service.settings import Settings
 from observability.metrics import Metrics
 from runtime.runner.causal_lm import CausalLM
 

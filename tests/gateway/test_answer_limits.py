@@ -74,7 +74,7 @@ def test_without_max_tokens_an_answer_is_not_cut_at_512(uncapped: openai.OpenAI)
 
 def test_the_operator_cap_cuts_with_length_and_says_so(
         capped: openai.OpenAI, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="gateway.streaming"):
+    with caplog.at_level(logging.INFO, logger="gateway.predict.run"):
         unasked = _digits(capped)
         more = _digits(capped, max_tokens=CAP + 50)
         within = _digits(capped, max_tokens=CAP - 40)

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from gateway.server import build_drafters, build_engine, build_prefix_cache, create_app
-from gateway.settings import Settings
+from gateway.service.settings import Settings
 from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import TINY, in_process, tiny_settings
 

@@ -11,10 +11,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from gateway.errors import InvalidRequestError
-from gateway.fim import FORMATS, fim_tokens
-from gateway.params import completion_prompts
-from gateway.protocol import CompletionRequest
+from gateway.decode.fim import FORMATS, fim_tokens
+from gateway.decode.params import completion_prompts
+from gateway.wire.errors import InvalidRequestError
+from gateway.wire.requests import CompletionRequest
 from tests.gateway.conftest import TINY, openai_client
 
 PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))"

@@ -19,7 +19,7 @@ from decoding.engine import Engine
 from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest
 from gateway.server import build_engine, create_app
-from gateway.settings import Settings, add_settings_flags, settings_from_args
+from gateway.service.settings import Settings, add_settings_flags, settings_from_args
 from runtime.runner.batched import BatchedLM
 from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings

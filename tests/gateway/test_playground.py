@@ -14,7 +14,7 @@ import pytest
 
 from decoding.engine import Engine
 from gateway.server import build_engine, create_app
-from gateway.settings import Settings, add_settings_flags, settings_from_args
+from gateway.service.settings import Settings, add_settings_flags, settings_from_args
 from tests.gateway.conftest import TINY, in_process, tiny_settings
 
 ORIGINS = {"lookup", "cache", "model", "target", "prompt"}
@@ -182,7 +182,7 @@ def test_origins_follow_the_text_through_multibyte_tokens(default_model_dir: Pat
     from transformers import AutoTokenizer
 
     from decoding.types import RoundEvent
-    from gateway.rounds import TextOrigins
+    from gateway.encode.speculation import TextOrigins
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     ids = tokenizer.encode("Héllo wörld! 日本語のテキスト 🎉🎉 def f(x): return x**2\n" * 12)

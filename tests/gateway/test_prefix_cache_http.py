@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from decoding.engine import Engine
 from decoding.prefix_cache import InProcessStore
-from gateway import redis_store
-from gateway.redis_store import RedisStore
 from gateway.server import build_engine, create_app
+from gateway.service import redis_store
+from gateway.service.redis_store import RedisStore
 from observability.metrics import start_metrics_server
 from tests.conftest import RedisServer
 from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings, wait_until

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from decoding.types import FinishReason, RoundEvent, TokenLogprob
-from gateway.formats import CompletionFormat, Job
-from gateway.params import Prompt
-from gateway.tokens import TokenTexts
-from gateway.totals import ChoiceTotals
+from gateway.decode.params import Prompt
+from gateway.encode.formats import CompletionFormat, Job
+from gateway.encode.token_texts import TokenTexts
+from gateway.encode.totals import ChoiceTotals
 from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import TINY, openai_client
 

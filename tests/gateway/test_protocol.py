@@ -12,10 +12,9 @@ import pytest
 
 from decoding.kv_budget import KvBudget
 from decoding.types import SpeculationParams
-from gateway.errors import InvalidRequestError
-from gateway.intake import parse_body
-from gateway.openapi import REQUEST_MODELS
-from gateway.params import (
+from gateway.api.intake import parse_body
+from gateway.api.openapi import REQUEST_MODELS
+from gateway.decode.params import (
     Limits,
     Prompt,
     SamplingDefaults,
@@ -25,8 +24,9 @@ from gateway.params import (
     request_seed,
     sampling_params,
 )
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.server import create_app
+from gateway.wire.errors import InvalidRequestError
+from gateway.wire.requests import ChatCompletionRequest, CompletionRequest
 from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import tiny_settings
 

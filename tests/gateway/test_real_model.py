@@ -18,7 +18,7 @@ from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from drafters.ngram import NgramDrafter
 from gateway.server import create_app
-from gateway.settings import Settings
+from gateway.service.settings import Settings
 from observability.telemetry import Telemetry
 from runtime.runner.causal_lm import CausalLM
 from tests.gateway.conftest import live_server, metric_total, openai_client, wait_until

@@ -145,7 +145,7 @@ def test_namespace_calls_come_back_by_name_and_namespace(
         "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
         "store": False, "prompt_cache_key": "thread-1", "metadata": {"run": "a"},
         "extra_body": {"client_metadata": {"session_id": "s-1"}}}
-    with caplog.at_level(logging.INFO, logger="gateway.responses_api"):
+    with caplog.at_level(logging.INFO, logger="gateway.api.responses"):
         whole = client.responses.create(**kwargs)
     hosted = [r.getMessage() for r in caplog.records if "hosted tools" in r.getMessage()]
     assert len(hosted) == 1 and hosted[0].endswith(": web_search"), hosted

@@ -16,9 +16,9 @@ import pytest
 from pydantic import ValidationError
 
 from decoding.engine import Engine
-from gateway.params import SamplingDefaults, sampling_defaults
+from gateway.decode.params import SamplingDefaults, sampling_defaults
 from gateway.server import create_app
-from gateway.settings import Settings, add_settings_flags, settings_from_args
+from gateway.service.settings import Settings, add_settings_flags, settings_from_args
 from runtime.files import model_store
 from tests.gateway.conftest import CHAT, TINY, in_process, tiny_settings
 

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.server import add_serve_command
-from gateway.settings import Settings, settings_from_args
+from gateway.service.settings import Settings, settings_from_args
 
 
 def _serve_args(argv: list[str]) -> argparse.Namespace:

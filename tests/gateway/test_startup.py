@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import Settings
-from gateway.startup import StartupError, check_settings
+from gateway.service.settings import Settings
+from gateway.service.startup import StartupError, check_settings
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]

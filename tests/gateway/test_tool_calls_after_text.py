@@ -18,15 +18,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from decoding.constraints import Grammar, GrammarCompiler
 from decoding.types import FinishReason, RoundEvent
-from gateway.formats import Job
-from gateway.params import Prompt, sampling_params
-from gateway.protocol import ChatCompletionRequest
-from gateway.responses_api import ResponsesFormat
-from gateway.responses_protocol import ResponsesRequest
-from gateway.tokens import TokenTexts
-from gateway.tool_calls import ToolChatFormat
-from gateway.tools import ToolPlan, request_tools, tag_tokens, tool_grammar
-from gateway.totals import ChoiceTotals
+from gateway.api.responses import ResponsesFormat
+from gateway.decode.params import Prompt, sampling_params
+from gateway.decode.tool_plan import ToolPlan, request_tools, tag_tokens, tool_grammar
+from gateway.encode.formats import Job
+from gateway.encode.token_texts import TokenTexts
+from gateway.encode.tool_calls import ToolChatFormat
+from gateway.encode.totals import ChoiceTotals
+from gateway.wire.requests import ChatCompletionRequest
+from gateway.wire.responses import ResponsesRequest
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather",

@@ -41,8 +41,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from decoding.engine import Engine
-from gateway.responses_events import END_EVENTS
 from gateway.server import create_app
+from gateway.wire.response_events import END_EVENTS
 from tests.gateway.conftest import live_server, tiny_settings
 from tests.reliability.conftest import Measure
 from tests.reliability.support import (

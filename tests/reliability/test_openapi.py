@@ -18,14 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.generation.modes import GenerationMode
 
 from decoding.engine import Engine
-from gateway.errors import InvalidRequestError
-from gateway.intake import parse_body
-from gateway.openapi import COMPLETION_ERRORS, bound_token_ids
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.responses_protocol import ResponsesRequest
-from gateway.routes import router, v1
+from gateway.api.intake import parse_body
+from gateway.api.openapi import COMPLETION_ERRORS, bound_token_ids
+from gateway.api.routes import router, v1
+from gateway.api.tokenize import router as tokenizing_router
 from gateway.server import create_app
-from gateway.tokenizing import router as tokenizing_router
+from gateway.wire.errors import InvalidRequestError
+from gateway.wire.requests import ChatCompletionRequest, CompletionRequest
+from gateway.wire.responses import ResponsesRequest
 from tests.gateway.conftest import TINY, in_process, tiny_settings
 
 # a request that never ends must fail the test, not hang the suite

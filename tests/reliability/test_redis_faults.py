@@ -20,7 +20,7 @@ import redis
 from pydantic import ValidationError
 
 from gateway.server import build_drafters
-from gateway.settings import Settings
+from gateway.service.settings import Settings
 from runtime.runner.causal_lm import CausalLM
 from tests.conftest import RedisServer
 from tests.reliability.conftest import Measure

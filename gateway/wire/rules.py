@@ -1,6 +1,6 @@
 """The request rules that tie one field to another, as JSON Schema for /openapi.json.
 
-The validators in ``gateway.protocol`` enforce them; these say the same in the published
+The validators in ``gateway.wire.requests`` enforce them; these say the same in the published
 schema, so that a client (or a fuzzer) that follows the schema sends what the server
 accepts. Two rules JSON Schema cannot state, since it compares no two values of a
 document, are said in their fields' descriptions: a named ``tool_choice`` must be one of

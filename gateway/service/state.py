@@ -12,19 +12,19 @@ from dataclasses import dataclass, field
 from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine, RequestStream
 from decoding.prefix_cache import InProcessStore
-from gateway.errors import ServiceUnavailableError
-from gateway.fim import FimTokens, fim_tokens
-from gateway.params import (
+from gateway.decode.fim import FimTokens, fim_tokens
+from gateway.decode.params import (
     Limits,
     SamplingDefaults,
     budget_positions,
     model_stops,
     sampling_defaults,
 )
-from gateway.redis_store import RedisStore, redacted
-from gateway.responses import PrefixCacheHealth
-from gateway.settings import Settings
-from gateway.tokens import TokenTexts
+from gateway.encode.token_texts import TokenTexts
+from gateway.service.redis_store import RedisStore, redacted
+from gateway.service.settings import Settings
+from gateway.wire.bodies import PrefixCacheHealth
+from gateway.wire.errors import ServiceUnavailableError
 from observability.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,15 @@ class GatewayState:
     _inflight: int = 0
     _streams: dict[int, RequestStream] = field(default_factory=dict)  # by id()
     _idle: asyncio.Event | None = None
+
+    def grammar_compiler(self, engine: Engine) -> GrammarCompiler:
+        """The engine's grammar compiler, built on the first structured request."""
+        if self.grammars is None:
+            target = engine.target
+            eos = getattr(target.tokenizer, "eos_token_id", None)
+            self.grammars = GrammarCompiler(target.tokenizer, target.vocab_size, eos,
+                                            stop_ids=target.eos_token_ids)
+        return self.grammars
 
     def attach(self, engine: Engine) -> None:
         """The engine is loaded and warm: start serving."""

@@ -1,5 +1,5 @@
 """The Response object and the typed stream events of ``POST /v1/responses``, as
-/openapi.json documents them (gateway/responses_api.py builds them).
+/openapi.json documents them (gateway/api/responses.py builds them).
 
 A stream is ``event: <type>`` / ``data: <event>`` pairs, the event's ``type`` equal
 to its ``event:`` line and ``sequence_number`` counting from 0; it begins with
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.responses import SpeculationStats
+from gateway.wire.bodies import SpeculationStats
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 END_EVENTS = ("response.completed", "response.incomplete", "response.failed")

@@ -10,25 +10,25 @@ or too costly schema is a 400 naming the problem.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
 from decoding.constraints import Grammar, GrammarCompiler, GrammarError
 from decoding.engine import Engine
-from gateway.errors import InvalidRequestError
-from gateway.state import GatewayState
-from gateway.tool_protocol import JsonObjectFormat, JsonSchemaFormat
-from gateway.tools import ToolPlan, tag_tokens, tool_grammar
+from gateway.decode.tool_plan import ToolPlan, tag_tokens, tool_grammar
+from gateway.wire.errors import InvalidRequestError
+from gateway.wire.tool_specs import JsonObjectFormat, JsonSchemaFormat
+from observability.telemetry import Telemetry
 
 COMPILE_TIMEOUT_S = 10.0  # one grammar's compilation; the engine's fuel limits bound it too
 
 
-def compiler(state: GatewayState, engine: Engine) -> GrammarCompiler:
-    if state.grammars is None:
-        target = engine.target
-        eos = getattr(target.tokenizer, "eos_token_id", None)
-        state.grammars = GrammarCompiler(target.tokenizer, target.vocab_size, eos,
-                                         stop_ids=target.eos_token_ids)
-    return state.grammars
+class GrammarHost(Protocol):
+    """What compiling a request's grammar needs of the server: its compiler, built once
+    per engine, and its telemetry (the gateway's state is one)."""
+
+    telemetry: Telemetry | None
+
+    def grammar_compiler(self, engine: Engine) -> GrammarCompiler: ...
 
 
 def format_schema(response_format: Any) -> dict[str, Any] | None:
@@ -50,14 +50,14 @@ def _build(grammars: GrammarCompiler, schema: dict[str, Any] | None,
     return None
 
 
-async def request_grammar(state: GatewayState, engine: Engine, response_format: Any,
+async def request_grammar(state: GrammarHost, engine: Engine, response_format: Any,
                           plan: ToolPlan | None, param: str = "response_format"
                           ) -> Grammar | None:
     """The request's grammar, compiled in a worker thread within ``COMPILE_TIMEOUT_S``."""
     schema = format_schema(response_format)
     if schema is None and plan is None:
         return None
-    grammars = compiler(state, engine)
+    grammars = state.grammar_compiler(engine)
     if state.telemetry is not None:
         kind = "tools" if plan is not None else (
             "json_object" if isinstance(response_format, JsonObjectFormat) else "json_schema")

@@ -14,8 +14,17 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from decoding.types import RoundEvent, TokenLogprob
-from gateway.params import Prompt
-from gateway.responses import (
+from gateway.decode.params import Prompt
+from gateway.encode.speculation import PROMPT, TextOrigins, source_kind, stream_speculation
+from gateway.encode.token_texts import (
+    LegacyLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    merge_legacy,
+    visible,
+)
+from gateway.encode.totals import ChoiceTotals, finish_reason_text, speculation_of, usage_of
+from gateway.wire.bodies import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -28,9 +37,6 @@ from gateway.responses import (
     StreamSpeculation,
     Usage,
 )
-from gateway.rounds import PROMPT, TextOrigins, source_kind, stream_speculation
-from gateway.tokens import LegacyLogprobs, TokenTexts, chat_logprobs, merge_legacy, visible
-from gateway.totals import ChoiceTotals, finish_reason_text, speculation_of, usage_of
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class _ChoiceFormat:
         self._origins = [TextOrigins(texts.tokenizer) for _ in range(self.count)]
 
     def tool_calls(self) -> int:
-        return 0  # plain chat and completions call no tools (gateway/tool_calls.py does)
+        return 0  # plain chat and completions call no tools (gateway/encode/tool_calls.py does)
 
     def _round(self, index: int, event: RoundEvent) -> None:
         """Account for a streamed round's tokens (before deciding whether it is sent)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from gateway.settings import ENV_PREFIX, Settings
+from gateway.service.settings import ENV_PREFIX, Settings
 from wiring.drafts import AUTO, CHEAP_DRAFTS, draft_parts
 
 BUILTIN_DRAFTS = frozenset({*CHEAP_DRAFTS, AUTO, "default-draft"})

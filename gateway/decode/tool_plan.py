@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.protocol import ChatCompletionRequest
-from gateway.tool_protocol import (
+from gateway.wire.requests import ChatCompletionRequest
+from gateway.wire.tool_specs import (
     ChatTool,
     JsonObjectFormat,
     JsonSchemaFormat,

@@ -28,11 +28,11 @@ from starlette.types import Receive, Scope, Send
 
 from decoding.engine import Engine, RequestStream
 from decoding.types import FinishReason, GenerationRequest, RoundEvent
-from gateway.errors import CLIENT_CLOSED_STATUS, APIError, engine_errors, error_type_of
-from gateway.formats import Format, Job
-from gateway.params import AnyRequest
-from gateway.state import GatewayState
-from gateway.totals import ChoiceTotals, Ended, speculation_of, usage_of
+from gateway.decode.params import AnyRequest
+from gateway.encode.formats import Format, Job
+from gateway.encode.totals import ChoiceTotals, Ended, speculation_of, usage_of
+from gateway.service.state import GatewayState
+from gateway.wire.errors import CLIENT_CLOSED_STATUS, APIError, engine_errors, error_type_of
 from observability.telemetry import RequestTelemetry
 
 log = logging.getLogger(__name__)

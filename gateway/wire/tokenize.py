@@ -1,5 +1,5 @@
 """Request and response bodies of ``POST /tokenize`` and ``POST /detokenize``, with
-vLLM's field names (``gateway.tokenizing`` serves them)."""
+vLLM's field names (``gateway.api.tokenize`` serves them)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocol import ChatMessage, Integral, refuse
-from gateway.tool_protocol import MAX_TOOLS, ChatTool
+from gateway.wire.requests import ChatMessage, Integral, refuse
+from gateway.wire.tool_specs import MAX_TOOLS, ChatTool
 
 TOKEN_ID_MAX = (1 << 63) - 1
 # an integral float is that id, as everywhere in the API (the bounds stated again for the

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from gateway.decode.params import sampling_problems
 from runtime.files import model_store
 from runtime.native.kernels import CHOICES as KERNEL_CHOICES
 from runtime.native.kernels import KernelChoice
@@ -137,26 +137,6 @@ class Settings(BaseSettings):
 
 
 SAMPLING_SOURCES = ("model", "openai")
-SAMPLING_RANGES: dict[str, tuple[type, float, float]] = {
-    "temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0), "top_k": (int, 0, 1 << 31)}
-
-
-def sampling_problems(values: dict[str, Any]) -> list[str]:
-    """What is wrong with a set of default sampling values (the ranges a request has)."""
-    problems = []
-    for key, value in values.items():
-        if key not in SAMPLING_RANGES:
-            problems.append(f"unknown key {key!r} (known: {', '.join(SAMPLING_RANGES)})")
-            continue
-        kind, low, high = SAMPLING_RANGES[key]
-        number = (isinstance(value, int | float) and not isinstance(value, bool)
-                  and math.isfinite(value))
-        if not number or (kind is int and value != int(value)) or not low <= value <= high:
-            problems.append(f"{key} must be {'an integer' if kind is int else 'a number'} "
-                            f"from {low:g} to {high:g}, not {value!r}")
-    return problems
-
-
 def derive_model_name(target: str) -> str:
     if target in model_store.DEFAULT_ALIASES:
         return model_store.DEFAULT_MODEL

@@ -15,14 +15,14 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from decoding.engine import Engine
-from gateway.errors import (
+from gateway.service.state import GatewayState
+from gateway.wire.errors import (
     AuthenticationError,
     InvalidRequestError,
     PayloadTooLargeError,
     from_validation_errors,
     model_not_found,
 )
-from gateway.state import GatewayState
 
 M = TypeVar("M", bound=BaseModel)
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800 to \udfff, as JSON writes them

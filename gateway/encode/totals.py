@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from decoding.types import FinishReason, RoundEvent
-from gateway.errors import (
+from gateway.wire.bodies import PromptTokensDetails, SpeculationStats, Usage
+from gateway.wire.errors import (
     APIError,
     GenerationTimeoutError,
     InternalError,
     ServiceUnavailableError,
 )
-from gateway.responses import PromptTokensDetails, SpeculationStats, Usage
 
 
 @dataclass(frozen=True)

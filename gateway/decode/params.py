@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -20,11 +21,10 @@ from decoding.constraints import Grammar
 from decoding.kv_budget import KvBudget
 from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
-from gateway.errors import InvalidRequestError
-from gateway.fim import FimTokens
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.settings import sampling_problems
-from gateway.tools import ToolPlan, render_messages
+from gateway.decode.fim import FimTokens
+from gateway.decode.tool_plan import ToolPlan, render_messages
+from gateway.wire.errors import InvalidRequestError
+from gateway.wire.requests import ChatCompletionRequest, CompletionRequest
 from runtime.files import model_store
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,26 @@ class SamplingDefaults:
     def metadata(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "source": self.source}
+
+
+SAMPLING_RANGES: dict[str, tuple[type, float, float]] = {
+    "temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0), "top_k": (int, 0, 1 << 31)}
+
+
+def sampling_problems(values: dict[str, Any]) -> list[str]:
+    """What is wrong with a set of default sampling values (the ranges a request has)."""
+    problems = []
+    for key, value in values.items():
+        if key not in SAMPLING_RANGES:
+            problems.append(f"unknown key {key!r} (known: {', '.join(SAMPLING_RANGES)})")
+            continue
+        kind, low, high = SAMPLING_RANGES[key]
+        number = (isinstance(value, int | float) and not isinstance(value, bool)
+                  and math.isfinite(value))
+        if not number or (kind is int and value != int(value)) or not low <= value <= high:
+            problems.append(f"{key} must be {'an integer' if kind is int else 'a number'} "
+                            f"from {low:g} to {high:g}, not {value!r}")
+    return problems
 
 
 def sampling_defaults(setting: str, model_path: str) -> SamplingDefaults:

@@ -19,12 +19,12 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.responses import ChatCompletionChunk, Completion, ErrorResponse
-from gateway.responses_events import EVENT_MODELS as RESPONSE_EVENTS
-from gateway.responses_events import ResponseObject, event_types
-from gateway.responses_protocol import ResponsesRequest
-from gateway.tokenize_protocol import REQUEST_MODELS as TOKENIZE_REQUESTS
+from gateway.wire.bodies import ChatCompletionChunk, Completion, ErrorResponse
+from gateway.wire.requests import ChatCompletionRequest, CompletionRequest
+from gateway.wire.response_events import EVENT_MODELS as RESPONSE_EVENTS
+from gateway.wire.response_events import ResponseObject, event_types
+from gateway.wire.responses import ResponsesRequest
+from gateway.wire.tokenize import REQUEST_MODELS as TOKENIZE_REQUESTS
 
 REF = "#/components/schemas/{model}"
 BEARER = "bearerAuth"
@@ -198,7 +198,7 @@ def build_document(app: FastAPI, bearer: bool) -> dict[str, Any]:
 
 def _drop_validation_error(document: dict[str, Any]) -> None:
     """FastAPI documents a 422 for routes with parameters; this server answers an
-    invalid request with a 400 in OpenAI's format instead (see ``gateway.errors``)."""
+    invalid request with a 400 in OpenAI's format instead (see ``gateway.wire.errors``)."""
     for operations in document["paths"].values():
         for operation in operations.values():
             operation.get("responses", {}).pop("422", None)

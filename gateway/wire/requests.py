@@ -27,13 +27,13 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 from pydantic_core.core_schema import ValidationInfo
 
-from gateway.schema_rules import (
+from gateway.wire.rules import (
     MAX_TOKENS_ZERO_RULE,
     STREAM_OPTIONS_RULE,
     TOOL_CHOICE_RULE,
     TOP_LOGPROBS_RULE,
 )
-from gateway.tool_protocol import MAX_TOOLS, ChatTool, ResponseFormat, ToolCall, ToolChoice
+from gateway.wire.tool_specs import MAX_TOOLS, ChatTool, ResponseFormat, ToolCall, ToolChoice
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20

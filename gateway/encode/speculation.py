@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from decoding.text import text_decoder
 from decoding.types import RoundEvent
-from gateway.responses import RoundInfo, SpeculationStats, StreamSpeculation
+from gateway.wire.bodies import RoundInfo, SpeculationStats, StreamSpeculation
 
 TARGET = "target"  # a token the target produced itself
 PROMPT = "prompt"  # echoed prompt text (legacy completions with echo)

@@ -1,7 +1,7 @@
 """Tool calls out of the model's text: parsed as it streams, and as OpenAI sends them.
 
 The grammar writes each call as ``<tool_call>{"name":"NAME","arguments":ARGS}
-</tool_call>`` exactly (gateway/tools.py), so the parser needs no JSON scanning:
+</tool_call>`` exactly (gateway/decode/tool_plan.py), so the parser needs no JSON scanning:
 the name ends at the first ``","arguments":``, the arguments at ``}</tool_call>``.
 Argument text streams as it arrives, holding back only what could be the start of
 that end. With ``auto`` the answer is text, and calls once ``<tool_call>`` appears:
@@ -16,8 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from decoding.types import FinishReason, RoundEvent
-from gateway.formats import ChatFormat, Job
-from gateway.responses import (
+from gateway.decode.tool_plan import HEAD, MID, OPEN, TAIL, ToolPlan
+from gateway.encode.formats import ChatFormat, Job
+from gateway.encode.token_texts import TokenTexts
+from gateway.encode.totals import ChoiceTotals, finish_reason_text, speculation_of, usage_of
+from gateway.wire.bodies import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -29,9 +32,6 @@ from gateway.responses import (
     ToolCallDelta,
     ToolCallOut,
 )
-from gateway.tokens import TokenTexts
-from gateway.tools import HEAD, MID, OPEN, TAIL, ToolPlan
-from gateway.totals import ChoiceTotals, finish_reason_text, speculation_of, usage_of
 
 
 def call_id() -> str:

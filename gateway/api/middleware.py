@@ -8,7 +8,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import error_type_of
+from gateway.wire.errors import error_type_of
 from observability.metrics import Metrics
 
 KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",

@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocol import ChatCompletionRequest, OptionalInt, SpeculationOptions, refuse
-from gateway.schema_rules import RESPONSES_TOOL_CHOICE_RULE
-from gateway.tool_protocol import NAME_PATTERN, StrictModel
+from gateway.wire.requests import ChatCompletionRequest, OptionalInt, SpeculationOptions, refuse
+from gateway.wire.rules import RESPONSES_TOOL_CHOICE_RULE
+from gateway.wire.tool_specs import NAME_PATTERN, StrictModel
 
 
 class InputText(StrictModel):

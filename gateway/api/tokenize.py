@@ -15,18 +15,18 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
-from gateway.errors import InvalidRequestError, model_not_found
-from gateway.intake import gateway_state, load_json, parse_body, read_body, require_api_key
-from gateway.openapi import MODEL_ERRORS, error_responses, ref
-from gateway.state import GatewayState
-from gateway.tokenize_protocol import (
+from gateway.api.intake import gateway_state, load_json, parse_body, read_body, require_api_key
+from gateway.api.openapi import MODEL_ERRORS, error_responses, ref
+from gateway.decode.tool_plan import render_messages, tool_plan
+from gateway.service.state import GatewayState
+from gateway.wire.errors import InvalidRequestError, model_not_found
+from gateway.wire.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from gateway.tools import render_messages, tool_plan
 
 ERRORS = (400, 404, 413, *MODEL_ERRORS)
 

@@ -1,6 +1,6 @@
 """``POST /v1/responses``: the Responses API, stateless, on the chat pipeline.
 
-The request becomes a chat request (gateway/responses_protocol.py); its answer
+The request becomes a chat request (gateway/wire/responses.py); its answer
 comes back as ``output`` items: a ``message`` with ``output_text``, or
 ``function_call`` items. Streamed, the typed events the SDKs parse:
 ``response.created``, ``response.in_progress``, ``response.output_item.added``,
@@ -26,23 +26,23 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from decoding.types import FinishReason, RoundEvent, SamplingParams
-from gateway.errors import APIError, from_validation_errors
-from gateway.formats import Job
-from gateway.intake import gateway_state, parse_request, require_api_key
-from gateway.openapi import responses_route
-from gateway.params import (
+from gateway.api.intake import gateway_state, parse_request, require_api_key
+from gateway.api.openapi import responses_route
+from gateway.decode.grammar import request_grammar
+from gateway.decode.params import (
     chat_prompt,
     check_choices,
     generation_requests,
     operator_cap,
     with_grammar,
 )
-from gateway.responses_protocol import ResponsesRequest
-from gateway.streaming import Idle, ResponseRun, request_trace
-from gateway.structured import request_grammar
-from gateway.tool_calls import CallParser
-from gateway.tools import ToolPlan, request_tools
-from gateway.totals import ChoiceTotals, usage_of
+from gateway.decode.tool_plan import ToolPlan, request_tools
+from gateway.encode.formats import Job
+from gateway.encode.tool_calls import CallParser
+from gateway.encode.totals import ChoiceTotals, usage_of
+from gateway.predict.run import Idle, ResponseRun, request_trace
+from gateway.wire.errors import APIError, from_validation_errors
+from gateway.wire.responses import ResponsesRequest
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])

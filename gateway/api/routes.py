@@ -12,11 +12,10 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from decoding.engine import Engine
-from gateway.errors import model_not_found
-from gateway.formats import ChatFormat, CompletionFormat, Format, Job
-from gateway.intake import gateway_state, parse_request, require_api_key
-from gateway.openapi import MODEL_ERRORS, completion_route, error_responses
-from gateway.params import (
+from gateway.api.intake import gateway_state, parse_request, require_api_key
+from gateway.api.openapi import MODEL_ERRORS, completion_route, error_responses
+from gateway.decode.grammar import request_grammar
+from gateway.decode.params import (
     AnyRequest,
     Limits,
     Prompt,
@@ -31,8 +30,12 @@ from gateway.params import (
     request_seed,
     with_grammar,
 )
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.responses import (
+from gateway.decode.tool_plan import ToolPlan, request_tools
+from gateway.encode.formats import ChatFormat, CompletionFormat, Format, Job
+from gateway.encode.tool_calls import ToolChatFormat
+from gateway.predict.run import ResponseRun, request_trace
+from gateway.service.state import GatewayState
+from gateway.wire.bodies import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
@@ -43,11 +46,8 @@ from gateway.responses import (
     NotReady,
     Readiness,
 )
-from gateway.state import GatewayState
-from gateway.streaming import ResponseRun, request_trace
-from gateway.structured import request_grammar
-from gateway.tool_calls import ToolChatFormat
-from gateway.tools import ToolPlan, request_tools
+from gateway.wire.errors import model_not_found
+from gateway.wire.requests import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 

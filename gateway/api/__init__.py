@@ -1,0 +1,1 @@
+"""The HTTP routes and what they share: intake, OpenAPI, pages, middleware."""

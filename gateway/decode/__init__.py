@@ -1,0 +1,1 @@
+"""From a validated request to the engine's work: parameters, prompts, tools and grammar."""

@@ -1,0 +1,1 @@
+"""From the engine's events to OpenAI bodies and chunks."""

@@ -1,0 +1,1 @@
+"""A request's run on the engine: submit, the one event loop, the response."""

@@ -1,0 +1,1 @@
+"""The server's settings, state and stores."""

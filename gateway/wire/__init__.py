@@ -1,0 +1,1 @@
+"""The OpenAI wire shapes: requests, bodies, events and errors, as pydantic models."""
