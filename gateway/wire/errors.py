@@ -36,6 +36,12 @@ class APIError(Exception):
     error_type = "server_error"
     default_code: str | None = None
 
+    def __init_subclass__(cls, *, status: int, kind: str = "invalid_request_error",
+                          code: str | None = None, **kwargs: Any) -> None:
+        """A kind of error: its HTTP status, OpenAI's error type and its default code."""
+        super().__init_subclass__(**kwargs)
+        cls.status_code, cls.error_type, cls.default_code = status, kind, code
+
     def __init__(
         self,
         message: str,
@@ -54,51 +60,37 @@ class APIError(Exception):
         return error_body(self.message, self.error_type, self.param, self.code)
 
 
-class InvalidRequestError(APIError):
-    status_code = 400
-    error_type = "invalid_request_error"
+class InvalidRequestError(APIError, status=400):
+    """The request cannot be served as it is: a field, a prompt or a schema is wrong."""
 
 
-class AuthenticationError(APIError):
-    status_code = 401
-    error_type = "invalid_request_error"
-    default_code = "invalid_api_key"
+class AuthenticationError(APIError, status=401, code="invalid_api_key"):
+    """No API key, or not the server's."""
 
 
-class NotFoundError(APIError):
-    status_code = 404
-    error_type = "invalid_request_error"
-    default_code = "not_found"
+class NotFoundError(APIError, status=404, code="not_found"):
+    """No such route or model."""
 
 
-class PayloadTooLargeError(APIError):
-    status_code = 413
-    error_type = "invalid_request_error"
-    default_code = "payload_too_large"
+class PayloadTooLargeError(APIError, status=413, code="payload_too_large"):
+    """The body is over the server's limit."""
 
 
-class RateLimitError(APIError):
-    status_code = 429
-    error_type = "rate_limit_error"
-    default_code = "queue_full"
+class RateLimitError(APIError, status=429, kind="rate_limit_error", code="queue_full"):
+    """The engine's queue is full: retry after a moment."""
 
 
-class InternalError(APIError):
-    status_code = 500
-    error_type = "server_error"
-    default_code = "internal_error"
+class InternalError(APIError, status=500, kind="server_error", code="internal_error"):
+    """Something failed inside the server; the request alone is failed."""
 
 
-class ServiceUnavailableError(APIError):
-    status_code = 503
-    error_type = "server_error"
-    default_code = "unavailable"
+class ServiceUnavailableError(APIError, status=503, kind="server_error", code="unavailable"):
+    """The model is loading, failed to load, or the server is draining."""
 
 
-class GenerationTimeoutError(APIError):
-    status_code = 504
-    error_type = "timeout_error"
-    default_code = "request_timeout"
+class GenerationTimeoutError(APIError, status=504, kind="timeout_error",
+                             code="request_timeout"):
+    """The request ran past its time limit."""
 
 
 def error_body(
