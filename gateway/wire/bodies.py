@@ -112,6 +112,22 @@ class ToolCallDelta(_Sparse):
     function: FunctionDelta
 
 
+class _Body(BaseModel):
+    """What every chat and completions body and chunk carries, in OpenAI's order; each
+    kind names its ``object`` and its choices (a whole chat body requires its usage and
+    speculation)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Any]
+    usage: Usage | None = None
+    # -- extras (not in OpenAI's API) ----------------------------------------------------
+    speculation: StreamSpeculation | SpeculationStats | None = None
+    seed: int | None = None  # what a sampled request sampled with (drawn if it gave none)
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
@@ -119,16 +135,11 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(_Body):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
-    # -- extras (not in OpenAI's API) ----------------------------------------------------
     speculation: SpeculationStats
-    seed: int | None = None  # what a sampled request sampled with (drawn if it gave none)
 
 
 class ChatDelta(BaseModel):
@@ -144,16 +155,9 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Body):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    # -- extras (not in OpenAI's API) ----------------------------------------------------
-    speculation: StreamSpeculation | SpeculationStats | None = None
-    seed: int | None = None  # what a sampled request sampled with (drawn if it gave none)
 
 
 # -- completions ----------------------------------------------------------------------
@@ -176,18 +180,11 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class Completion(BaseModel):
+class Completion(_Body):
     """Also the streamed chunk: OpenAI uses ``text_completion`` for both."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    # -- extras (not in OpenAI's API) ----------------------------------------------------
-    speculation: StreamSpeculation | SpeculationStats | None = None
-    seed: int | None = None  # what a sampled request sampled with (drawn if it gave none)
 
 
 # -- models ---------------------------------------------------------------------------
