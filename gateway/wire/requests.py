@@ -48,6 +48,11 @@ def refuse(*neutral: Any) -> Refused:
     return Refused(neutral)
 
 
+def invalid_value(param: str, message: str) -> PydanticCustomError:
+    """A field's value the server refuses, with the field named as OpenAI's ``param``."""
+    return PydanticCustomError("invalid_value", message, {"param": param})
+
+
 def _integral(value: Any) -> Any:
     """JSON Schema's ``integer`` includes 16.0, and so does OpenAI's API: an integral
     float is that integer (``true`` stays a boolean, 16.5 stays refused)."""
@@ -167,15 +172,13 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _check_roles(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise PydanticCustomError(
-                "invalid_value", "content may be null only on an assistant message with "
-                "tool_calls", {"param": "content"})
+            raise invalid_value("content", "content may be null only on an assistant message with "
+                                "tool_calls")
         if self.tool_calls and self.role != "assistant":
-            raise PydanticCustomError("invalid_value", "only assistant messages carry "
-                                      "tool_calls", {"param": "tool_calls"})
+            raise invalid_value("tool_calls", "only assistant messages carry tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
-            raise PydanticCustomError("invalid_value", "tool_call_id is required on tool "
-                                      "messages and only there", {"param": "tool_call_id"})
+            raise invalid_value("tool_call_id", "tool_call_id is required on tool messages and "
+                                "only there")
         return self
 
     def text(self) -> str:
@@ -211,9 +214,7 @@ StopField = Annotated[
 
 def _check_common(request: ChatCompletionRequest | CompletionRequest) -> None:
     if request.stream_options is not None and not request.stream:
-        raise PydanticCustomError(
-            "invalid_value", "stream_options is only allowed when stream is true",
-            {"param": "stream_options"})
+        raise invalid_value("stream_options", "stream_options is only allowed when stream is true")
 
 
 class ChatCompletionRequest(_Strict):
@@ -267,26 +268,19 @@ class ChatCompletionRequest(_Strict):
         _check_common(self)
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
-            raise PydanticCustomError("invalid_value", "tool function names must be unique",
-                                      {"param": "tools"})
+            raise invalid_value("tools", "tool function names must be unique")
         choice = self.tool_choice
         if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
-            raise PydanticCustomError(
-                "invalid_value", "tool_choice names a function that is not in tools",
-                {"param": "tool_choice"})
+            raise invalid_value("tool_choice", "tool_choice names a function that is not in tools")
         if choice == "required" and not names:
-            raise PydanticCustomError("invalid_value", "tool_choice 'required' needs tools",
-                                      {"param": "tool_choice"})
+            raise invalid_value("tool_choice", "tool_choice 'required' needs tools")
         if self.top_logprobs and not self.logprobs:
-            raise PydanticCustomError(
-                "invalid_value",
-                "The 'top_logprobs' parameter is only allowed when 'logprobs' is enabled.",
-                {"param": "top_logprobs"})
+            raise invalid_value("top_logprobs", "The 'top_logprobs' parameter is only allowed "
+                                "when 'logprobs' is enabled.")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
-            raise PydanticCustomError(
-                "invalid_value", "max_tokens and max_completion_tokens disagree; send one",
-                {"param": "max_tokens"})
+            raise invalid_value("max_tokens", "max_tokens and max_completion_tokens disagree; "
+                                "send one")
         return self
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -373,15 +367,12 @@ class CompletionRequest(_Strict):
     def _check(self) -> CompletionRequest:
         _check_common(self)
         if self.max_tokens == 0 and not self.echo:
-            raise PydanticCustomError(
-                "invalid_value", "max_tokens 0 generates nothing: it is allowed only with "
-                "echo (the prompt alone, with its logprobs when logprobs is set)",
-                {"param": "max_tokens"})
+            raise invalid_value("max_tokens", "max_tokens 0 generates nothing: it is allowed only "
+                                "with echo (the prompt alone, with its logprobs when logprobs is "
+                                "set)")
         if self.suffix and self.echo:
-            raise PydanticCustomError(
-                "invalid_value", "echo cannot be combined with suffix: the answer is the "
-                "middle of the text, and there is no one prompt to show before it",
-                {"param": "echo"})
+            raise invalid_value("echo", "echo cannot be combined with suffix: the answer is the "
+                                "middle of the text, and there is no one prompt to show before it")
         return self
 
     @property

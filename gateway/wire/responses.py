@@ -14,13 +14,20 @@ sees (docs/structured-outputs.md, "Tools: functions, namespaces and hosted tools
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.wire.requests import ChatCompletionRequest, OptionalInt, SpeculationOptions, refuse
+from gateway.wire.requests import (
+    ChatCompletionRequest,
+    OptionalInt,
+    SpeculationOptions,
+    invalid_value,
+    refuse,
+)
 from gateway.wire.rules import RESPONSES_TOOL_CHOICE_RULE
 from gateway.wire.tool_specs import NAME_PATTERN, StrictModel
 
@@ -31,6 +38,11 @@ class InputText(StrictModel):
     annotations: Annotated[Any, refuse([])] = None
 
 
+def _joined(content: str | Sequence[InputText | OutputTextPart]) -> str:
+    """An item's text: a string as it is, parts one to a line."""
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+
+
 class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -39,9 +51,7 @@ class MessageItem(StrictModel):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(StrictModel):
@@ -67,9 +77,7 @@ class FunctionCallOutputItem(StrictModel):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "\n".join(part.text for part in self.output)
+        return _joined(self.output)
 
 
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem,
@@ -253,9 +261,8 @@ class ResponsesRequest(StrictModel):
                                       "and a schema", {"param": "text.format"})
         forcing = self.tool_choice is not None and self.tool_choice not in ("none", "auto")
         if forcing and not self.functions():  # RESPONSES_TOOL_CHOICE_RULE
-            raise PydanticCustomError("invalid_value", "this tool_choice needs a function or "
-                                      "namespace tool (hosted tools are not run here)",
-                                      {"param": "tool_choice"})
+            raise invalid_value("tool_choice", "this tool_choice needs a function or namespace "
+                                "tool (hosted tools are not run here)")
         return self
 
     def hosted_tools(self) -> list[str]:

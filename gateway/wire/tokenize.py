@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
-from pydantic_core import PydanticCustomError
 
-from gateway.wire.requests import ChatMessage, Integral, refuse
+from gateway.wire.requests import ChatMessage, Integral, invalid_value, refuse
 from gateway.wire.tool_specs import MAX_TOOLS, ChatTool
 
 TOKEN_ID_MAX = (1 << 63) - 1
@@ -65,13 +64,10 @@ class TokenizeChatRequest(_Strict):
     def _check(self) -> TokenizeChatRequest:
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
-            raise PydanticCustomError("invalid_value", "tool function names must be unique",
-                                      {"param": "tools"})
+            raise invalid_value("tools", "tool function names must be unique")
         if self.add_generation_prompt and self.continue_final_message:
-            raise PydanticCustomError(
-                "invalid_value", "continue_final_message needs add_generation_prompt set to "
-                "false (it is true unless set)",
-                {"param": "continue_final_message"})
+            raise invalid_value("continue_final_message", "continue_final_message needs "
+                                "add_generation_prompt set to false (it is true unless set)")
         return self
 
 
