@@ -26,6 +26,13 @@ class FinishReason(StrEnum):
     ERROR = "error"  # the model failed on this request
 
 
+def _require(**non_negative: bool) -> None:
+    """Refuse the first field, in the order given, whose value is negative."""
+    for name, ok in non_negative.items():
+        if not ok:
+            raise ValueError(f"{name} must be >= 0")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` means greedy decoding."""
@@ -49,14 +56,10 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        _require(temperature=self.temperature >= 0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.choice < 0:
-            raise ValueError("choice must be >= 0")
+        _require(top_k=self.top_k >= 0, choice=self.choice >= 0)
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,7 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("the prompt must contain at least one token")
-        if self.max_new_tokens < 0:
-            raise ValueError("max_new_tokens must be >= 0")
-        if self.top_logprobs < 0:
-            raise ValueError("top_logprobs must be >= 0")
+        _require(max_new_tokens=self.max_new_tokens >= 0, top_logprobs=self.top_logprobs >= 0)
 
 
 @dataclass(frozen=True)
