@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.decode.params import sampling_problems
 from runtime.files import model_store
-from runtime.native.kernels import CHOICES as KERNEL_CHOICES
 from runtime.native.kernels import KernelChoice
 
 ENV_PREFIX = "SPECSERVE_"
@@ -148,149 +148,137 @@ def derive_model_name(target: str) -> str:
 
 # -- command-line flags --------------------------------------------------------------
 
-_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--host", {"help": "interface to listen on (SPECSERVE_HOST, default 0.0.0.0)"}),
-    ("--port", {"type": int, "help": "API port (SPECSERVE_PORT, default 8000)"}),
-    ("--metrics-port", {"type": int,
-                        "help": "Prometheus metrics port (SPECSERVE_METRICS_PORT, default 9100)"}),
-    ("--target", {"help": "target model: 'default' or another model of the catalogue "
-                          "(`specserve models list`; pulled when missing), a model directory, "
-                          "a GGUF file or a hub id (SPECSERVE_TARGET)"}),
-    ("--draft", {"help": "'auto' (for the default target the mix of its drafters measured "
-                         "fastest, else n-gram lookup; continuations when the prefix cache is "
-                         "on), 'none', "
-                         "'ngram', 'cache' (continuations), 'default-draft', a draft model "
-                         "sharing the target's tokenizer (a model of the catalogue, a "
-                         "directory or a GGUF file), or several joined by '+' "
-                         "(SPECSERVE_DRAFT, default auto)"}),
-    ("--draft-backend", {"choices": ["auto", "torch", "onnx", "tensorrt"],
-                         "help": "where a draft model runs: auto (TensorRT with a GPU, else ONNX "
-                                 "Runtime when an export exists, else PyTorch) "
-                                 "(SPECSERVE_DRAFT_BACKEND, default auto)"}),
-    ("--dtype", {"choices": ["float32", "bfloat16"], "help": "SPECSERVE_DTYPE, default float32"}),
-    ("--quantize", {"choices": ["auto", "none", "int8", "int4"],
-                    "help": "target weights: auto (a GGUF file's own quantized weights; for "
-                            "the default model its Q4_1 GGUF, bfloat16 activations), none (a "
-                            "model directory as it is in --dtype; the default model "
-                            "dequantized), int8/int4 (a model directory quantized at load) "
-                            "(SPECSERVE_QUANTIZE, default auto; docs/quantization.md)"}),
-    ("--draft-dtype", {"choices": ["auto", "float32", "bfloat16", "int8", "int4"],
-                       "help": "dtype of a draft model on PyTorch: auto (int4 beside a "
-                               "quantized target; bfloat16 beside a float32 target on a CPU "
-                               "with native bfloat16; else --dtype); int8/int4 quantize it; "
-                               "output is the same either way (SPECSERVE_DRAFT_DTYPE)"}),
-    ("--threads", {"type": int, "help": "CPU threads for PyTorch (SPECSERVE_THREADS)"}),
-    ("--decode-threads", {"type": int,
-                          "help": "CPU threads of a decoding pass (no prompt in it): default "
-                                  "all of --threads (SPECSERVE_DECODE_THREADS)"}),
-    ("--no-batch-invariance", {"dest": "batch_invariance", "action": "store_const",
-                               "const": False,
-                               "help": "cheaper attention blocks whose logits depend on the "
-                                       "batch in the last bits, so greedy speculation equals "
-                                       "plain decoding only to rounding outside float32's "
-                                       "products (SPECSERVE_BATCH_INVARIANCE=false)"}),
-    ("--kernels", {"choices": list(KERNEL_CHOICES),
-                   "help": "what runs a pass's norms, rotary embedding, attention and "
-                           "activation on a CPU: native (fused C++ kernels, built once with "
-                           "g++), torch (PyTorch's ops), auto (native where they build) "
-                           "(SPECSERVE_KERNELS; docs/performance.md)"}),
-    ("--no-int8-activations", {"dest": "int8_activations", "action": "store_const",
-                               "const": False,
-                               "help": "keep bfloat16 activations for 4-bit and Q8_0 matrices; "
-                                       "by default the native kernels quantize them to int8 "
-                                       "per block of 32 as llama.cpp does, ~1.6x faster a step "
-                                       "(SPECSERVE_INT8_ACTIVATIONS=false; "
-                                       "docs/quantization.md)"}),
-    ("--check-invariance", {"type": float, "metavar": "RATE",
-                            "help": "debugging: on this fraction of rounds, recompute the "
-                                    "last verified position as a one-token step and count "
-                                    "mismatches (specserve_invariance_mismatches_total; "
-                                    "SPECSERVE_CHECK_INVARIANCE, default 0: off)"}),
-    ("--api-key", {"dest": "api_keys", "action": "append",
-                   "help": "accepted bearer key, repeatable (SPECSERVE_API_KEYS, comma "
-                           "separated); none configured = no authentication"}),
-    ("--max-queue", {"type": int, "help": "requests waiting before 429 (SPECSERVE_MAX_QUEUE)"}),
-    ("--max-active", {"type": int,
-                      "help": "requests decoded at once (SPECSERVE_MAX_ACTIVE)"}),
-    ("--prefill-chunk", {"type": int,
-                         "help": "prompt tokens fed per round, so a long prompt does not stall "
-                                 "running streams (SPECSERVE_PREFILL_CHUNK, default 512)"}),
-    ("--kv-cache-bytes", {"type": int,
-                          "help": "KV cache budget: requests wait while one more would pass it "
-                                  "(SPECSERVE_KV_CACHE_BYTES, default 2 GiB)"}),
-    ("--batch-speculation", {"choices": ["adaptive", "always"],
-                             "help": "adaptive: draft lengths chosen for the whole batch, "
-                                     "speculation backing off as it grows; always: every "
-                                     "request drafts as if alone (SPECSERVE_BATCH_SPECULATION, "
-                                     "default adaptive)"}),
-    ("--max-prompt-tokens", {"type": int,
-                             "help": "longest prompt accepted (SPECSERVE_MAX_PROMPT_TOKENS; "
-                                     "default: the model's context)"}),
-    ("--max-tokens", {"type": int,
-                      "help": "operator's cap on an answer's tokens: an answer that would run "
-                              "longer (the request asks for more, or sets no limit) ends there "
-                              "with finish_reason length, and the log says so "
-                              "(SPECSERVE_MAX_TOKENS; default none: a request without max_tokens "
-                              "may run to the end of the context)"}),
-    ("--request-timeout", {"type": float, "help": "seconds a request may take, queue included "
-                                                  "(SPECSERVE_REQUEST_TIMEOUT, default 600)"}),
-    ("--cors-origin", {"dest": "cors_origins", "action": "append",
-                       "help": "allowed CORS origin, repeatable (SPECSERVE_CORS_ORIGINS, comma "
-                               "separated); CORS is off when none is given"}),
-    ("--shutdown-timeout", {"type": float, "help": "seconds in-flight requests may finish "
-                                                   "after SIGTERM (SPECSERVE_SHUTDOWN_TIMEOUT, "
-                                                   "default 30)"}),
-    ("--log-level", {"help": "critical|error|warning|info|debug (SPECSERVE_LOG_LEVEL)"}),
-    ("--served-model-name", {"help": "model id shown in /v1/models (SPECSERVE_SERVED_MODEL_NAME;"
-                                     " default derived from the target)"}),
-    ("--max-body-bytes", {"type": int, "help": "largest request body accepted "
-                                               "(SPECSERVE_MAX_BODY_BYTES, default 4 MiB)"}),
-    ("--sse-ping-interval", {"type": float, "help": "seconds between SSE keep-alive comments "
-                                                    "(SPECSERVE_SSE_PING_INTERVAL, default 15)"}),
-    ("--sse-heartbeat-interval", {
-        "type": float,
-        "help": "seconds a stream may go without an event (a queued request, a long prompt "
-                "being read) before it gets a heartbeat event: an empty chunk, or "
-                "response.in_progress on /v1/responses; clients such as Codex CLI time out "
-                "on events, not on the keep-alive comments "
-                "(SPECSERVE_SSE_HEARTBEAT_INTERVAL, default 10)"}),
-    ("--sampling-defaults", {
-        "metavar": "model|openai|JSON",
-        "help": "what a request that leaves temperature, top_p or top_k unset samples with: "
-                "model (the model's generation_config.json; for the default model its model "
-                "card's temperature 0.2, top_p 0.9), openai (OpenAI's 1.0 and 1.0), or a JSON "
-                "object such as '{\"temperature\": 0.7}'; a request's own values always win "
-                "(SPECSERVE_SAMPLING_DEFAULTS, default model)"}),
-    ("--playground", {"action": argparse.BooleanOptionalAction,
-                      "help": "serve the playground page at /playground, / redirecting to it "
-                              "(SPECSERVE_PLAYGROUND, default on)"}),
-    ("--no-prefix-cache", {"dest": "prefix_cache", "action": "store_const", "const": False,
-                           "help": "disable prompt KV reuse and continuation drafts "
-                                   "(SPECSERVE_PREFIX_CACHE=false)"}),
-    ("--redis-url", {"help": "share the prefix cache through Redis, e.g. redis://host:6379/0 "
-                             "(SPECSERVE_REDIS_URL; default: in-process)"}),
-    ("--prefix-cache-bytes", {"type": int, "help": "in-process cache bound "
-                                                   "(SPECSERVE_PREFIX_CACHE_BYTES, 512 MiB)"}),
-    ("--cache-ttl", {"type": int, "help": "seconds a cache entry lives (SPECSERVE_CACHE_TTL, "
-                                          "default 3600)"}),
-    ("--prefix-block-tokens", {"type": int, "help": "tokens per cached KV block "
-                                                    "(SPECSERVE_PREFIX_BLOCK_TOKENS, default 64)"}),
-    ("--redis-timeout", {"type": float, "help": "seconds without a byte from Redis before it "
-                                                "counts as down: a miss, and skipped for a second; "
-                                                "long reads get more time by their size "
-                                                "(SPECSERVE_REDIS_TIMEOUT, default 0.2)"}),
-    ("--otlp-endpoint", {"help": "OTLP/HTTP endpoint for traces (SPECSERVE_OTLP_ENDPOINT; the "
-                                 "standard OTEL_EXPORTER_OTLP_* variables work too)"}),
-    ("--log-format", {"choices": ["json", "text"], "help": "SPECSERVE_LOG_FORMAT, default json"}),
-    ("--log-prompts", {"action": "store_const", "const": True,
-                       "help": "include prompt text in request logs (SPECSERVE_LOG_PROMPTS)"}),
+_FLAGS: tuple[tuple[str, str] | tuple[str, str, dict[str, Any]], ...] = (
+    ("--host", "interface to listen on (SPECSERVE_HOST, default 0.0.0.0)"),
+    ("--port", "API port (SPECSERVE_PORT, default 8000)"),
+    ("--metrics-port", "Prometheus metrics port (SPECSERVE_METRICS_PORT, default 9100)"),
+    ("--target", "target model: 'default' or another model of the catalogue (`specserve models "
+                 "list`; pulled when missing), a model directory, a GGUF file or a hub id "
+                 "(SPECSERVE_TARGET)"),
+    ("--draft", "'auto' (for the default target the mix of its drafters measured fastest, else "
+                "n-gram lookup; continuations when the prefix cache is on), 'none', 'ngram', "
+                "'cache' (continuations), 'default-draft', a draft model sharing the target's "
+                "tokenizer (a model of the catalogue, a directory or a GGUF file), or several "
+                "joined by '+' (SPECSERVE_DRAFT, default auto)"),
+    ("--draft-backend", "where a draft model runs: auto (TensorRT with a GPU, else ONNX Runtime "
+                        "when an export exists, else PyTorch) (SPECSERVE_DRAFT_BACKEND, default "
+                        "auto)"),
+    ("--dtype", "SPECSERVE_DTYPE, default float32"),
+    ("--quantize", "target weights: auto (a GGUF file's own quantized weights; for the default "
+                   "model its Q4_1 GGUF, bfloat16 activations), none (a model directory as it is "
+                   "in --dtype; the default model dequantized), int8/int4 (a model directory "
+                   "quantized at load) (SPECSERVE_QUANTIZE, default auto; docs/quantization.md)"),
+    ("--draft-dtype", "dtype of a draft model on PyTorch: auto (int4 beside a quantized target; "
+                      "bfloat16 beside a float32 target on a CPU with native bfloat16; else "
+                      "--dtype); int8/int4 quantize it; output is the same either way "
+                      "(SPECSERVE_DRAFT_DTYPE)"),
+    ("--threads", "CPU threads for PyTorch (SPECSERVE_THREADS)"),
+    ("--decode-threads", "CPU threads of a decoding pass (no prompt in it): default all of "
+                         "--threads (SPECSERVE_DECODE_THREADS)"),
+    ("--no-batch-invariance", "cheaper attention blocks whose logits depend on the batch in the "
+                              "last bits, so greedy speculation equals plain decoding only to "
+                              "rounding outside float32's products "
+                              "(SPECSERVE_BATCH_INVARIANCE=false)"),
+    ("--kernels", "what runs a pass's norms, rotary embedding, attention and activation on a CPU: "
+                  "native (fused C++ kernels, built once with g++), torch (PyTorch's ops), auto "
+                  "(native where they build) (SPECSERVE_KERNELS; docs/performance.md)"),
+    ("--no-int8-activations", "keep bfloat16 activations for 4-bit and Q8_0 matrices; by default "
+                              "the native kernels quantize them to int8 per block of 32 as "
+                              "llama.cpp does, ~1.6x faster a step "
+                              "(SPECSERVE_INT8_ACTIVATIONS=false; docs/quantization.md)"),
+    ("--check-invariance", "debugging: on this fraction of rounds, recompute the last verified "
+                           "position as a one-token step and count mismatches "
+                           "(specserve_invariance_mismatches_total; SPECSERVE_CHECK_INVARIANCE, "
+                           "default 0: off)",
+                           {"metavar": "RATE"}),
+    ("--api-key", "accepted bearer key, repeatable (SPECSERVE_API_KEYS, comma separated); none "
+                  "configured = no authentication",
+                  {"dest": "api_keys", "action": "append"}),
+    ("--max-queue", "requests waiting before 429 (SPECSERVE_MAX_QUEUE)"),
+    ("--max-active", "requests decoded at once (SPECSERVE_MAX_ACTIVE)"),
+    ("--prefill-chunk", "prompt tokens fed per round, so a long prompt does not stall running "
+                        "streams (SPECSERVE_PREFILL_CHUNK, default 512)"),
+    ("--kv-cache-bytes", "KV cache budget: requests wait while one more would pass it "
+                         "(SPECSERVE_KV_CACHE_BYTES, default 2 GiB)"),
+    ("--batch-speculation", "adaptive: draft lengths chosen for the whole batch, speculation "
+                            "backing off as it grows; always: every request drafts as if alone "
+                            "(SPECSERVE_BATCH_SPECULATION, default adaptive)"),
+    ("--max-prompt-tokens", "longest prompt accepted (SPECSERVE_MAX_PROMPT_TOKENS; default: the "
+                            "model's context)"),
+    ("--max-tokens", "operator's cap on an answer's tokens: an answer that would run longer (the "
+                     "request asks for more, or sets no limit) ends there with finish_reason "
+                     "length, and the log says so (SPECSERVE_MAX_TOKENS; default none: a request "
+                     "without max_tokens may run to the end of the context)"),
+    ("--request-timeout", "seconds a request may take, queue included (SPECSERVE_REQUEST_TIMEOUT, "
+                          "default 600)"),
+    ("--cors-origin", "allowed CORS origin, repeatable (SPECSERVE_CORS_ORIGINS, comma separated); "
+                      "CORS is off when none is given",
+                      {"dest": "cors_origins", "action": "append"}),
+    ("--shutdown-timeout", "seconds in-flight requests may finish after SIGTERM "
+                           "(SPECSERVE_SHUTDOWN_TIMEOUT, default 30)"),
+    ("--log-level", "critical|error|warning|info|debug (SPECSERVE_LOG_LEVEL)",
+                    {"choices": None}),
+    ("--served-model-name", "model id shown in /v1/models (SPECSERVE_SERVED_MODEL_NAME; default "
+                            "derived from the target)"),
+    ("--max-body-bytes", "largest request body accepted (SPECSERVE_MAX_BODY_BYTES, default 4 MiB)"),
+    ("--sse-ping-interval", "seconds between SSE keep-alive comments "
+                            "(SPECSERVE_SSE_PING_INTERVAL, default 15)"),
+    ("--sse-heartbeat-interval", "seconds a stream may go without an event (a queued request, a "
+                                 "long prompt being read) before it gets a heartbeat event: an "
+                                 "empty chunk, or response.in_progress on /v1/responses; clients "
+                                 "such as Codex CLI time out on events, not on the keep-alive "
+                                 "comments (SPECSERVE_SSE_HEARTBEAT_INTERVAL, default 10)"),
+    ("--sampling-defaults", "what a request that leaves temperature, top_p or top_k unset samples "
+                            "with: model (the model's generation_config.json; for the default "
+                            "model its model card's temperature 0.2, top_p 0.9), openai (OpenAI's "
+                            "1.0 and 1.0), or a JSON object such as '{\"temperature\": 0.7}'; a "
+                            "request's own values always win (SPECSERVE_SAMPLING_DEFAULTS, "
+                            "default model)",
+                            {"metavar": "model|openai|JSON"}),
+    ("--playground", "serve the playground page at /playground, / redirecting to it "
+                     "(SPECSERVE_PLAYGROUND, default on)",
+                     {"action": argparse.BooleanOptionalAction}),
+    ("--no-prefix-cache", "disable prompt KV reuse and continuation drafts "
+                          "(SPECSERVE_PREFIX_CACHE=false)"),
+    ("--redis-url", "share the prefix cache through Redis, e.g. redis://host:6379/0 "
+                    "(SPECSERVE_REDIS_URL; default: in-process)"),
+    ("--prefix-cache-bytes", "in-process cache bound (SPECSERVE_PREFIX_CACHE_BYTES, 512 MiB)"),
+    ("--cache-ttl", "seconds a cache entry lives (SPECSERVE_CACHE_TTL, default 3600)"),
+    ("--prefix-block-tokens", "tokens per cached KV block (SPECSERVE_PREFIX_BLOCK_TOKENS, default "
+                              "64)"),
+    ("--redis-timeout", "seconds without a byte from Redis before it counts as down: a miss, and "
+                        "skipped for a second; long reads get more time by their size "
+                        "(SPECSERVE_REDIS_TIMEOUT, default 0.2)"),
+    ("--otlp-endpoint", "OTLP/HTTP endpoint for traces (SPECSERVE_OTLP_ENDPOINT; the standard "
+                        "OTEL_EXPORTER_OTLP_* variables work too)"),
+    ("--log-format", "SPECSERVE_LOG_FORMAT, default json"),
+    ("--log-prompts", "include prompt text in request logs (SPECSERVE_LOG_PROMPTS)",
+                      {"action": "store_const", "const": True}),
 )
+
+def _typed(dest: str) -> dict[str, Any]:
+    """What a flag's value is, read from its setting: a number's type, a choice's values."""
+    annotation = Settings.model_fields[dest].annotation
+    kinds = [k for k in get_args(annotation) if k is not type(None)] if isinstance(
+        annotation, UnionType) else [annotation]
+    if len(kinds) == 1 and kinds[0] in (int, float):
+        return {"type": kinds[0]}
+    if len(kinds) == 1 and get_origin(kinds[0]) is Literal:
+        return {"choices": list(get_args(kinds[0]))}
+    return {}
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting; unset flags leave the variable or default in force."""
-    for flag, options in _FLAGS:
-        parser.add_argument(flag, default=None, **options)
+    """One flag per setting, typed as the setting is; unset flags leave the variable or
+    default in force."""
+    for flag, help_text, *more in _FLAGS:
+        options = more[0] if more else {}
+        if flag.startswith("--no-"):  # turns a setting that is on by default off
+            options = {"dest": flag.removeprefix("--no-").replace("-", "_"),
+                       "action": "store_const", "const": False}
+        dest = options.get("dest", flag.removeprefix("--").replace("-", "_"))
+        typed = _typed(dest) if "action" not in options else {}
+        parser.add_argument(flag, default=None, help=help_text, **{**typed, **options})
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
