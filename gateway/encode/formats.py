@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
@@ -35,7 +35,6 @@ from gateway.wire.bodies import (
     CompletionChoice,
     CompletionLogprobs,
     StreamSpeculation,
-    Usage,
 )
 
 
@@ -83,6 +82,9 @@ class Format(Protocol):
         ...
 
 
+BodyT = TypeVar("BodyT", ChatCompletionChunk, ChatCompletion, Completion)
+
+
 class _ChoiceFormat:
     """What both formats keep per choice: whether it has started streaming."""
 
@@ -107,6 +109,16 @@ class _ChoiceFormat:
         return stream_speculation(event, totals.stats(),
                                   [(echoed, PROMPT), *spans] if echoed else spans)
 
+    def _body(self, kind: type[BodyT], choices: list[Any], **extras: Any) -> BodyT:
+        """A body or chunk of the job: its id, time, model and seed, with these choices."""
+        return kind(id=self.job.id, created=self.job.created, model=self.job.model,
+                    choices=choices, seed=self.job.seed, **extras)
+
+    def _usage(self, kind: type[BodyT], totals: Sequence[ChoiceTotals]) -> BodyT:
+        """The stream's last chunk, when asked for: no choices, the request's usage."""
+        return self._body(kind, [], usage=usage_of(totals, self.job.per_prompt),
+                          speculation=speculation_of(totals))
+
     def _shown_logprobs(self, event: RoundEvent) -> Sequence[TokenLogprob]:
         """The round's logprobs, without the final EOS token the text never shows."""
         return visible(event.logprobs, self.hidden_ids) if event.finished else event.logprobs
@@ -121,9 +133,7 @@ class ChatFormat(_ChoiceFormat):
         return chat_logprobs(self.texts, self._shown_logprobs(event))
 
     def _chunk(self, index: int, delta: ChatDelta) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.job.id, created=self.job.created, model=self.job.model,
-            choices=[ChatChunkChoice(index=index, delta=delta)], seed=self.job.seed)
+        return self._body(ChatCompletionChunk, [ChatChunkChoice(index=index, delta=delta)])
 
     def opening(self) -> list[ChatCompletionChunk]:
         """Each choice's role, at once."""
@@ -147,19 +157,15 @@ class ChatFormat(_ChoiceFormat):
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
                                  logprobs={"content": content, "refusal": None}
                                  if content is not None else None)
-        return ChatCompletionChunk(
-            id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
-            seed=self.job.seed, speculation=self._speculation(index, event, totals, event.text))
+        return self._body(ChatCompletionChunk, [choice],
+                          speculation=self._speculation(index, event, totals, event.text))
 
     def observe(self, index: int, event: RoundEvent) -> None:
         if self.job.logprobs:
             self._logprobs[index].extend(self._logprobs_of(event))
 
     def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.job.id, created=self.job.created, model=self.job.model, choices=[],
-            usage=usage_of(totals, self.job.per_prompt), speculation=speculation_of(totals),
-            seed=self.job.seed)
+        return self._usage(ChatCompletionChunk, totals)
 
     def response(self, totals: Sequence[ChoiceTotals]) -> ChatCompletion:
         choices = [
@@ -172,10 +178,8 @@ class ChatFormat(_ChoiceFormat):
             )
             for i, t in enumerate(totals)
         ]
-        return ChatCompletion(
-            id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
-            usage=usage_of(totals, self.job.per_prompt), speculation=speculation_of(totals),
-            seed=self.job.seed)
+        return self._body(ChatCompletion, choices, usage=usage_of(totals, self.job.per_prompt),
+                          speculation=speculation_of(totals))
 
 
 class CompletionFormat(_ChoiceFormat):
@@ -211,9 +215,7 @@ class CompletionFormat(_ChoiceFormat):
         return []
 
     def heartbeat(self) -> Completion:
-        return Completion(
-            id=self.job.id, created=self.job.created, model=self.job.model, seed=self.job.seed,
-            choices=[CompletionChoice(text="", index=0, finish_reason=None)])
+        return self._body(Completion, [CompletionChoice(text="", index=0, finish_reason=None)])
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> Completion | None:
         self._round(index, event)
@@ -227,20 +229,15 @@ class CompletionFormat(_ChoiceFormat):
         choice = CompletionChoice(
             text=text, index=index, finish_reason=finish,
             logprobs=CompletionLogprobs(**logprobs) if logprobs is not None else None)
-        return Completion(
-            id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
-            seed=self.job.seed,
-            speculation=self._speculation(index, event, totals, text, len(echoed)))
+        return self._body(Completion, [choice],
+                          speculation=self._speculation(index, event, totals, text, len(echoed)))
 
     def observe(self, index: int, event: RoundEvent) -> None:
         if self.job.logprobs:
             self._parts[index].append(self._logprobs_of(index, event))
 
     def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> Completion:
-        return Completion(
-            id=self.job.id, created=self.job.created, model=self.job.model, choices=[],
-            usage=usage_of(totals, self.job.per_prompt), speculation=speculation_of(totals),
-            seed=self.job.seed)
+        return self._usage(Completion, totals)
 
     def response(self, totals: Sequence[ChoiceTotals]) -> Completion:
         choices = []
@@ -251,7 +248,5 @@ class CompletionFormat(_ChoiceFormat):
                 logprobs=CompletionLogprobs(**merge_legacy(self._parts[i]))
                 if self.job.logprobs else None,
                 finish_reason=finish_reason_text(t.finish_reason)))
-        usage: Usage = usage_of(totals, self.job.per_prompt)
-        return Completion(
-            id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
-            seed=self.job.seed, usage=usage, speculation=speculation_of(totals))
+        return self._body(Completion, choices, usage=usage_of(totals, self.job.per_prompt),
+                          speculation=speculation_of(totals))

@@ -20,18 +20,7 @@ from gateway.decode.tool_plan import HEAD, MID, OPEN, TAIL, ToolPlan
 from gateway.encode.formats import ChatFormat, Job
 from gateway.encode.token_texts import TokenTexts
 from gateway.encode.totals import ChoiceTotals, finish_reason_text, speculation_of, usage_of
-from gateway.wire.bodies import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatDelta,
-    ChatMessageOut,
-    FunctionCallOut,
-    FunctionDelta,
-    ToolCallDelta,
-    ToolCallOut,
-)
+from gateway.wire import bodies
 
 
 def call_id() -> str:
@@ -161,17 +150,17 @@ def _held_back(text: str, mark: str) -> int:
     return 0
 
 
-def merge(deltas: Sequence[CallDelta]) -> list[ToolCallDelta]:
+def merge(deltas: Sequence[CallDelta]) -> list[bodies.ToolCallDelta]:
     """Deltas as OpenAI streams them: one entry per call touched, id and name on the
     call's first."""
-    out: dict[int, ToolCallDelta] = {}
+    out: dict[int, bodies.ToolCallDelta] = {}
     for d in deltas:
         entry = out.get(d.index)
         if entry is None:
-            entry = ToolCallDelta(index=d.index, id=d.call.id if d.started else None,
-                                  type="function" if d.started else None,
-                                  function=FunctionDelta(name=d.call.name if d.started else None,
-                                                         arguments=""))
+            name = d.call.name if d.started else None
+            entry = bodies.ToolCallDelta(index=d.index, id=d.call.id if d.started else None,
+                                         type="function" if d.started else None,
+                                         function=bodies.FunctionDelta(name=name, arguments=""))
             out[d.index] = entry
         entry.function.arguments = (entry.function.arguments or "") + d.arguments
     return list(out.values())
@@ -196,7 +185,7 @@ class ToolChatFormat(ChatFormat):
         return text
 
     def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals
-              ) -> ChatCompletionChunk | None:
+              ) -> bodies.ChatCompletionChunk | None:
         parser = self.parsers[index]
         content, deltas = parser.feed(event.text)
         if event.finished:
@@ -207,31 +196,28 @@ class ToolChatFormat(ChatFormat):
         if not (first or content or deltas or finish):
             return None
         self._started[index] = True
-        delta = ChatDelta(role="assistant" if first else None, content=content or None,
-                          tool_calls=merge(deltas) or None)
+        delta = bodies.ChatDelta(role="assistant" if first else None, content=content or None,
+                                 tool_calls=merge(deltas) or None)
         if first and not (content or deltas):
             delta.content = ""
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
-        return ChatCompletionChunk(
-            id=self.job.id, created=self.job.created, model=self.job.model, choices=[choice],
-            speculation=totals.stats() if event.finished else None)
+        choice = bodies.ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+        return self._body(bodies.ChatCompletionChunk, [choice],
+                          speculation=totals.stats() if event.finished else None)
 
-    def response(self, totals: Sequence[ChoiceTotals]) -> ChatCompletion:
+    def response(self, totals: Sequence[ChoiceTotals]) -> bodies.ChatCompletion:
         choices = []
         for i, t in enumerate(totals):
             parser = CallParser.of(self.plan)
             content, _ = parser.feed("".join(t.text))
             more, _ = parser.finish()
             text = content + more  # with calls: the text before them, as streamed
-            calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name,
-                                                                   arguments=c.arguments))
-                     for c in parser.calls]
+            calls = [bodies.ToolCallOut(id=c.id, function=bodies.FunctionCallOut(
+                name=c.name, arguments=c.arguments)) for c in parser.calls]
             self.parsers[i] = parser
-            choices.append(ChatChoice(
-                index=i, message=ChatMessageOut(content=text if text or not calls else None,
-                                                tool_calls=calls or None),
+            choices.append(bodies.ChatChoice(
+                index=i, message=bodies.ChatMessageOut(
+                    content=text if text or not calls else None, tool_calls=calls or None),
                 finish_reason=self.finish_reason(i, t.finish_reason)))
-        return ChatCompletion(
-            id=self.job.id, created=self.job.created, model=self.job.model, choices=choices,
-            usage=usage_of(totals, self.job.per_prompt),
-            speculation=speculation_of(totals))
+        return self._body(bodies.ChatCompletion, choices,
+                          usage=usage_of(totals, self.job.per_prompt),
+                          speculation=speculation_of(totals))

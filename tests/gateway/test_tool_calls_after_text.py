@@ -9,6 +9,7 @@ formats get the round events a server would hand them, split at every token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,23 @@ def test_chat_gives_the_text_as_content_and_the_calls_as_tool_calls(
     assert [json.loads(c.function.arguments) for c in message.tool_calls] == [
         {"city": "Paris"}, {"city": "Berlin"}]
     assert body.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_sampled_tool_answer_reports_its_seed_in_every_chunk_and_its_body(
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    """As every chat body and chunk does: the seed a sampled request sampled with."""
+    job = dataclasses.replace(_job(), seed=7)
+    streamed = ToolChatFormat(job, TokenTexts(tokenizer), frozenset(), _plan())
+    totals = ChoiceTotals(drafter=None)
+    chunks = list(streamed.opening())
+    for event in _events(tokenizer, TEXT + CALL):
+        totals.add(event)
+        chunk = streamed.chunk(0, event, totals)
+        if chunk is not None:
+            chunks.append(chunk)
+    assert len(chunks) > 2 and {c.seed for c in chunks} == {7}
+    whole = ToolChatFormat(job, TokenTexts(tokenizer), frozenset(), _plan())
+    assert whole.response([totals]).seed == 7
 
 
 def test_responses_give_a_message_item_then_function_call_items(
