@@ -88,6 +88,7 @@ def _instrument(clock: _Clock) -> None:
     from decoding import engine as engine_module
     from decoding.engine import Engine
     from decoding.handoff import Outbox
+    from gateway.encode import formats
     from gateway.encode.formats import ChatFormat
     from gateway.predict import run
     from runtime.runner import fused
@@ -111,7 +112,7 @@ def _instrument(clock: _Clock) -> None:
     clock.wrap(BatchedLM, "_logits", "head")
     clock.wrap(BatchedLM, "draft_chain", "draft_chain")
     clock.wrap(Outbox, "hand_over", "hand_over")
-    clock.wrap(run, "chunk_json", "chunk_json")
+    clock.wrap(formats, "chunk_json", "chunk_json")
     clock.wrap(ChatFormat, "chunk", "chunk")
     clock.wrap(run.ResponseRun, "_observe", "metrics")
     main = threading.main_thread()

@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 import uuid
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from decoding.engine import Engine
 from gateway.api.intake import gateway_state, parse_request, require_api_key
 from gateway.api.openapi import MODEL_ERRORS, completion_route, error_responses
-from gateway.decode.grammar import request_grammar
-from gateway.decode.params import (
-    AnyRequest,
-    Limits,
-    Prompt,
-    chat_prompt,
-    check_choices,
-    choices_per_prompt,
-    completion_prompts,
-    generation_requests,
-    include_usage,
-    logprob_options,
-    operator_cap,
-    request_seed,
-    with_grammar,
-)
-from gateway.decode.tool_plan import ToolPlan, request_tools
-from gateway.encode.formats import ChatFormat, CompletionFormat, Format, Job
-from gateway.encode.tool_calls import ToolChatFormat
+from gateway.decode.params import AnyRequest
+from gateway.decode.plan import plan_request
+from gateway.encode.tool_calls import format_for
 from gateway.predict.run import ResponseRun, request_trace
 from gateway.service.state import GatewayState
 from gateway.wire.bodies import (
@@ -58,56 +39,25 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 @v1.post("/chat/completions",
          **completion_route(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk))
 async def chat_completions(request: Request) -> Response:
-    state = gateway_state(request)
-    api_request, engine = await parse_request(request, state, ChatCompletionRequest)
-    limits = state.limits(engine)
-    check_choices(api_request, 1, limits)
-    plan = request_tools(api_request)
-    prompt = await asyncio.to_thread(chat_prompt, engine.target.tokenizer, api_request, plan)
-    return await _run(request, state, engine, limits, api_request, [prompt], "chatcmpl", plan)
+    return await _answer(request, ChatCompletionRequest, "chatcmpl")
 
 
 @v1.post("/completions", **completion_route(CompletionRequest, Completion, Completion))
 async def completions(request: Request) -> Response:
+    return await _answer(request, CompletionRequest, "cmpl")
+
+
+async def _answer(request: Request, kind: type[AnyRequest], prefix: str) -> Response:
+    """Decode, predict, encode: the body read and validated, planned into the engine's
+    work (``plan_request``), the format that will write the answer, and the run that
+    submits the plan and answers as a stream or one body."""
     state = gateway_state(request)
-    api_request, engine = await parse_request(request, state, CompletionRequest)
-    limits = state.limits(engine)
-    check_choices(api_request, len(api_request.prompt_list()), limits)
-    prompts = await asyncio.to_thread(completion_prompts, engine.target.tokenizer, api_request,
-                                      engine.target.vocab_size, state.fim)
-    return await _run(request, state, engine, limits, api_request, prompts, "cmpl")
-
-
-async def _run(request: Request, state: GatewayState, engine: Engine, limits: Limits,
-               api_request: AnyRequest, prompts: list[Prompt], prefix: str,
-               tools: ToolPlan | None = None) -> Response:
-    """The engine requests (each prompt checked against the limits), then the grammar
-    (compiled last: it may take seconds), the format, and the run that submits them."""
-    job_id = f"{prefix}-{uuid.uuid4().hex}"
-    seed = request_seed(api_request)
-    requests = generation_requests(api_request, prompts, limits, job_id, seed)
-    grammar = await request_grammar(state, engine, api_request.response_format, tools)
-    requests = with_grammar(requests, grammar)
-    job = Job(
-        id=job_id, created=int(time.time()), model=state.settings.model_name, prompts=prompts,
-        per_prompt=choices_per_prompt(api_request), logprobs=logprob_options(api_request)[0],
-        echo=bool(getattr(api_request, "echo", False)),
-        seed=None if requests[0].sampling.greedy else seed,
-        usage=include_usage(api_request),
-    )
-    texts, hidden = state.token_texts(), engine.target.eos_token_ids
-    fmt: Format
-    if tools is not None:
-        fmt = ToolChatFormat(job, texts, hidden, tools)
-    elif isinstance(api_request, ChatCompletionRequest):
-        fmt = ChatFormat(job, texts, hidden)
-    else:
-        fmt = CompletionFormat(job, texts, hidden)
-    run = ResponseRun(state, job, fmt, endpoint=request.url.path, user=api_request.user,
-                      trace=request_trace(state, request, job_id, requests, api_request),
-                      tool_choice=tools.mode if tools is not None else None,
-                      operator_cap=operator_cap(api_request, limits))
-    run.submit(engine, requests)
+    api_request, engine = await parse_request(request, state, kind)
+    plan = await plan_request(state, engine, api_request, f"{prefix}-{uuid.uuid4().hex}",
+                              state.settings.model_name)
+    fmt = format_for(plan, state.token_texts(), engine.target.eos_token_ids)
+    run = ResponseRun(state, plan, fmt, request.url.path, request_trace(state, request, plan))
+    run.submit(engine)
     return await run.respond(request.receive, api_request.stream)
 
 

@@ -14,10 +14,9 @@ import logging
 import math
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from decoding.constraints import Grammar
 from decoding.kv_budget import KvBudget
 from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
@@ -330,11 +329,3 @@ def generation_requests(
                 prompt_logprobs=prompt_logprobs,
             ))
     return out
-
-
-def with_grammar(requests: Sequence[GenerationRequest], grammar: Grammar | None
-                 ) -> list[GenerationRequest]:
-    """The requests, each constrained by ``grammar`` (compiled once their checks passed)."""
-    if grammar is None:
-        return list(requests)
-    return [replace(r, grammar=grammar) for r in requests]

@@ -7,14 +7,15 @@ accumulated logprobs) for one API request.
 
 from __future__ import annotations
 
+import json
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
 from decoding.types import RoundEvent, TokenLogprob
-from gateway.decode.params import Prompt
+from gateway.decode.plan import Job
 from gateway.encode.speculation import PROMPT, TextOrigins, source_kind, stream_speculation
 from gateway.encode.token_texts import (
     LegacyLogprobs,
@@ -36,46 +37,58 @@ from gateway.wire.bodies import (
     CompletionLogprobs,
     StreamSpeculation,
 )
+from gateway.wire.errors import APIError
+
+Sent = str | dict[str, str]  # one SSE event's data, or an event sse-starlette sends as it is
+DONE = "[DONE]"
+_DROP_WHEN_NONE = ("usage", "speculation", "seed")
 
 
-@dataclass(frozen=True)
-class Job:
-    """One API request as the formats need to know it."""
-
-    id: str
-    created: int
-    model: str
-    prompts: Sequence[Prompt]
-    per_prompt: int  # choices per prompt (n)
-    logprobs: bool
-    echo: bool = False
-    seed: int | None = None  # a sampled request's seed, reported in every body and chunk
-    usage: bool = False  # stream_options.include_usage: the stream ends with a usage chunk
-
-    def prompt_of(self, index: int) -> Prompt:
-        return self.prompts[index // self.per_prompt]
+def chunk_json(chunk: BaseModel) -> str:
+    """A chunk as compact JSON, without null extras or null delta fields."""
+    data = chunk.model_dump(mode="json")
+    for key in _DROP_WHEN_NONE:
+        if data.get(key) is None:
+            data.pop(key, None)
+    for choice in data.get("choices", ()):
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            choice["delta"] = {k: v for k, v in delta.items() if v is not None}
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
 class Format(Protocol):
-    def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> BaseModel | None:
-        """The stream chunk for one round of one choice (None when it adds nothing)."""
+    """The encoder of one output shape: how a request's answer is written, as a stream
+    (what each step of the run's one loop sends) or as one body. Chat chunks, completion
+    chunks and the Responses API's typed events are each one."""
+
+    def opening(self) -> list[Sent]:
+        """What a stream sends at once, before the prompt is read."""
+        ...
+
+    def round(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> list[Sent]:
+        """What one round of one choice sends (nothing when it adds nothing)."""
+        ...
+
+    def idle(self) -> list[Sent]:
+        """What a stream sends while no round comes (a queued request, a long prompt)."""
+        ...
+
+    def failure(self, error: APIError, totals: ChoiceTotals) -> list[Sent]:
+        """The stream's last event, when a choice failed after streaming began."""
+        ...
+
+    def closing(self, totals: Sequence[ChoiceTotals]) -> list[Sent]:
+        """The events that end a stream whose choices all finished."""
         ...
 
     def observe(self, index: int, event: RoundEvent) -> None:
         """Remember one round for the whole response."""
         ...
 
-    def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> BaseModel: ...
-
-    def opening(self) -> Sequence[BaseModel]:
-        """What a stream sends at once, before the first round."""
+    def response(self, totals: Sequence[ChoiceTotals]) -> BaseModel:
+        """The whole answer, once every choice finished."""
         ...
-
-    def heartbeat(self) -> BaseModel:
-        """An empty chunk, sent while no round comes (a queued request, a long prompt)."""
-        ...
-
-    def response(self, totals: Sequence[ChoiceTotals]) -> BaseModel: ...
 
     def tool_calls(self) -> int:
         """Tool calls the answers have made so far."""
@@ -85,7 +98,7 @@ class Format(Protocol):
 BodyT = TypeVar("BodyT", ChatCompletionChunk, ChatCompletion, Completion)
 
 
-class _ChoiceFormat:
+class _ChoiceFormat(ABC):
     """What both formats keep per choice: whether it has started streaming."""
 
     def __init__(self, job: Job, texts: TokenTexts, hidden_ids: frozenset[int]) -> None:
@@ -98,6 +111,41 @@ class _ChoiceFormat:
 
     def tool_calls(self) -> int:
         return 0  # plain chat and completions call no tools (gateway/encode/tool_calls.py does)
+
+    # -- the stream: OpenAI chunks as JSON, then ``[DONE]`` --------------------------------
+
+    def opening(self) -> list[Sent]:
+        return [chunk_json(c) for c in self.opening_chunks()]
+
+    def round(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> list[Sent]:
+        chunk = self.chunk(index, event, totals)
+        return [] if chunk is None else [chunk_json(chunk)]
+
+    def idle(self) -> list[Sent]:
+        return [chunk_json(self.heartbeat())]
+
+    def failure(self, error: APIError, totals: ChoiceTotals) -> list[Sent]:
+        return [json.dumps(error.body())]
+
+    def closing(self, totals: Sequence[ChoiceTotals]) -> list[Sent]:
+        usage = [chunk_json(self.usage_chunk(totals))] if self.job.usage else []
+        return [*usage, DONE]
+
+    def opening_chunks(self) -> Sequence[BaseModel]:
+        """The chunks sent at once (chat: each choice's role)."""
+        return []
+
+    @abstractmethod
+    def heartbeat(self) -> BaseModel:
+        """An empty chunk."""
+
+    @abstractmethod
+    def chunk(self, index: int, event: RoundEvent, totals: ChoiceTotals) -> BaseModel | None:
+        """The chunk for one round of one choice (None when it adds nothing)."""
+
+    @abstractmethod
+    def usage_chunk(self, totals: Sequence[ChoiceTotals]) -> BaseModel:
+        """The stream's usage chunk (``stream_options.include_usage``)."""
 
     def _round(self, index: int, event: RoundEvent) -> None:
         """Account for a streamed round's tokens (before deciding whether it is sent)."""
@@ -135,7 +183,7 @@ class ChatFormat(_ChoiceFormat):
     def _chunk(self, index: int, delta: ChatDelta) -> ChatCompletionChunk:
         return self._body(ChatCompletionChunk, [ChatChunkChoice(index=index, delta=delta)])
 
-    def opening(self) -> list[ChatCompletionChunk]:
+    def opening_chunks(self) -> list[ChatCompletionChunk]:
         """Each choice's role, at once."""
         self._started = [True] * self.count
         return [self._chunk(i, ChatDelta(role="assistant", content=""))
@@ -210,9 +258,6 @@ class CompletionFormat(_ChoiceFormat):
         self._scored[index] = True
         prompt = legacy.prompt(self.job.prompt_of(index).ids[0], event.prompt_logprobs)
         return merge_legacy([prompt, completion])
-
-    def opening(self) -> list[Completion]:
-        return []
 
     def heartbeat(self) -> Completion:
         return self._body(Completion, [CompletionChoice(text="", index=0, finish_reason=None)])

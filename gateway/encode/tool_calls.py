@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from decoding.types import FinishReason, RoundEvent
+from gateway.decode.plan import Job, RequestPlan
 from gateway.decode.tool_plan import HEAD, MID, OPEN, TAIL, ToolPlan
-from gateway.encode.formats import ChatFormat, Job
+from gateway.encode.formats import ChatFormat, CompletionFormat, Format
 from gateway.encode.token_texts import TokenTexts
 from gateway.encode.totals import ChoiceTotals, finish_reason_text, speculation_of, usage_of
 from gateway.wire import bodies
@@ -221,3 +222,13 @@ class ToolChatFormat(ChatFormat):
         return self._body(bodies.ChatCompletion, choices,
                           usage=usage_of(totals, self.job.per_prompt),
                           speculation=speculation_of(totals))
+
+
+def format_for(plan: RequestPlan, texts: TokenTexts, hidden_ids: frozenset[int]) -> Format:
+    """The format that writes a planned chat or completions request's answer: with tool
+    calls when tools may be called, else plain chat or completions."""
+    if plan.tools is not None:
+        return ToolChatFormat(plan.job, texts, hidden_ids, plan.tools)
+    if plan.chat:
+        return ChatFormat(plan.job, texts, hidden_ids)
+    return CompletionFormat(plan.job, texts, hidden_ids)

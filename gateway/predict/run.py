@@ -13,7 +13,6 @@ the stream began (timeout, model error, shutdown) is sent as
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -28,8 +27,8 @@ from starlette.types import Receive, Scope, Send
 
 from decoding.engine import Engine, RequestStream
 from decoding.types import FinishReason, GenerationRequest, RoundEvent
-from gateway.decode.params import AnyRequest
-from gateway.encode.formats import Format, Job
+from gateway.decode.plan import RequestPlan
+from gateway.encode.formats import Format, Sent
 from gateway.encode.totals import ChoiceTotals, Ended, speculation_of, usage_of
 from gateway.service.state import GatewayState
 from gateway.wire.errors import CLIENT_CLOSED_STATUS, APIError, engine_errors, error_type_of
@@ -38,27 +37,24 @@ from observability.telemetry import RequestTelemetry
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-DONE = "[DONE]"
-_DROP_WHEN_NONE = ("usage", "speculation", "seed")
 
 
 # -- on the engine ----------------------------------------------------------------------
 
 
-def request_trace(state: GatewayState, request: Request, job_id: str,
-                  requests: Sequence[GenerationRequest], api_request: AnyRequest
+def request_trace(state: GatewayState, request: Request, plan: RequestPlan
                   ) -> RequestTelemetry | None:
     """The request's span and metrics (None when the server has no telemetry)."""
     if state.telemetry is None:
         return None
     return state.telemetry.request(
-        request.url.path, job_id, request.headers, arrived=request.state.arrived,
+        request.url.path, plan.job.id, request.headers, arrived=request.state.arrived,
         attributes={
-            "gen_ai.request.max_tokens": requests[0].max_new_tokens,
-            "gen_ai.request.temperature": api_request.temperature,
-            "gen_ai.request.top_p": api_request.top_p,
-            "gen_ai.request.seed": api_request.seed,
-            "gen_ai.request.choice.count": len(requests),
+            "gen_ai.request.max_tokens": plan.requests[0].max_new_tokens,
+            "gen_ai.request.temperature": plan.request.temperature,
+            "gen_ai.request.top_p": plan.request.top_p,
+            "gen_ai.request.seed": plan.request.seed,
+            "gen_ai.request.choice.count": len(plan.requests),
         })
 
 
@@ -131,19 +127,6 @@ async def interleave(streams: Sequence[RequestStream], idle_s: float | None = No
 # -- to the client ----------------------------------------------------------------------
 
 
-def chunk_json(chunk: Any) -> str:
-    """A chunk as compact JSON, without null extras or null delta fields."""
-    data = chunk.model_dump(mode="json")
-    for key in _DROP_WHEN_NONE:
-        if data.get(key) is None:
-            data.pop(key, None)
-    for choice in data.get("choices", ()):
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            choice["delta"] = {k: v for k, v in delta.items() if v is not None}
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-
-
 class _EventStream(EventSourceResponse):
     """An SSE response that runs ``on_close`` however the response ends."""
 
@@ -166,18 +149,18 @@ class ResponseRun:
     flight until closed; ``respond`` answers with an SSE stream or one body, both read
     through ``rounds``, the one loop over the choices' events."""
 
-    def __init__(self, state: GatewayState, job: Job, fmt: Format, endpoint: str,
-                 user: str | None = None, trace: RequestTelemetry | None = None,
-                 tool_choice: str | None = None, operator_cap: int | None = None) -> None:
+    def __init__(self, state: GatewayState, plan: RequestPlan, fmt: Format, endpoint: str,
+                 trace: RequestTelemetry | None = None) -> None:
         self.state = state
-        self.job = job
+        self.plan = plan
+        self.job = plan.job
         self.fmt = fmt
         self.endpoint = endpoint
-        self.user = user  # the client's end-user id, for the request log only
+        self.user = plan.request.user  # the client's end-user id, for the request log only
         self.outcome = "disconnected"
         self.trace = trace
-        self.tool_choice = tool_choice  # the tool plan's mode, when tools may be called
-        self.operator_cap = operator_cap  # --max-tokens, where it bounds this request
+        self.tool_choice = plan.tools.mode if plan.tools is not None else None
+        self.operator_cap = plan.operator_cap  # --max-tokens, where it bounds this request
         self.stream_error: str | None = None  # error type of a failure after streaming began
         self.status = 200
         self.error_code: str | None = None
@@ -185,9 +168,9 @@ class ResponseRun:
         self.totals: list[ChoiceTotals] = []
         self.started = time.monotonic()
 
-    def submit(self, engine: Engine, requests: Sequence[GenerationRequest]) -> None:
+    def submit(self, engine: Engine) -> None:
         """Every choice on the engine, or none (a refusal raises, its span ended)."""
-        self.streams = submit_traced(engine, requests, self.trace)
+        self.streams = submit_traced(engine, self.plan.requests, self.trace)
         self.totals = [ChoiceTotals(drafter=s.drafter) for s in self.streams]
         self.state.begin(self.streams)
         self.started = time.monotonic()
@@ -237,28 +220,31 @@ class ResponseRun:
     def heartbeat_s(self) -> float:
         return self.state.settings.sse_heartbeat_interval
 
-    async def events(self) -> AsyncIterator[str | dict[str, str]]:
-        """The stream's events: the opening chunks at once (before the prompt is read),
-        then OpenAI chunks as JSON, each one round of one choice, and a heartbeat chunk
-        whenever none came for the heartbeat interval."""
-        for opening in self.fmt.opening():
-            yield chunk_json(opening)
+    async def events(self) -> AsyncIterator[Sent]:
+        """The stream's events, as the format writes them: its opening at once (before
+        the prompt is read), then what each round of each choice sends, an idle event
+        whenever none came for the heartbeat interval, and its closing; or, when a choice
+        fails, the failure, last."""
+        for sent in self.fmt.opening():
+            yield sent
         async for index, item in self.rounds(self.heartbeat_s):
             if isinstance(item, Idle):
-                yield chunk_json(self.fmt.heartbeat())
+                for sent in self.fmt.idle():
+                    yield sent
                 continue
             if isinstance(item, RoundEvent):
-                chunk = self.fmt.chunk(index, item, self.totals[index])
-                if chunk is not None:
-                    yield chunk_json(chunk)
+                for sent in self.fmt.round(index, item, self.totals[index]):
+                    yield sent
             error = self.failed(index)
             if error is not None:
-                yield json.dumps(error.body())
+                for sent in self.fmt.failure(error, self.totals[index]):
+                    yield sent
                 return
-        if self.job.usage:
-            yield chunk_json(self.fmt.usage_chunk(self.totals))
+        *closing, last = self.fmt.closing(self.totals)
+        for sent in closing:
+            yield sent
         self.outcome = "ok"
-        yield DONE
+        yield last
 
     # -- one JSON body --------------------------------------------------------------------
 
@@ -299,20 +285,8 @@ class ResponseRun:
     # -- the end --------------------------------------------------------------------------
 
     def _close(self) -> None:
+        """The run's end: out of flight, the request's log lines, then its span."""
         self.state.end(self.streams)
-        if self.trace is not None:
-            for stream in self.streams:
-                self.trace.queued(stream.submitted_at, stream.started_at)
-            status = CLIENT_CLOSED_STATUS if self.outcome == "disconnected" else self.status
-            error = self.stream_error or (
-                error_type_of(self.status, self.error_code)
-                if self.status >= 400 else None)
-            if self.tool_choice is not None:
-                self.trace.tool_calls(self.fmt.tool_calls(), self.tool_choice)
-            # Statuses sent before the body are counted by the middleware; a failure
-            # inside a stream is counted here.
-            self.trace.finish(status, error, count_error=self.stream_error is not None,
-                              user=self.user)
         if self.outcome == "disconnected":
             log.info("request %s: client disconnected; cancelled %d choice(s)",
                      self.job.id, len(self.streams))
@@ -327,7 +301,19 @@ class ResponseRun:
             usage.prompt_tokens, usage.completion_tokens, stats.rounds, stats.draft_tokens,
             stats.accepted_tokens,
         )
-
+        if self.trace is not None:
+            for stream in self.streams:
+                self.trace.queued(stream.submitted_at, stream.started_at)
+            status = CLIENT_CLOSED_STATUS if self.outcome == "disconnected" else self.status
+            error = self.stream_error or (
+                error_type_of(self.status, self.error_code)
+                if self.status >= 400 else None)
+            if self.tool_choice is not None:
+                self.trace.tool_calls(self.fmt.tool_calls(), self.tool_choice)
+            # Statuses sent before the body are counted by the middleware; a failure
+            # inside a stream is counted here.
+            self.trace.finish(status, error, count_error=self.stream_error is not None,
+                              user=self.user)
 
     def _log_capped(self) -> None:
         """One line when the operator's cap, not the request, cut an answer."""

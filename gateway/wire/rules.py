@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# ``protocol._check_common``: without ``stream: true``, ``stream_options``
+# ``requests._check_common``: without ``stream: true``, ``stream_options``
 # is absent or null (OpenAI refuses it with a 400 too).
 STREAM_OPTIONS_RULE: dict[str, Any] = {"allOf": [
     {"if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},

@@ -12,7 +12,8 @@ import torch
 
 from decoding.types import FinishReason, RoundEvent, TokenLogprob
 from gateway.decode.params import Prompt
-from gateway.encode.formats import CompletionFormat, Job
+from gateway.decode.plan import Job
+from gateway.encode.formats import CompletionFormat
 from gateway.encode.token_texts import TokenTexts
 from gateway.encode.totals import ChoiceTotals
 from runtime.runner.causal_lm import CausalLM

@@ -19,10 +19,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from decoding.constraints import Grammar, GrammarCompiler
 from decoding.types import FinishReason, RoundEvent
-from gateway.api.responses import ResponsesFormat
 from gateway.decode.params import Prompt, sampling_params
+from gateway.decode.plan import Job
 from gateway.decode.tool_plan import ToolPlan, request_tools, tag_tokens, tool_grammar
-from gateway.encode.formats import Job
+from gateway.encode.responses import ResponsesFormat
 from gateway.encode.token_texts import TokenTexts
 from gateway.encode.tool_calls import ToolChatFormat
 from gateway.encode.totals import ChoiceTotals
@@ -128,7 +128,7 @@ def test_chat_gives_the_text_as_content_and_the_calls_as_tool_calls(
     events = _events(tokenizer, answer)
     streamed = ToolChatFormat(_job(), TokenTexts(tokenizer), frozenset(), _plan())
     totals = ChoiceTotals(drafter=None)
-    chunks = list(streamed.opening())
+    chunks = list(streamed.opening_chunks())
     for event in events:
         totals.add(event)
         chunk = streamed.chunk(0, event, totals)
@@ -168,7 +168,7 @@ def test_a_sampled_tool_answer_reports_its_seed_in_every_chunk_and_its_body(
     job = dataclasses.replace(_job(), seed=7)
     streamed = ToolChatFormat(job, TokenTexts(tokenizer), frozenset(), _plan())
     totals = ChoiceTotals(drafter=None)
-    chunks = list(streamed.opening())
+    chunks = list(streamed.opening_chunks())
     for event in _events(tokenizer, TEXT + CALL):
         totals.add(event)
         chunk = streamed.chunk(0, event, totals)
