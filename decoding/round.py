@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -35,6 +35,7 @@ from runtime.runner.passes import BatchItem, PreparedPass
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 S = TypeVar("S")  # any runner's per-sequence state
 
 
@@ -114,7 +115,7 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
                      after_alternative=logits[-1] if draft.alternative is not None else None,
                      cut_probs=draft.constrained.cut_row if draft.constrained else None,
                      first_largest=seq.target.first_largest)
-    seq.keep(verdict, len(draft.tokens) + 1 + (draft.alternative is not None), features)
+    seq.roll_back(verdict, len(draft.tokens) + 1 + (draft.alternative is not None), features)
     timing = RoundTiming(draft.seconds, forward_s + time.perf_counter() - start, 0.0)
     draft.learn(verdict, timing)
     behind = (torch.stack([logits[0], logits[-1]]) if verdict.alternative_taken
@@ -148,6 +149,8 @@ def propose_drafts(decoding: Sequence[tuple[SequenceDecoder, int]], outcomes: li
     """Each sequence's draft of the given length: made together with the others that share
     its drafter where it can (a draft model's steps run batched), each with its share of
     the seconds. A sequence whose drafting fails ends with an error (None here)."""
+    for seq, _ in decoding:  # a prompt whose first token went out last round is stored now
+        seq.store_prompt()
     made: list[tuple[DraftProposal, float] | None] = [None] * len(decoding)
     groups: dict[int, list[int]] = {}
     for i, (seq, k) in enumerate(decoding):
@@ -232,11 +235,11 @@ def with_layers(prepared: PreparedPass[S]) -> Features:
             for f, layers in zip(prepared.features, prepared.layers, strict=True)]
 
 
-def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[..., T],
-             *args: Any) -> T | None:
+def _attempt(seq: SequenceDecoder, outcomes: list[Outcome], make: Callable[P, T],
+             *args: P.args, **kwargs: P.kwargs) -> T | None:
     """``make(*args)``, or None after ending ``seq`` with an error when it raises."""
     try:
-        return make(*args)
+        return make(*args, **kwargs)
     except Exception:
         log.exception("drafting failed in request %s", seq.request.request_id)
         outcomes.append(Outcome(seq, seq.failed("the model failed")))

@@ -120,13 +120,17 @@ class SequenceDecoder(Generic[StateT]):
             raise RuntimeError("the prompt has been prefilled")
         return self.prompt.next_chunk(self.target, self.live_state, limit)
 
+    def store_prompt(self) -> None:
+        """The prompt's KV blocks into the prefix cache, once (the round after the first
+        token went out, so that storing never delays it; a failure is logged, not raised)."""
+        self.prompt.store(self.target, self.live_state)
+
     def propose(self, k: int, made: tuple[DraftProposal, float] | None = None) -> Draft:
         """This round's draft of at most ``k`` tokens, or ``made`` (a proposal drafted with
         other sequences' in one batch, and its share of that batch's seconds)."""
         if self.finished:
             raise RuntimeError("the sequence has already finished")
         start = time.perf_counter()
-        self.prompt.store(self.target, self.live_state)  # after the first token went out
         if made is None:
             began = time.perf_counter()
             proposal = self._propose(k)
@@ -182,7 +186,7 @@ class SequenceDecoder(Generic[StateT]):
         return self.commit([token], 0, 0, last, RoundTiming(0.0, self.prompt.seconds, 0.0),
                            self.prompt.started)
 
-    def keep(self, verdict: Verdict, passed: int,
+    def roll_back(self, verdict: Verdict, passed: int,
              features: torch.Tensor | None = None,  # [passed, H]
              ) -> None:
         """Roll the target's cache back to what verification kept of a pass of ``passed``
