@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -262,7 +262,7 @@ def _limits(llg: ModuleType) -> LLParserLimits:
         max_grammar_size=MAX_GRAMMAR_SIZE)
 
 
-def _canonical(schema: dict[str, Any]) -> str:
+def _canonical(schema: Mapping[str, object]) -> str:
     try:
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError, RecursionError) as exc:

@@ -30,8 +30,8 @@ from decoding.handoff import Outbox
 from decoding.invariance import InvarianceCheck
 from decoding.kv_budget import KvBudget
 from decoding.policy.cost import VerifyCurve
+from decoding.policy.curve import SpeculationProfile, draft_cost
 from decoding.policy.curve import describe as describe_curve
-from decoding.policy.curve import draft_cost
 from decoding.policy.curve import measure as measure_curve
 from decoding.prefix_cache import PrefixCache
 from decoding.round import RoundResult, speculative_round, warm_up
@@ -104,7 +104,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.info = dict(info or {})  # descriptive facts for clients (e.g. the draft backend)
         # the measured verify curve and the ceilings it promises (measure_verify_curve)
-        self.speculation_profile: dict[str, Any] | None = None
+        self.speculation_profile: SpeculationProfile | None = None
         self.drafters = dict(drafters or {})
         if default_drafter is not None and default_drafter not in self.drafters:
             raise UnknownDrafterError(f"default drafter {default_drafter!r} is not loaded")

@@ -21,16 +21,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from decoding.streams import RequestStream
+    from decoding.streams import RequestStream, StreamItem
 
 
 class Outbox:
     """What the model thread has for streams and has not handed over yet, in order."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[RequestStream, object]] = []
+        self._items: list[tuple[RequestStream, StreamItem]] = []
 
-    def send(self, stream: RequestStream, item: object) -> None:
+    def send(self, stream: RequestStream, item: StreamItem) -> None:
         """Queue ``item`` (an event, or ``END``) for ``stream`` (a ``RequestStream``)."""
         self._items.append((stream, item))
 

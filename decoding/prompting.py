@@ -13,10 +13,11 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, object]],
+                tools: Sequence[Mapping[str, object]] | None = None) -> list[int]:
     """Apply the model's chat template and open the assistant's turn (``tools`` go to
-    a template that takes them)."""
+    a template that takes them). The tokenizer is left untyped: what its
+    ``apply_chat_template`` returns differs between transformers' versions."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use the completions endpoint")
     extra = {"tools": [dict(t) for t in tools]} if tools else {}

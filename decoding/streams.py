@@ -9,11 +9,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import final
 
 from decoding.types import GenerationRequest, RoundEvent
 
-END = object()  # put after a stream's last event
+
+@final
+class End:
+    """What is put after a stream's last event (its one instance is ``END``)."""
+
+
+END = End()
+StreamItem = RoundEvent | End  # what a stream's queue holds
 
 
 class QueueFullError(RuntimeError):
@@ -37,8 +44,8 @@ class RequestStream:
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None  # when the first round began
     _loop: asyncio.AbstractEventLoop | None = None
-    _async_queue: asyncio.Queue[Any] | None = None
-    _sync_queue: queue.Queue[Any] = field(default_factory=queue.Queue)
+    _async_queue: asyncio.Queue[StreamItem] | None = None
+    _sync_queue: queue.Queue[StreamItem] = field(default_factory=queue.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -59,16 +66,16 @@ class RequestStream:
     def __iter__(self) -> Iterator[RoundEvent]:
         if self._loop is not None:
             raise RuntimeError("this stream was created in an event loop; use `async for`")
-        while (item := self._sync_queue.get()) is not END:
+        while not isinstance(item := self._sync_queue.get(), End):
             yield item
 
     async def __aiter__(self) -> AsyncIterator[RoundEvent]:
         if self._async_queue is None:
             raise RuntimeError("this stream was created outside an event loop; use `for`")
-        while (item := await self._async_queue.get()) is not END:
+        while not isinstance(item := await self._async_queue.get(), End):
             yield item
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: StreamItem) -> None:
         if self._loop is None:
             self._sync_queue.put(item)
             return

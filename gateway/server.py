@@ -204,10 +204,10 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
     engine.warmup()
     engine.measure_verify_curve(draft_models(drafters))
+    profile = engine.speculation_profile
     log.info("verify curve %s (one-token step %.1f ms); ceilings %s",
              engine.scheduler.verify_curve.steps if engine.scheduler.verify_curve else None,
-             (engine.speculation_profile or {}).get("step_ms", 0.0),
-             (engine.speculation_profile or {}).get("ceiling"))
+             profile["step_ms"] if profile else 0.0, profile["ceiling"] if profile else None)
     release_freed_memory()
     engine.start()
     return engine

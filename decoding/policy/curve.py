@@ -16,17 +16,31 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypedDict
 
 from decoding.policy.cost import MAX_DRAFT_TOKENS, VerifyCurve
-from decoding.target import Target
+from decoding.target import StateT, Target
 from runtime.runner.passes import BatchItem
 
 CONTEXT = 256  # tokens of context the timed passes follow (a short chat's)
 REPEATS = 3
 
 
-def measure(target: Target[Any], most: int = MAX_DRAFT_TOKENS, repeats: int = REPEATS,
+class Ceiling(TypedDict):
+    k: int  # the best draft length
+    speedup: float  # the speed-up over plain decoding it promises
+
+
+class SpeculationProfile(TypedDict):
+    """The target's measured curve and each drafter's ceiling, as ``/v1/models`` shows."""
+
+    step_ms: float
+    verify_steps: list[float]
+    draft_cost: dict[str, float]  # by drafter: a draft step in target steps
+    ceiling: dict[str, dict[str, Ceiling]]  # by drafter, then acceptance ("0.80")
+
+
+def measure(target: Target[StateT], most: int = MAX_DRAFT_TOKENS, repeats: int = REPEATS,
             clock: Callable[[], float] = time.perf_counter) -> VerifyCurve:
     """The target's verify curve for 0 .. ``most`` draft tokens."""
     vocab = max(target.vocab_size, 2)
@@ -61,7 +75,7 @@ def from_seconds(seconds: Sequence[float]) -> VerifyCurve:
     return VerifyCurve(tuple(steps), seconds[0])
 
 
-def draft_cost(draft: Target[Any], curve: VerifyCurve, repeats: int = REPEATS) -> float:
+def draft_cost(draft: Target[StateT], curve: VerifyCurve, repeats: int = REPEATS) -> float:
     """A draft model's one-token step in the target's steps (``c``), both measured here."""
     if curve.step_s <= 0:
         raise ValueError("the target's curve has no measured step")
@@ -69,7 +83,7 @@ def draft_cost(draft: Target[Any], curve: VerifyCurve, repeats: int = REPEATS) -
 
 
 def describe(curve: VerifyCurve, draft_costs: dict[str, float],
-             acceptances: Sequence[float] = (0.5, 0.7, 0.8, 0.9)) -> dict[str, Any]:
+             acceptances: Sequence[float] = (0.5, 0.7, 0.8, 0.9)) -> SpeculationProfile:
     """The curve and, per drafter (its cost ``c`` in steps) and acceptance, the best
     draft length and the speed-up it promises: what ``/v1/models`` shows."""
     return {
@@ -77,12 +91,10 @@ def describe(curve: VerifyCurve, draft_costs: dict[str, float],
         "verify_steps": list(curve.steps),
         "draft_cost": {name: round(cost, 4) for name, cost in draft_costs.items()},
         "ceiling": {
-            name: {f"{a:.2f}": dict(zip(("k", "speedup"),
-                                         _rounded(curve.ceiling(a, cost)), strict=True))
-                   for a in acceptances}
+            name: {f"{a:.2f}": _ceiling(*curve.ceiling(a, cost)) for a in acceptances}
             for name, cost in draft_costs.items()},
     }
 
 
-def _rounded(pair: tuple[int, float]) -> tuple[int, float]:
-    return pair[0], round(pair[1], 3)
+def _ceiling(k: int, speedup: float) -> Ceiling:
+    return {"k": k, "speedup": round(speedup, 3)}
