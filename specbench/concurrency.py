@@ -41,6 +41,7 @@ from decoding.engine import Engine
 from decoding.prompting import encode_chat
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
 from runtime.loaders.loading import load_target
+from runtime.models.causal_model import CausalModel
 from runtime.models.checkpoints import DTYPES
 from runtime.runner.causal_lm import CausalLM
 from specbench.plots import write_plots
@@ -241,7 +242,7 @@ def measure_bandwidth(repeats: int = 7) -> float:
     return BANDWIDTH_BYTES / best
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: CausalModel) -> int:
     """Bytes of the weights one decoding step reads (a tied matrix counts once)."""
     seen: set[int] = set()
     total = 0

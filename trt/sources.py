@@ -126,7 +126,7 @@ class DraftSource:
 
     def _target_path(self) -> str:
         """A distilled draft's target, as ``specserve distill --target`` named it."""
-        return model_store.resolve(distilled.DraftInfo.load(self.path).made_with["target"])
+        return model_store.resolve(str(distilled.DraftInfo.load(self.path).made_with["target"]))
 
     def load_causal_lm(self, dtype: str = "float32", device: str = "cpu") -> CausalLM:
         return TransformersLM(self.load_model(dtype, device), self.load_tokenizer(), name=self.spec)

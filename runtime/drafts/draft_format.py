@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from runtime.files.model_config import read_config
+from runtime.models.causal_model import CausalModel, InputEmbedding, input_embedding
 from runtime.models.checkpoints import DTYPES
 from runtime.models.skeleton import ConvertedEmbedding, Skeleton
 from runtime.runner.batched import BatchedLM
@@ -66,12 +68,12 @@ class DraftInfo:
     """``draft.json``."""
 
     target: TargetIdentity
-    model: dict[str, Any]  # the draft's transformers (Llama) config
+    model: dict[str, object]  # the draft's transformers (Llama) config
     source_layers: list[int]  # the target layers the draft's layers started from
     vocab_top_k: int | None  # rows of the output head; None: the full vocabulary
     dtype: str = "float16"
     seed: int = 0
-    made_with: dict[str, Any] = field(default_factory=dict)  # command, data, training, results
+    made_with: dict[str, object] = field(default_factory=dict)  # command, data, training, results
     format: str = FORMAT
     version: int = VERSION
     kind: str = "causal-lm"
@@ -147,15 +149,15 @@ def default_draft_fits(target: CausalLM) -> bool:
     return True
 
 
-def embedding_rows(embed: nn.Module, count: int) -> torch.Tensor:  # [count, hidden]
+def embedding_rows(embed: InputEmbedding, count: int) -> torch.Tensor:  # [count, hidden]
     """The first ``count`` rows of an input embedding (an ``nn.Embedding``, or a
     ``quantized.BlockEmbedding`` that holds no table), by looking them up."""
     anchor = next(embed.parameters())
     return embed(torch.arange(count, device=anchor.device))
 
 
-def target_identity(target_model: Any, name: str) -> TargetIdentity:
-    embed = target_model.get_input_embeddings()
+def target_identity(target_model: CausalModel, name: str) -> TargetIdentity:
+    embed = input_embedding(target_model)
     probe = embedding_rows(embed, PROBE_ROWS).float().norm(dim=-1)  # [PROBE_ROWS]
     config = target_model.config
     return {"name": name, "vocab_size": int(embed.num_embeddings),
@@ -164,8 +166,8 @@ def target_identity(target_model: Any, name: str) -> TargetIdentity:
             "embedding_probe": [round(float(x), 5) for x in probe]}
 
 
-def check_target(info: DraftInfo, target_model: Any, where: Path | str) -> None:
-    embed = target_model.get_input_embeddings()
+def check_target(info: DraftInfo, target_model: CausalModel, where: Path | str) -> None:
+    embed = input_embedding(target_model)
     want = info.target
     vocab, hidden = int(embed.num_embeddings), int(embed.embedding_dim)
     if (vocab, hidden) != (want["vocab_size"], want["hidden_size"]):
@@ -195,7 +197,7 @@ def draft_config(target_config: ModelConfig, layers: int) -> Any:
     return config
 
 
-def init_from_target(target_model: Any, source_layers: list[int],
+def init_from_target(target_model: CausalModel, source_layers: list[int],
                      vocab_ids: torch.Tensor | None) -> Any:
     """A fresh draft: the target's ``source_layers``, final norm and input embedding (shared),
     and an output head made of the target's output rows for ``vocab_ids`` (all when None)."""
@@ -236,7 +238,7 @@ def save(draft: nn.Module, info: DraftInfo, directory: Path) -> None:
     info.save(directory)
 
 
-def load_model(directory: Path, target_model: Any, dtype: str = "float32",
+def load_model(directory: Path, target_model: CausalModel, dtype: str = "float32",
                runnable: bool = True) -> Any:
     """The draft as a transformers causal LM that shares ``target_model``'s input embedding
     (a float copy of it when the dtypes differ); ``runnable=False``: as a
@@ -252,8 +254,8 @@ def load_model(directory: Path, target_model: Any, dtype: str = "float32",
                        dtype, runnable, directory)
 
 
-def build_model(model_config: dict[str, Any], state: dict[str, torch.Tensor],
-                ids: torch.Tensor, head_weight: torch.Tensor, target_model: Any,
+def build_model(model_config: Mapping[str, object], state: dict[str, torch.Tensor],
+                ids: torch.Tensor, head_weight: torch.Tensor, target_model: CausalModel,
                 dtype: str, runnable: bool, directory: Path) -> Any:
     """A draft of ``model_config`` (a Llama config) from ``state`` (its layers and final
     norm), with an output head of ``head_weight`` over the vocabulary ``ids`` and
@@ -262,10 +264,10 @@ def build_model(model_config: dict[str, Any], state: dict[str, torch.Tensor],
     if config is None:  # transformers' class: to train, or a config read_config leaves to it
         from transformers import LlamaConfig
 
-        config = LlamaConfig.from_dict(model_config)
+        config = LlamaConfig.from_dict(dict(model_config))
     config.tie_word_embeddings = False
     torch_dtype = DTYPES[dtype]
-    embed = target_model.get_input_embeddings()
+    embed = input_embedding(target_model)
     head_weight = head_weight.to(torch_dtype)
     draft: Any
     if runnable:
@@ -290,7 +292,8 @@ def build_model(model_config: dict[str, Any], state: dict[str, torch.Tensor],
     if anchor.dtype == torch_dtype:
         draft.model.embed_tokens = embed
     elif not runnable:  # what BatchedLM runs only looks rows up
-        draft.model.embed_tokens = ConvertedEmbedding(embed, torch_dtype)
+        draft.model.embed_tokens = ConvertedEmbedding(target_model.get_input_embeddings(),
+                                                      torch_dtype)
     else:
         draft.model.embed_tokens = nn.Embedding.from_pretrained(
             embedding_rows(embed, int(embed.num_embeddings)).detach().to(torch_dtype),

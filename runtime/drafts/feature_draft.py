@@ -39,6 +39,7 @@ import torch
 from runtime.drafts import draft_format
 from runtime.matrices.quantized import block_kernels, quantized
 from runtime.matrices.weights import Matrix, Product
+from runtime.models.causal_model import CausalModel
 from runtime.models.checkpoints import DTYPES
 from runtime.native.kernels import resolve
 from runtime.runner.batched import BatchedLM, BatchedState
@@ -188,7 +189,7 @@ def feature_layers(raw: dict[str, Any], where: Path) -> tuple[int, ...]:
     return tuple(layers)
 
 
-def output_rows(target_model: Any, ids: torch.Tensor) -> torch.Tensor:  # [K, H]
+def output_rows(target_model: CausalModel, ids: torch.Tensor) -> torch.Tensor:  # [K, H]
     """The target's output-head rows for ``ids``: its input embedding's where the two are
     tied (a quantized or released head keeps no plain rows), else the head's."""
     config = target_model.config

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from runtime.matrices import dense
+from runtime.models.causal_model import CausalModel, LayerModules, Weighted
 
 # the product size oneDNN's layout is chosen for (products of 1 to 8 tokens cost about
 # the same packed for 8)
@@ -284,7 +285,7 @@ class LayerWeights:
     window: int | None = None  # a sliding-window layer's window, or None
 
     @classmethod
-    def of(cls, layer: Any, quantize: str = "none", blocks: ModuleType | None = None
+    def of(cls, layer: LayerModules, quantize: str = "none", blocks: ModuleType | None = None
            ) -> LayerWeights:
         """The layer's matrices, fused; quantized by ``quantize`` (int4, int8) unless
         ``none`` (then the modules' weights become views of the fused ones); ``blocks``:
@@ -296,18 +297,19 @@ class LayerWeights:
         return cls(**layer_norms(layer), **matrices)
 
 
-def layer_norms(layer: Any) -> dict[str, Any]:
+def layer_norms(layer: LayerModules) -> dict[str, Any]:
     """A decoder layer's norms, activation and window as ``LayerWeights`` takes them."""
     attention, pre_mlp = layer.self_attn, getattr(layer, "pre_feedforward_layernorm", None)
+    post_mlp = getattr(layer, "post_feedforward_layernorm", None)  # Gemma's, with pre_mlp
     common = {"input_norm": layer.input_layernorm, "act": layer.mlp.act_fn,
               "qk_norms": qk_norms(attention), "window": getattr(attention, "window", None)}
     if pre_mlp is None:
         return {**common, "post_norm": layer.post_attention_layernorm}
     return {**common, "post_norm": pre_mlp,
-            "out_norms": (layer.post_attention_layernorm, layer.post_feedforward_layernorm)}
+            "out_norms": (layer.post_attention_layernorm, post_mlp)}
 
 
-def qk_norms(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+def qk_norms(attention: object) -> tuple[nn.Module, nn.Module] | None:
     """An attention module's per-head q and k norms (Qwen3's), or None."""
     q, k = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
     return (q, k) if q is not None and k is not None else None
@@ -323,7 +325,7 @@ def norm_heads(qkv: torch.Tensor, norms: tuple[nn.Module, nn.Module], heads: int
     return torch.cat((q, k, v), dim=-1)
 
 
-def linear_modules(layer: Any) -> dict[str, tuple[nn.Linear, ...]]:
+def linear_modules(layer: LayerModules) -> dict[str, tuple[nn.Linear, ...]]:
     """A decoder layer's linear modules by the fused ``LayerWeights`` matrix they make."""
     attention, mlp = layer.self_attn, layer.mlp
     return {"qkv": (attention.q_proj, attention.k_proj, attention.v_proj),
@@ -371,12 +373,12 @@ def fuse_quantized(linears: Sequence[nn.Linear], method: str, blocks: ModuleType
     return matrix
 
 
-def drop_weight(module: nn.Linear | nn.Embedding) -> None:
+def drop_weight(module: Weighted) -> None:
     """Replace ``module``'s weight by a meta tensor of its shape (its memory is freed)."""
     module.weight = torch.nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
 
 
-def head_product(model: Any, quantize: str = "none", blocks: ModuleType | None = None
+def head_product(model: CausalModel, quantize: str = "none", blocks: ModuleType | None = None
                  ) -> Product:
     """The output head as a matrix, quantized by ``quantize`` unless ``none`` (``blocks``:
     ``quantized``'s)."""

@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def generation_settings(directory: Path) -> dict[str, Any]:
+def generation_settings(directory: Path) -> dict[str, object]:
     """A model directory's ``generation_config.json`` (its end-of-sequence ids), or {}."""
     path = directory / "generation_config.json"
     if not path.is_file():
         return {}
-    settings: dict[str, Any] = json.loads(path.read_text())
+    settings: dict[str, object] = json.loads(path.read_text())
     return settings
 
 

@@ -265,7 +265,7 @@ class Skeleton(nn.Module):
     is_skeleton = True  # (``families.supports``: these modules, not transformers')
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 generation: Mapping[str, Any] | None = None, name: str = "model") -> None:
+                 generation: Mapping[str, object] | None = None, name: str = "model") -> None:
         super().__init__()
         reason = unbuildable(config)
         if reason is not None:
@@ -285,7 +285,7 @@ class Skeleton(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
 
-    def get_output_embeddings(self) -> nn.Module:
+    def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

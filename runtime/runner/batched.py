@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from runtime.matrices.kquants import KQuantMatrix
 from runtime.matrices.quantized import BlockMatrix, block_kernels, load_quantized
 from runtime.matrices.weights import ONEDNN_ROWS, LayerWeights, Matrix, Product, head_product
 from runtime.models import checkpoints, skeleton
+from runtime.models.causal_model import CausalModel, decoder_layers
 from runtime.models.families import needs_skeleton, supports
 from runtime.native.kernels import resolve
 from runtime.runner import fused, layers
@@ -49,7 +50,7 @@ from runtime.runner.passes import BatchItem, DraftSteps, PreparedPass, TargetCap
 from runtime.runner.stack import Rotary, Stack
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class BatchedLM(CausalLM[BatchedState]):
                                                           or self.stack.kernels is not None),
                                   features=True, draft_chain=True)
 
-    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, name: str = "model", *,
+    def __init__(self, model: CausalModel, tokenizer: PreTrainedTokenizerBase,
+                 name: str = "model", *,
                  quantize: str = "none", weights: Sequence[LayerWeights] | None = None,
                  head: Product | None = None, weights_format: str | None = None,
                  kernels: str = "auto", int8_activations: bool = True) -> None:
@@ -90,7 +92,7 @@ class BatchedLM(CausalLM[BatchedState]):
             raise ValueError(f"{name}: cannot run batched: {reason}")
         if quantize != "none" and self.device.type != "cpu":  # the kernels are CPU ones
             raise ValueError(f"{name}: --quantize {quantize} runs on a CPU only")
-        layers = list(model.model.layers)
+        layers = decoder_layers(model)
         self.scaling = float(layers[0].self_attn.scaling)
         blocks = None
         if weights is None and quantize == "int4":
@@ -135,13 +137,13 @@ class BatchedLM(CausalLM[BatchedState]):
                    kernels=kernels, int8_activations=int8_activations)
 
     @classmethod
-    def wrap(cls, model: Any, tokenizer: PreTrainedTokenizerBase, name: str,
+    def wrap(cls, model: CausalModel, tokenizer: PreTrainedTokenizerBase, name: str,
              kernels: str = "auto") -> CausalLM:
         """Batched when the model's architecture allows, else ``TransformersLM``
         (``BatchedLM.load`` loads either)."""
         if (needs_skeleton(model.config) and not isinstance(model, skeleton.Skeleton)
                 and skeleton.unbuildable(model.config) is None):
-            model = skeleton.rebuilt(model, name)
+            model = skeleton.rebuilt(cast("PreTrainedModel", model), name)  # transformers'
         reason = supports(model)
         if reason is not None:
             log.warning("%s runs one sequence per forward pass: %s", name, reason)

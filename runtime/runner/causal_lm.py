@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from transformers import DynamicCache
 
+from runtime.models.causal_model import CausalModel
 from runtime.models.checkpoints import transformers_pretrained
 from runtime.models.families import attention_dims, kv_position_bytes
 from runtime.native import kernels
@@ -41,16 +42,17 @@ class CacheState:
     length: int = 0
 
 
-def head_subset(model: Any) -> torch.Tensor | None:  # [K]
+def head_subset(model: CausalModel) -> torch.Tensor | None:  # [K]
     """The vocabulary ids of the output head's rows when it covers only part of the
     vocabulary (a distilled draft's head keeps ``ids`` and the full ``vocab_size``)."""
     return getattr(model.get_output_embeddings(), "ids", None)
 
 
-def output_vocab_size(model: Any) -> int:
+def output_vocab_size(model: CausalModel) -> int:
     """How many vocabulary logits the model returns (all of them, for a subset head)."""
     head = model.get_output_embeddings()
-    return int(head.vocab_size if head_subset(model) is not None else head.weight.shape[0])
+    whole = getattr(head, "vocab_size", None) if head_subset(model) is not None else None
+    return int(whole if whole is not None else head.weight.shape[0])
 
 
 class CausalLM(Generic[S]):
@@ -58,7 +60,8 @@ class CausalLM(Generic[S]):
     its per-sequence state ``S`` (``TransformersLM``: one sequence a pass;
     ``runtime.runner.batched.BatchedLM``: many)."""
 
-    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, name: str = "model") -> None:
+    def __init__(self, model: CausalModel, tokenizer: PreTrainedTokenizerBase,
+                 name: str = "model") -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -221,7 +224,7 @@ class TransformersLM(CausalLM[CacheState]):
 ONE_SEQUENCE = TargetCapabilities(batched=False, branches=False)
 
 
-def eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def eos_ids(model: CausalModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "eos_token_id", None) if source is not None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from runtime.matrices.kquants import KQuantMatrix
 from runtime.matrices.quantized import ACTIVATIONS, BlockEmbedding, BlockMatrix, Int4Matrix
 from runtime.matrices.weights import Matrix, Product, multiply, norm_heads
+from runtime.models.causal_model import CausalModel, decoder_layers
 from runtime.models.families import GEMMA_FAMILIES, activation
 from runtime.models.skeleton import ConvertedEmbedding
 from runtime.native import kernels
@@ -27,13 +28,13 @@ from runtime.runner.stack import NativeLoop, Norm, Stack
 KQUANT_KIND = 64  # LayerStack's kind for a K-quant matrix (csrc/kernels.h kKQuant)
 
 
-def unsupported(model: Any) -> str | None:
+def unsupported(model: CausalModel) -> str | None:
     """Why the fused kernels cannot run ``model``'s layers, or None when they can (RMS
     norms, a SiLU-gated MLP)."""
     config = model.config
     if config.model_type in GEMMA_FAMILIES:
         return "Gemma's layers norm attention's and the MLP's outputs and slide windows"
-    if any(getattr(layer.self_attn, "window", None) for layer in model.model.layers):
+    if any(getattr(layer.self_attn, "window", None) for layer in decoder_layers(model)):
         return f"its layers attend within a sliding window of {config.sliding_window}"
     if activation(config) != "silu":
         return f"activation {activation(config)!r} is not silu"
@@ -42,7 +43,7 @@ def unsupported(model: Any) -> str | None:
     return None
 
 
-def load(model: Any, choice: str, name: str, device: torch.device) -> ModuleType | None:
+def load(model: CausalModel, choice: str, name: str, device: torch.device) -> ModuleType | None:
     """The kernels module for ``model`` on ``device`` by ``choice`` (``kernels.resolve``),
     or None."""
     reason = unsupported(model)
@@ -54,19 +55,28 @@ def load(model: Any, choice: str, name: str, device: torch.device) -> ModuleType
     return None
 
 
-def _norms(model: Any) -> list[Any]:
+def _norms(model: CausalModel) -> list[nn.Module]:
     """Each layer's input and post-attention norms in order, then the final norm."""
-    inner = model.model
-    return [*(m for layer in inner.layers
-              for m in (layer.input_layernorm, layer.post_attention_layernorm)), inner.norm]
+    return [*(m for layer in decoder_layers(model)
+              for m in (layer.input_layernorm, layer.post_attention_layernorm)),
+            model.model.norm]
 
 
-def norm_weights(model: Any, dtype: torch.dtype) -> list[Norm]:
+class _RMSNorm(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def variance_epsilon(self) -> float: ...
+
+
+def norm_weights(model: CausalModel, dtype: torch.dtype) -> list[Norm]:
     """Each norm's weight in ``dtype`` and its eps; the weights are copies of their own
     (a view would keep alive whatever holds the model's parameter: the weights file's
     whole mapping, as a ``LayerStack`` holds its norms)."""
+    norms = cast(list[_RMSNorm], _norms(model))  # RMS norms: ``unsupported`` checked
     return [(m.weight.detach().to(dtype, copy=True).contiguous(), float(m.variance_epsilon))
-            for m in _norms(model)]
+            for m in norms]
 
 
 def layer_stack(native: ModuleType, norms: list[Norm], stack: Stack,

@@ -100,13 +100,13 @@ def release_plain_weights(stack: Stack) -> int:
         return t.data_ptr(), tuple(t.shape)
 
     copies: dict[tuple[int, tuple[int, ...]], nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
+    for part in model.modules():
+        for name, param in list(part.named_parameters(recurse=False)):
             if param.device.type == "cpu":
                 if key(param) not in copies:
                     copies[key(param)] = nn.Parameter(param.detach().clone(),
                                                       requires_grad=False)
-                setattr(module, name, copies[key(param)])
+                setattr(part, name, copies[key(param)])
     if isinstance(matrix, Matrix) and matrix.rows is not None and key(matrix.rows) in copies:
         matrix.rows = copies[key(matrix.rows)].detach()  # a head that does not run packed
     if stack.kernels is not None:  # (the loop holds the norms: made anew with them)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from runtime.matrices.weights import LayerWeights, Product
+from runtime.models.causal_model import CausalModel, DecoderModules, LayerModules
 from runtime.runner.attention import GroupedAttention
 
 Norm = tuple[torch.Tensor, float]  # an RMS norm's weight (in the activations' dtype), eps
@@ -85,8 +86,8 @@ class Stack:
     attention shape, its KV buffers and, where they run, the native kernels and their
     loops. The first group is fixed at load; the rest ``BatchedLM`` replaces here."""
 
-    model: Any  # the causal LM (transformers' or ``skeleton``'s) whose modules these are
-    layers: list[nn.Module]  # its decoder layers' modules, in order
+    model: CausalModel  # the causal LM (transformers' or ``skeleton``'s) whose modules these are
+    layers: list[LayerModules]  # its decoder layers' modules, in order
     weights: list[LayerWeights]  # [layer] the matrices a pass multiplies by, and the norms
     head: Product  # the output head (over ``head_ids`` where that is not None)
     head_ids: torch.Tensor | None  # [K]: the vocabulary ids of a subset head's rows
@@ -108,6 +109,6 @@ class Stack:
     segments: list[tuple[range, NativeLoop]] | None = None
 
     @property
-    def inner(self) -> Any:
+    def inner(self) -> DecoderModules:
         """The model's decoder module: ``embed_tokens``, ``rotary_emb``, ``layers``, ``norm``."""
         return self.model.model

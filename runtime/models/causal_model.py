@@ -1,0 +1,140 @@
+"""What the runtime reads of a decoder-only causal LM's modules.
+
+transformers' ``*ForCausalLM`` and the skeleton (``runtime.models.skeleton``) are both
+one: a decoder (``model``) of embeddings, layers, a final norm and rotary embeddings, an
+output head, a config read by attribute, and a forward call. These protocols name what
+the runners and loaders use of them, so that a misspelt module is a type error rather
+than an ``AttributeError`` at load.
+
+``nn.Module`` types its submodules loosely (``Tensor | Module``), and ``nn.ModuleList`` its
+items as ``Module``; ``decoder_layers`` is the one place where the layers are taken to be
+what these protocols say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, Self, cast
+
+import torch
+from torch import Tensor, nn
+
+
+class AttentionModules(Protocol):
+    @property
+    def scaling(self) -> float: ...
+
+    @property
+    def q_proj(self) -> nn.Linear: ...
+
+    @property
+    def k_proj(self) -> nn.Linear: ...
+
+    @property
+    def v_proj(self) -> nn.Linear: ...
+
+    @property
+    def o_proj(self) -> nn.Linear: ...
+
+
+class MlpModules(Protocol):
+    @property
+    def gate_proj(self) -> nn.Linear: ...
+
+    @property
+    def up_proj(self) -> nn.Linear: ...
+
+    @property
+    def down_proj(self) -> nn.Linear: ...
+
+    @property
+    def act_fn(self) -> nn.Module: ...
+
+
+class LayerModules(Protocol):
+    """One decoder layer: attention and MLP, each after its norm (Gemma's layers also
+    norm their outputs: ``post_feedforward_layernorm``, read where present)."""
+
+    @property
+    def self_attn(self) -> AttentionModules: ...
+
+    @property
+    def mlp(self) -> MlpModules: ...
+
+    @property
+    def input_layernorm(self) -> nn.Module: ...
+
+    @property
+    def post_attention_layernorm(self) -> nn.Module: ...
+
+
+class DecoderModules(Protocol):
+    @property
+    def embed_tokens(self) -> nn.Module: ...
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
+
+    @property
+    def norm(self) -> nn.Module: ...
+
+    @property
+    def rotary_emb(self) -> nn.Module: ...
+
+
+class Weighted(Protocol):
+    """A module whose weight the runtime reads or replaces: a linear layer, an embedding,
+    the output head (a draft's may cover part of the vocabulary: its rows' ``ids`` and
+    the whole ``vocab_size`` beside its weight)."""
+
+    weight: Tensor
+
+
+class CausalModel(Protocol):
+    """A causal LM as the runtime reads it. Its config is read by attribute, and is
+    transformers' or a plain namespace (the skeleton's), so it stays untyped; so do the
+    forward call's arguments, which are transformers' own."""
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def model(self) -> DecoderModules: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def get_input_embeddings(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> Weighted: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def eval(self) -> Self: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class InputEmbedding(Protocol):
+    """The input embedding: an ``nn.Embedding``, or a module that converts or dequantizes
+    its rows as they are looked up (``skeleton.ConvertedEmbedding``,
+    ``quantized.BlockEmbedding``); each has the table's sizes."""
+
+    num_embeddings: int
+    embedding_dim: int
+
+    def __call__(self, ids: Tensor) -> Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+def input_embedding(model: CausalModel) -> InputEmbedding:
+    """The model's input embedding, as ``InputEmbedding`` says."""
+    return cast(InputEmbedding, model.get_input_embeddings())
+
+
+def decoder_layers(model: CausalModel) -> list[LayerModules]:
+    """The model's decoder layers, in order."""
+    return cast(list[LayerModules], list(model.model.layers))
