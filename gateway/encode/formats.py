@@ -1,5 +1,11 @@
 """Engine events as OpenAI JSON: chat (``chat.completion`` / ``chat.completion.chunk``)
-and legacy completions (``text_completion``), streamed or whole.
+and legacy completions (``text_completion``), streamed or whole, and the ``Format``
+protocol every encoder meets (the Responses API's is ``gateway.encode.responses``).
+
+Stream framing: ``data: {chunk}`` per round of any choice (interleaved, each with its
+``index``), the usage chunk (``choices: []``) when ``stream_options.include_usage`` is
+set, then ``data: [DONE]``. A failure after the stream began (timeout, model error,
+shutdown) is sent as ``data: {"error": {...}}`` and the stream ends without ``[DONE]``.
 
 A format keeps per-choice state (first chunk sent, running ``text_offset``,
 accumulated logprobs) for one API request.

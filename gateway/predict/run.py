@@ -1,13 +1,8 @@
 """Running one API request end to end on the engine: its span and metrics, its
-choices submitted (all or none), their round events interleaved and counted, and
-delivered as an SSE stream (one event per engine round) or as one JSON body; the
-engine work is cancelled if the client leaves.
-
-Stream framing: ``data: {chunk}`` per round of any choice (interleaved, each
-with its ``index``), the usage chunk (``choices: []``) when
-``stream_options.include_usage`` is set, then ``data: [DONE]``. A failure after
-the stream began (timeout, model error, shutdown) is sent as
-``data: {"error": {...}}`` and the stream ends without ``[DONE]``.
+choices submitted (all or none), their round events interleaved and counted in the one
+loop over them, and delivered as an SSE stream or as one JSON body, as the request's
+format writes them (``gateway.encode``); the engine work is cancelled if the client
+leaves.
 """
 
 from __future__ import annotations
