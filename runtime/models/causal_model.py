@@ -21,54 +21,33 @@ from torch import Tensor, nn
 
 
 class AttentionModules(Protocol):
-    @property
-    def scaling(self) -> float: ...
-
-    @property
-    def q_proj(self) -> nn.Linear: ...
-
-    @property
-    def k_proj(self) -> nn.Linear: ...
-
-    @property
-    def v_proj(self) -> nn.Linear: ...
-
-    @property
-    def o_proj(self) -> nn.Linear: ...
+    scaling: float
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
 
 
 class MlpModules(Protocol):
-    @property
-    def gate_proj(self) -> nn.Linear: ...
-
-    @property
-    def up_proj(self) -> nn.Linear: ...
-
-    @property
-    def down_proj(self) -> nn.Linear: ...
-
-    @property
-    def act_fn(self) -> nn.Module: ...
+    gate_proj: nn.Linear
+    up_proj: nn.Linear
+    down_proj: nn.Linear
+    act_fn: nn.Module
 
 
 class LayerModules(Protocol):
     """One decoder layer: attention and MLP, each after its norm (Gemma's layers also
     norm their outputs: ``post_feedforward_layernorm``, read where present)."""
 
-    @property
-    def self_attn(self) -> AttentionModules: ...
-
-    @property
-    def mlp(self) -> MlpModules: ...
-
-    @property
-    def input_layernorm(self) -> nn.Module: ...
-
-    @property
-    def post_attention_layernorm(self) -> nn.Module: ...
+    self_attn: AttentionModules
+    mlp: MlpModules
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
 
 
 class DecoderModules(Protocol):
+    """The decoder: read-only here, since the skeleton's are narrower types."""
+
     @property
     def embed_tokens(self) -> nn.Module: ...
 
