@@ -35,7 +35,7 @@ from decoding.policy.curve import describe as describe_curve
 from decoding.policy.curve import measure as measure_curve
 from decoding.prefix_cache import PrefixCache
 from decoding.round import RoundResult, speculative_round, warm_up
-from decoding.scheduler import Drafting, Scheduler
+from decoding.scheduler import RunningStream, Scheduler
 from decoding.sequence import ContextOverflowError, SequenceDecoder
 from decoding.streams import (
     END,
@@ -63,12 +63,12 @@ class _Active:
     positions: int  # the most KV positions this request can need
 
 
-def _drafting(active: _Active) -> Drafting:
+def _running(active: _Active) -> RunningStream:
     """What the batch plan reads of a running request about to draft."""
-    drafting = active.decoder.drafting
-    return Drafting(active.stream.drafter, drafting.source if drafting is not None else "",
-                    drafting.policy if drafting is not None else None,
-                    active.decoder.committed.remaining - 1)
+    own = active.decoder.drafting  # its drafter's state, if it drafts
+    return RunningStream(active.stream.drafter, own.source if own is not None else "",
+                         own.policy if own is not None else None,
+                         active.decoder.committed.remaining - 1)
 
 
 class Engine:
@@ -329,7 +329,7 @@ class Engine:
 
     def _draft_lengths(self, decoding: list[_Active]) -> list[int]:
         """Per sequence: the draft length the scheduler plans, or its own policy's."""
-        plan = self.scheduler.plan([_drafting(a) for a in decoding])
+        plan = self.scheduler.plan([_running(a) for a in decoding])
         return [a.decoder.draft_length(k) for a, k in zip(decoding, plan, strict=True)]
 
     def _expire_waiting(self) -> None:

@@ -32,7 +32,7 @@ class Admission:
 
 
 @dataclass(frozen=True)
-class Drafting:
+class RunningStream:
     """What the batch plan reads of a running stream about to draft."""
 
     drafter: str | None  # its drafter's name; None: it does not draft
@@ -98,7 +98,7 @@ class Scheduler:
 
     # -- the batch plan ------------------------------------------------------------
 
-    def plan(self, streams: Sequence[Drafting]) -> list[int | None]:
+    def plan(self, streams: Sequence[RunningStream]) -> list[int | None]:
         """Per stream about to draft: its draft length, chosen for the batch as a whole
         (``plan_batch``: speculation shrinks as the batch grows and stops where plain
         batched decoding is faster), or None where its own policy chooses (no batch

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from decoding.kv_budget import KvBudget
 from decoding.policy import MIN_CALIBRATION, AdaptiveSpeculation
-from decoding.scheduler import Drafting, Scheduler
+from decoding.scheduler import RunningStream, Scheduler
 from decoding.streams import RequestStream
 from decoding.types import GenerationRequest
 from tests.batching import _cost, _policy
@@ -101,8 +101,8 @@ def test_a_request_waits_past_its_deadline_on_the_scheduler_clock() -> None:
 # -- the batch plan ------------------------------------------------------------------
 
 
-def _drafting(rate: float, drafter: str | None = "ngram", source: str = "") -> Drafting:
-    return Drafting(drafter, source, _policy(rate) if drafter else None, limit=100)
+def _drafting(rate: float, drafter: str | None = "ngram", source: str = "") -> RunningStream:
+    return RunningStream(drafter, source, _policy(rate) if drafter else None, limit=100)
 
 
 def test_speculation_shrinks_as_the_batch_grows() -> None:
@@ -132,8 +132,8 @@ def test_without_a_batch_to_plan_each_stream_drafts_as_its_policy_says() -> None
 def test_a_stream_drafts_no_further_than_its_limit() -> None:
     scheduler = _scheduler()
     scheduler.step_cost = _cost(0.060, 0.001)
-    plan = scheduler.plan([Drafting("ngram", "", _policy(0.95), limit=2),
-                           Drafting("ngram", "", _policy(0.95), limit=0)])
+    plan = scheduler.plan([RunningStream("ngram", "", _policy(0.95), limit=2),
+                           RunningStream("ngram", "", _policy(0.95), limit=0)])
     assert plan[0] is not None and 0 < plan[0] <= 2 and plan[1] == 0
 
 
