@@ -1,11 +1,12 @@
 """A request's plan: one validated chat or completions request (a Responses request is a
 chat request underneath) turned into the engine's work, cheapest steps first.
 
-The order is the contract: the number of choices is checked before anything is read;
-the tools are planned once; the prompts are rendered and tokenized off the event loop,
-and each is checked against the context and the limits; only then is the grammar
-compiled, since that may take seconds. What comes out, a :class:`RequestPlan`, is all
-that running and answering the request need to know of it.
+The order is the contract: the tools are planned once (which refuses nothing: the
+body's validation did); the number of choices is checked before any prompt is read; the
+prompts are rendered and tokenized off the event loop, and each is checked against the
+context and the limits; only then is the grammar compiled, since that may take seconds.
+What comes out, a :class:`RequestPlan`, is all that running and answering the request
+need to know of it.
 """
 
 from __future__ import annotations
