@@ -7,8 +7,8 @@ the runners and loaders use of them, so that a misspelt module is a type error r
 than an ``AttributeError`` at load.
 
 ``nn.Module`` types its submodules loosely (``Tensor | Module``), and ``nn.ModuleList`` its
-items as ``Module``; ``decoder_layers`` is the one place where the layers are taken to be
-what these protocols say.
+items as ``Module``; ``decoder_layers`` and ``input_embedding`` are the two places where
+modules are taken to be what these protocols say.
 """
 
 from __future__ import annotations
