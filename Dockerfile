@@ -27,6 +27,7 @@ COPY decoding ./decoding
 COPY drafters ./drafters
 COPY runtime ./runtime
 COPY wiring ./wiring
+COPY grammars ./grammars
 COPY trt ./trt
 COPY observability ./observability
 COPY specserve ./specserve

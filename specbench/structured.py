@@ -18,11 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from decoding.constraints import GrammarCompiler
 from decoding.drafter import Drafter
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams, SpeculationParams
+from grammars.guidance import GrammarCompiler
 from runtime.runner.causal_lm import CausalLM
 from specbench.report import machine_info
 from wiring.drafts import load_drafter

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 
-from decoding.constraints import GrammarCompiler, GrammarError
 from decoding.drafter import BaseDrafter, DraftContext, Drafter, DraftProposal
 from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
@@ -28,6 +27,7 @@ from decoding.types import (
 from drafters.combined import CombinedDrafter
 from drafters.model import ModelDrafter
 from drafters.ngram import NgramDrafter
+from grammars.guidance import GrammarCompiler, GrammarError
 from runtime.runner.causal_lm import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)

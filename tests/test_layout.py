@@ -17,24 +17,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "decoding", "drafters", "runtime", "wiring", "trt", "observability",
-            "specbench", "specdistill", "specserve")
+PACKAGES = ("gateway", "decoding", "drafters", "runtime", "wiring", "grammars", "trt",
+            "observability", "specbench", "specdistill", "specserve")
 # what each package must never import (directly, at any depth of the module)
 FORBIDDEN = {
-    "decoding": {"gateway", "drafters", "wiring", "trt", "specbench", "specdistill",
+    "decoding": {"gateway", "drafters", "wiring", "grammars", "trt", "specbench", "specdistill",
                  "specserve", "observability", "fastapi", "redis", "tensorrt", "onnxruntime",
-                 "uvicorn"},
-    "drafters": {"gateway", "wiring", "trt", "specbench", "specdistill", "specserve",
+                 "uvicorn", "llguidance"},
+    "drafters": {"gateway", "wiring", "grammars", "trt", "specbench", "specdistill", "specserve",
                  "observability", "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
-    "runtime": {"gateway", "decoding", "drafters", "wiring", "trt", "specbench", "specdistill",
-                "specserve", "observability", "fastapi", "redis", "tensorrt", "onnxruntime",
-                "uvicorn"},
+    "runtime": {"gateway", "decoding", "drafters", "wiring", "grammars", "trt", "specbench",
+                "specdistill", "specserve", "observability", "fastapi", "redis", "tensorrt",
+                "onnxruntime", "uvicorn"},
     "wiring": {"gateway", "trt", "specbench", "specdistill", "specserve", "observability",
                "fastapi", "redis", "tensorrt", "onnxruntime", "uvicorn"},
     "gateway": {"trt", "specbench", "specdistill", "specserve", "tensorrt", "onnxruntime"},
     "trt": {"gateway", "specbench", "specdistill", "specserve"},
-    "observability": {"gateway", "decoding", "drafters", "runtime", "wiring", "trt", "specbench",
-                      "specdistill", "specserve"},
+    "grammars": {"gateway", "drafters", "runtime", "wiring", "trt", "specbench", "specdistill",
+                 "specserve", "observability", "fastapi", "redis", "tensorrt", "onnxruntime",
+                 "uvicorn"},
+    "observability": {"gateway", "decoding", "drafters", "runtime", "wiring", "grammars", "trt",
+                      "specbench", "specdistill", "specserve"},
     "specbench": {"specserve", "specdistill"},
     "specdistill": {"specserve", "specbench", "gateway"},
 }
@@ -83,7 +86,8 @@ CORE_LINES = 4_500  # the most lines of Python the speculative core holds
 
 def test_the_core_is_the_core() -> None:
     """decoding holds the speculative round, its policies, the engine and their
-    protocols; the drafters, the wiring and the runtime live outside it."""
+    protocols; the drafters, the wiring, the grammar engine and the runtime live outside
+    it."""
     lines = sum(len(path.read_text(encoding="utf-8").splitlines())
                 for path in _modules("decoding"))
     assert lines <= CORE_LINES, lines

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from decoding.constraints import Grammar, GrammarCompiler, GrammarError
+from decoding.constraints import Grammar
 from decoding.engine import Engine
 from gateway.decode.tool_plan import ToolPlan, tag_tokens, tool_grammar
 from gateway.wire.errors import InvalidRequestError
 from gateway.wire.tool_specs import JsonObjectFormat, JsonSchemaFormat
+from grammars.guidance import GrammarCompiler, GrammarError
 from observability.telemetry import Telemetry
 
 COMPILE_TIMEOUT_S = 10.0  # one grammar's compilation; the engine's fuel limits bound it too

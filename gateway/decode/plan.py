@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine
 from decoding.types import GenerationRequest
 from gateway.decode.fim import FimTokens
@@ -38,6 +37,7 @@ from gateway.decode.params import (
 )
 from gateway.decode.tool_plan import ToolPlan, request_tools
 from gateway.wire.requests import ChatCompletionRequest
+from grammars.guidance import GrammarCompiler
 from observability.telemetry import Telemetry
 
 

@@ -9,7 +9,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from decoding.constraints import GrammarCompiler
 from decoding.engine import Engine, RequestStream
 from decoding.prefix_cache import InProcessStore
 from gateway.decode.fim import FimTokens, fim_tokens
@@ -25,6 +24,7 @@ from gateway.service.redis_store import RedisStore, redacted
 from gateway.service.settings import Settings
 from gateway.wire.bodies import PrefixCacheHealth
 from gateway.wire.errors import ServiceUnavailableError
+from grammars.guidance import GrammarCompiler
 from observability.telemetry import Telemetry
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from packaging.utils import canonicalize_name
 from tests.deploy.conftest import REPO, require_tool
 
 DOCKERFILE = REPO / "Dockerfile"
-SOURCE_DIRS = ("gateway", "decoding", "drafters", "runtime", "wiring", "trt", "observability",
-               "specserve", "specbench", "specdistill")
+SOURCE_DIRS = ("gateway", "decoding", "drafters", "runtime", "wiring", "grammars", "trt",
+               "observability", "specserve", "specbench", "specdistill")
 
 
 @dataclass

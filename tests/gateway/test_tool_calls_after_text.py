@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from decoding.constraints import Grammar, GrammarCompiler
+from decoding.constraints import Grammar
 from decoding.types import FinishReason, RoundEvent
 from gateway.decode.params import Prompt, sampling_params
 from gateway.decode.plan import Job
@@ -28,6 +28,7 @@ from gateway.encode.tool_calls import ToolChatFormat
 from gateway.encode.totals import ChoiceTotals
 from gateway.wire.requests import ChatCompletionRequest
 from gateway.wire.responses import ResponsesRequest
+from grammars.guidance import GrammarCompiler
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather",

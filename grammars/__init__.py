@@ -1,0 +1,1 @@
+"""The grammar engine that plugs into the core's constraint protocols."""
