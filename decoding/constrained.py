@@ -1,4 +1,6 @@
-"""A grammar inside the speculative round: the hooks ``SequenceDecoder`` calls.
+"""A grammar inside the speculative round: the hooks ``SequenceDecoder`` calls
+(``RoundConstraint``; a request without a grammar has ``Unconstrained``, whose hooks pass
+their input through).
 
 - Drafting: the tokens the grammar forces (keys, punctuation) lead the round's
   draft for free, and the other drafters continue from them; draft tokens the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -39,6 +42,40 @@ class ConstrainedDraft:
     proposal: DraftProposal
     forced: int
     cut_row: torch.Tensor | None = None  # [vocab]
+
+
+class RoundConstraint(Protocol):
+    """What a sequence's output rule does in each round: what drafters continue from
+    (``context``), the draft as it leaves it (``draft``, at most ``room`` tokens), the
+    target's logits at each verified position (``mask``), following the committed output
+    (``sync``), and the round's event with its figures (``annotate``)."""
+
+    def context(self, tokens: list[int], output_len: int) -> Sequence[int]: ...
+    def draft(self, proposal: DraftProposal, output_len: int, room: int,
+              sampled: bool) -> ConstrainedDraft: ...
+    def mask(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor: ...
+    def sync(self, output: Sequence[int]) -> None: ...
+    def annotate(self, event: RoundEvent, accepted_forced: int) -> RoundEvent: ...
+
+
+class Unconstrained:
+    """No grammar: every hook passes its input through."""
+
+    def context(self, tokens: list[int], output_len: int) -> Sequence[int]:
+        return tokens
+
+    def draft(self, proposal: DraftProposal, output_len: int, room: int,
+              sampled: bool) -> ConstrainedDraft:
+        return ConstrainedDraft(proposal, 0)
+
+    def mask(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor:
+        return logits
+
+    def sync(self, output: Sequence[int]) -> None:
+        return None
+
+    def annotate(self, event: RoundEvent, accepted_forced: int) -> RoundEvent:
+        return event
 
 
 class ConstrainedDecoding:

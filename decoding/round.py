@@ -124,9 +124,8 @@ def verify_and_commit(seq: SequenceDecoder, draft: Draft,
     accepted = 1 if verdict.alternative_taken else verdict.accepted
     event = seq.commit(verdict.committed(draft.tokens), drafted, accepted, behind, timing,
                        draft.started)
-    if seq.grammar is not None:
-        forced = draft.constrained.forced if draft.constrained is not None else 0
-        event = seq.grammar.annotate(event, min(forced, verdict.accepted))
+    forced = draft.constrained.forced if draft.constrained is not None else 0
+    event = seq.grammar.annotate(event, min(forced, verdict.accepted))
     return event
 
 

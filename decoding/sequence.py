@@ -18,7 +18,7 @@ from typing import Generic
 
 import torch
 
-from decoding.constrained import ConstrainedDecoding
+from decoding.constrained import ConstrainedDecoding, RoundConstraint, Unconstrained
 from decoding.drafter import DraftContext, Drafter, DraftProposal
 from decoding.drafting import Draft, SequenceDrafting
 from decoding.features import FeatureRows
@@ -79,13 +79,14 @@ class SequenceDecoder(Generic[StateT]):
         self.rounds = 0
         self._counts: torch.Tensor | None = None  # output token counts, for penalties
         spec = request.speculation  # a grammar the output must match (decoding/constrained.py)
-        self.grammar = None if request.grammar is None else ConstrainedDecoding(
-            request.grammar, stop_ids, spec.enabled and spec.drafter != "none")
+        self.grammar: RoundConstraint = Unconstrained() if request.grammar is None else (
+            ConstrainedDecoding(request.grammar, stop_ids,
+                                spec.enabled and spec.drafter != "none"))
         # greedy decoding without penalties (a penalised or sampled row after the alternative
         # would need counts and a distribution of their own), on a target that runs token
         # trees: a round may verify an alternative for its first draft token
         alternatives = (self.generator is None and not self.params.has_penalties
-                        and target.capabilities.branches and self.grammar is None)
+                        and target.capabilities.branches and request.grammar is None)
         self.drafting = None if drafter is None or not spec.enabled else SequenceDrafting(
             drafter, request.prompt_ids, alternatives,
             drafter.reads_features and target.capabilities.features,
@@ -137,12 +138,11 @@ class SequenceDecoder(Generic[StateT]):
             made = (proposal, time.perf_counter() - began)
         proposal, seconds = made
         remaining = self.committed.remaining
-        constrained = None
-        if self.grammar is not None:  # forced drafts lead, forbidden ones are cut
-            constrained = self.grammar.draft(proposal, len(self.committed.output),
-                                             max(0, remaining - 1),
-                                             sampled=self.generator is not None)
-            proposal = constrained.proposal
+        # a grammar's forced drafts lead, and the draft tokens it forbids are cut
+        constrained = self.grammar.draft(proposal, len(self.committed.output),
+                                         max(0, remaining - 1),
+                                         sampled=self.generator is not None)
+        proposal = constrained.proposal
         tokens = tuple(proposal.tokens[: max(0, remaining - 1)])
         policy, alternative = None, None
         if self.drafting is not None:
@@ -236,8 +236,8 @@ class SequenceDecoder(Generic[StateT]):
         return max(0, min(k, remaining - 1))
 
     def draft_context(self) -> DraftContext:
-        tokens = (self.committed.tokens if self.grammar is None  # after the grammar's forced
-                  else self.grammar.context(self.committed.tokens, len(self.committed.output)))
+        tokens = self.grammar.context(self.committed.tokens,  # then a grammar's forced ones
+                                      len(self.committed.output))
         return DraftContext(tokens, self.params, self.generator, judge=self.drafting,
                             features=self.features)
 
@@ -257,8 +257,7 @@ class SequenceDecoder(Generic[StateT]):
     def process(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor:  # [n, V]
         """The grammar's mask, penalties, then (when sampling) temperature/top-k/top-p
         into probabilities."""
-        if self.grammar is not None:  # the mask at every verified position
-            logits = self.grammar.mask(logits, draft)
+        logits = self.grammar.mask(logits, draft)  # at every verified position
         if self.params.has_penalties:
             if self._counts is None:
                 self._counts = output_counts(self.committed.output, logits.shape[-1],
@@ -278,8 +277,7 @@ class SequenceDecoder(Generic[StateT]):
         start: float,
     ) -> RoundEvent:
         new, delta = self.committed.add(new)  # up to a stop token, stop string or the cap
-        if self.grammar is not None:  # keep the committed, drop the rejected
-            self.grammar.sync(self.committed.output)
+        self.grammar.sync(self.committed.output)  # keep the committed, drop the rejected
         if self._counts is not None:
             for token in new:
                 self._counts[token] += 1
