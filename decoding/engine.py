@@ -1,15 +1,18 @@
 """The engine: one model thread serving many requests, round by round.
 
 Requests wait in a bounded queue; the scheduler (``decoding.scheduler``) decides which
-join, up to ``max_active`` within the KV budget, and each stream's draft length, chosen for
-the batch as a whole. Every iteration runs one forward pass holding the next chunk of
-waiting prompts (at most ``prefill_chunk`` tokens, so a long prompt does not stall running
-streams) and one speculation round for every running stream. Requests join and leave at
-round boundaries. A round's events reach
-their streams once the next pass is prepared, before its long native call
-(``decoding.handoff``), or once the engine has nothing more to run. A cancelled request
-(client gone) is dropped before its next round and its KV caches are freed; a request past
-its deadline (on the engine's ``clock``) ends with ``timeout``; a model error ends only the
+join, up to ``max_active`` while the KV blocks for their prompts are free, and each
+stream's draft length, chosen for the batch as a whole. When a pass would need more KV
+blocks than are free, the newest running requests are preempted: their blocks go back,
+and they rejoin first once there is room, their KV computed again from the tokens they
+had (their clients see a pause, never a changed token). Every iteration runs one forward
+pass holding the next chunk of waiting prompts (at most ``prefill_chunk`` tokens, so a long
+prompt does not stall running streams) and one speculation round for every running stream.
+Requests join and leave at round boundaries. A round's events reach their streams once the
+next pass is prepared, before its long native call (``decoding.handoff``), or once the
+engine has nothing more to run. A cancelled request (client gone) is dropped before its
+next round and its KV caches are freed; a request past its deadline (on the engine's
+``clock``) ends with ``timeout``; a model error ends only the
 request that hit it.
 """
 
@@ -60,7 +63,6 @@ class _Active:
     stream: RequestStream
     decoder: SequenceDecoder
     deadline: float | None
-    positions: int  # the most KV positions this request can need
 
 
 def _running(active: _Active) -> RunningStream:
@@ -93,8 +95,9 @@ class Engine:
         self.target = target
         self.prefill_chunk = prefill_chunk
         # which requests join, and each stream's draft length (batch_planning: chosen
-        # for the whole batch); admission stops while the KV for one more request would
-        # pass max_kv_bytes
+        # for the whole batch); admission stops while the KV blocks for one more request's
+        # prompt are not free in the pool of max_kv_bytes
+        target.set_kv_budget(max_kv_bytes)
         self.scheduler = Scheduler(KvBudget(target, max_kv_bytes), max_active, batch_planning,
                                    target.capabilities.batched, clock)
         self.decode_threads = decode_threads  # CPU threads of a pass without prompts
@@ -112,6 +115,8 @@ class Engine:
         self.max_queue = max_queue
         self._waiting: deque[RequestStream] = deque()
         self._active: list[_Active] = []
+        self._preempted: deque[_Active] = deque()  # the oldest first: they rejoin first
+        self.preemptions = 0  # requests preempted so far
         self._lock = threading.Condition()
         self._accepting = True
         self._stopping = False
@@ -140,13 +145,14 @@ class Engine:
         with self._lock:
             for stream in self._waiting:
                 stream.cancel()
-            for active in self._active:
+            for active in [*self._active, *self._preempted]:
                 active.stream.cancel()
             self._stopping = True
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.target.set_kv_budget(None)  # the budget held while this engine ran it
 
     @property
     def accepting(self) -> bool:
@@ -158,12 +164,19 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests queued, and those preempted waiting to go on."""
+        return len(self._waiting) + len(self._preempted)
 
-    @property
-    def kv_bytes_reserved(self) -> int:
-        """The KV the running requests may hold at their longest, as admission counts it."""
-        return self.scheduler.kv_budget.reserved([a.positions for a in list(self._active)])
+    def kv_counts(self) -> dict[str, int]:
+        """The target's KV blocks, as plain counts: ``used`` (held by a request), ``free``
+        (where the pool is bounded), ``shared`` (held by more than one), ``block_bytes``,
+        and the ``preemptions`` so far."""
+        usage = self.target.kv_usage()
+        counts = {"used": usage.used, "shared": usage.shared,
+                  "block_bytes": self.target.kv_block_bytes, "preemptions": self.preemptions}
+        if usage.limit is not None:
+            counts["free"] = usage.limit - usage.used
+        return counts
 
     # -- requests ------------------------------------------------------------------
 
@@ -174,6 +187,11 @@ class Engine:
                 f"the prompt has {len(request.prompt_ids)} tokens; "
                 f"the model's context is {self.target.max_context}"
             )
+        budget = self.scheduler.kv_budget
+        if budget.limit is not None and budget.to_start(len(request.prompt_ids)) > budget.limit:
+            raise ContextOverflowError(
+                f"the prompt has {len(request.prompt_ids)} tokens; the KV cache holds "
+                f"{budget.positions()} positions in all (--kv-cache-bytes)")
         drafter = self._drafter_name(request)
         stream = RequestStream(request=request, drafter=drafter, submitted_at=self.clock())
         with self._lock:
@@ -220,7 +238,8 @@ class Engine:
     # -- the model thread ----------------------------------------------------------
 
     def _idle(self) -> bool:
-        return not self._stopping and not self._waiting and not self._active
+        return (not self._stopping and not self._waiting and not self._active
+                and not self._preempted)
 
     def _run(self) -> None:
         while True:
@@ -260,14 +279,14 @@ class Engine:
         live = [active for active in batch if self._still_running(active)]
         prompts: list[tuple[SequenceDecoder, int]] = []
         budget = self.prefill_chunk
-        for active in (a for a in live if a.decoder.rounds == 0):
+        for active in (a for a in live if a.decoder.prefilling):
             if budget <= 0:
                 break
-            remaining = len(active.stream.request.prompt_ids) - active.decoder.prompt.prefilled
             prompts.append((active.decoder, budget))
-            budget -= remaining
-        decoding = [a for a in live if a.decoder.rounds > 0 and self._choose_source(a)]
+            budget -= active.decoder.prefill_left
+        decoding = [a for a in live if not a.decoder.prefilling and self._choose_source(a)]
         lengths = self._draft_lengths(decoding)
+        prompts, decoding, lengths = self._make_room(prompts, decoding, lengths)
         by_decoder = {id(a.decoder): a for a in live}
         if not self.target.capabilities.batched:  # one sequence per forward pass: take turns
             self._outbox.hand_over()
@@ -338,10 +357,96 @@ class Engine:
             self._waiting.remove(stream)
             self._end(stream, FinishReason.TIMEOUT)
 
+    def _free_blocks(self) -> int | None:
+        """The KV blocks free for new requests: those no request holds, less those the
+        requests still reading their prompts will take (None: no bound)."""
+        free = self.scheduler.kv_budget.free()
+        if free is None:
+            return None
+        for active in self._active:
+            decoder = active.decoder
+            if decoder.prefilling and decoder.state is not None:
+                state = decoder.state
+                free -= self.target.kv_needed(state, state.length + decoder.prefill_left)
+        return free
+
+    def _resume(self) -> None:
+        """Preempted requests rejoin, the oldest first, while the blocks for what they
+        had are free (with none running, the oldest rejoins all the same)."""
+        budget = self.scheduler.kv_budget
+        while self._preempted and len(self._active) < self.scheduler.max_active:
+            active = self._preempted[0]
+            if active.stream.cancelled or (active.deadline is not None
+                                           and self.clock() > active.deadline):
+                self._preempted.popleft()
+                self._finish(active, None if active.stream.cancelled
+                             else active.decoder.final_event(FinishReason.TIMEOUT))
+                continue
+            free = self._free_blocks()
+            if (self._active and free is not None
+                    and budget.to_start(active.decoder.held_positions) > free):
+                return
+            self._active.append(self._preempted.popleft())
+
+    def _preempt(self, victim: _Active) -> None:
+        """Give ``victim``'s KV blocks back; it rejoins first once they are free again."""
+        log.info("request %s preempted: the KV cache is full",
+                 victim.stream.request.request_id)
+        victim.decoder.suspend()
+        self.preemptions += 1
+        with self._lock:
+            self._active.remove(victim)
+            index = sum(1 for p in self._preempted if p.stream.submitted_at
+                        <= victim.stream.submitted_at)
+            self._preempted.insert(index, victim)
+
+    def _make_room(self, prompts: list[tuple[SequenceDecoder, int]], decoding: list[_Active],
+                   lengths: list[int]
+                   ) -> tuple[list[tuple[SequenceDecoder, int]], list[_Active], list[int]]:
+        """The pass's work, once its sequences' KV blocks fit among the free ones: the
+        newest running requests are preempted until they do (vLLM's recompute
+        preemption). A request alone that the pool cannot hold drafts nothing, and
+        then ends with ``length``: its KV budget is spent."""
+        free = self.scheduler.kv_budget.free()
+        if free is None:
+            return prompts, decoding, lengths
+        target = self.target
+
+        def needed() -> int:
+            blocks = 0
+            for decoder, limit in prompts:
+                state = decoder.live_state
+                blocks += target.kv_needed(state, state.length + min(limit, decoder.prefill_left))
+            for active, k in zip(decoding, lengths, strict=True):  # pending, drafts, alternative
+                state = active.decoder.live_state
+                blocks += target.kv_needed(state, state.length + k + 2)
+            return blocks
+
+        while needed() > free:
+            busy = {id(d) for d, _ in prompts} | {id(a.decoder) for a in decoding}
+            victims = [a for a in self._active if id(a.decoder) in busy]
+            if len(victims) > 1:
+                victim = victims[-1]
+                self._preempt(victim)
+                prompts = [(d, n) for d, n in prompts if d is not victim.decoder]
+                kept = [i for i, a in enumerate(decoding) if a is not victim]
+                decoding, lengths = [decoding[i] for i in kept], [lengths[i] for i in kept]
+            elif any(lengths):
+                lengths = [0] * len(lengths)
+            else:  # (a prompt alone always fits: submit refuses one beyond the pool)
+                for active in victims:
+                    self._finish(active, active.decoder.final_event(FinishReason.LENGTH))
+                return [], [], []
+        return prompts, decoding, lengths
+
     def _admit(self) -> None:
-        """Start the requests the scheduler lets join (and ask again when one could not
-        start: its room is free)."""
-        while joining := self.scheduler.admit(self._waiting, [a.positions for a in self._active]):
+        """Resume the preempted requests there is room for, then start the requests the
+        scheduler lets join (and ask again when one could not start: its room is free)."""
+        self._resume()
+        if self._preempted:
+            return  # they go on before anyone new starts
+        while joining := self.scheduler.admit(self._waiting, len(self._active),
+                                              self._free_blocks()):
             for admission in joining:
                 stream = self._waiting.popleft()  # admission.stream
                 if stream.cancelled:
@@ -357,17 +462,7 @@ class Engine:
                     log.exception("request %s could not start", stream.request.request_id)
                     self._end(stream, FinishReason.ERROR, str(exc))
                     continue
-                self._active.append(_Active(stream, decoder, admission.deadline,
-                                            admission.positions))
-                self._fit_kv()
-
-    def _fit_kv(self) -> None:
-        """Size the target's KV storage for the requests now running."""
-        try:
-            self.target.fit(len(self._active),
-                            max((a.positions for a in self._active), default=0))
-        except Exception:  # e.g. out of memory: keep the storage as it is
-            log.exception("could not resize the KV cache")
+                self._active.append(_Active(stream, decoder, admission.deadline))
 
     def _finish(self, active: _Active, last: RoundEvent | None) -> None:
         active.decoder.close()
@@ -376,7 +471,8 @@ class Engine:
         with self._lock:  # free the slot before the client can see the end
             if active in self._active:
                 self._active.remove(active)
-                self._fit_kv()
+            if active in self._preempted:
+                self._preempted.remove(active)
         if last is not None:
             self._outbox.send(active.stream, last)
         self._outbox.send(active.stream, END)
@@ -391,7 +487,8 @@ class Engine:
 
     def _drain_all(self) -> None:
         with self._lock:
-            active, self._active = self._active, []
+            active, self._active = [*self._active, *self._preempted], []
+            self._preempted = deque()
             waiting, self._waiting = list(self._waiting), deque()
         for item in active:
             item.decoder.close()

@@ -1,42 +1,56 @@
-"""Admission under a KV budget: the most KV a request can need, what the running requests
-hold at their longest, and whether one more fits. A plain object over the target's KV
-sizes, so the scheduler's admission and the KV gauge count the same bytes."""
+"""Admission under a KV budget, in blocks of positions: what a request needs to start (its
+prompt's blocks and a margin, never its longest answer) and what the pool has free. A
+plain object over the target's KV accounting (``Target.kv_usage``), so the scheduler's
+admission, the engine's preemption and the KV gauges count the same blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from decoding.types import GenerationRequest
+from runtime.runner.kv_blocks import KVUsage, blocks_for
+
+# Blocks a request needs free beyond its prompt's to be admitted: room to write its first
+# rounds (the pool's other free blocks are shared by every running request as they grow)
+ADMISSION_MARGIN = 1
 
 
-class KvSizes(Protocol):
-    """What the budget reads of a target (``decoding.target.Target``): its context and
-    the size of its KV buffers."""
+class KvPool(Protocol):
+    """What the budget reads of a target (``decoding.target.Target``)."""
 
     @property
     def max_context(self) -> int: ...
 
-    def kv_bytes(self, rows: int, positions: int) -> int: ...
+    @property
+    def kv_block_bytes(self) -> int: ...
+
+    def kv_usage(self) -> KVUsage: ...
 
 
 @dataclass(frozen=True)
 class KvBudget:
-    target: KvSizes
+    target: KvPool
     max_bytes: int | None  # None: no bound
 
-    def positions(self, request: GenerationRequest) -> int:
-        """The most KV positions ``request`` can need: its prompt, its tokens and one more."""
-        prompt = len(request.prompt_ids)
-        return prompt + min(request.max_new_tokens, self.target.max_context - prompt) + 1
+    @property
+    def limit(self) -> int | None:
+        """The blocks the pool may hold (None: no bound)."""
+        return self.target.kv_usage().limit
 
-    def reserved(self, positions: Sequence[int]) -> int:
-        """The KV that sequences of up to these positions hold at their longest."""
-        return self.target.kv_bytes(len(positions), max(positions)) if positions else 0
+    def to_start(self, positions: int) -> int:
+        """The blocks a request that must compute ``positions`` positions needs free to be
+        admitted."""
+        return blocks_for(positions) + ADMISSION_MARGIN
 
-    def room(self, running: Sequence[int], positions: int) -> bool:
-        """Whether a request of ``positions`` fits beside ``running`` ones; one always
-        fits when none runs."""
-        return (self.max_bytes is None or not running
-                or self.reserved([*running, positions]) <= self.max_bytes)
+    def free(self) -> int | None:
+        """The blocks no running sequence holds (None: no bound)."""
+        usage = self.target.kv_usage()
+        return None if usage.limit is None else usage.limit - usage.used
+
+    def positions(self) -> int | None:
+        """The most positions one sequence alone may hold (None: no bound)."""
+        limit = self.limit
+        return None if limit is None else limit * self.target.kv_usage().block
+
+    def bytes_in_use(self) -> int:
+        return self.target.kv_usage().used * self.target.kv_block_bytes

@@ -1,6 +1,7 @@
 """A sequence's prompt on its way into the target's cache, and its use of the prefix cache.
 
-The prompt starts after the longest prefix the cache holds (``decoding.prefix_use``), then
+The prompt starts after the longest prefix that running sequences hold in the target's
+shared KV blocks, or else the prefix cache holds (``decoding.prefix_use``), then
 runs in chunks; their seconds and, when asked for, the prompt's log-probabilities are kept
 as they come. The prompt's own blocks are stored once its first token is out (not before:
 the first token should not wait on the cache), and what followed the prompt is remembered
@@ -44,12 +45,16 @@ class PromptPrefill:
 
     def next_chunk(self, target: Target[StateT], state: StateT, limit: int = 0) -> PromptChunk:
         """The next at most ``limit`` prompt tokens to prefill (0: all the rest). The first
-        call loads the longest cached prefix into ``state`` (none when the prompt's
-        log-probabilities are asked for: a cached position's logits were never computed)."""
+        call shares the blocks of the longest prefix other sequences of the target
+        published, else loads the longest prefix the cache holds into ``state`` (neither
+        when the prompt's log-probabilities are asked for: a cached position's logits
+        were never computed)."""
         if self._prefilled is None:
             self.started = time.perf_counter()
-            cache = None if self.logprobs is not None else self.cache
-            self.cached_tokens = load_prefix(cache, target, state, self.prompt_ids)
+            if self.logprobs is None:
+                shared = target.share_prefix(state, self.prompt_ids)
+                self.cached_tokens = shared or load_prefix(self.cache, target, state,
+                                                           self.prompt_ids)
             self._prefilled = self.cached_tokens
         rest = self.prompt_ids[self._prefilled :]
         chunk = rest[:limit] if limit else rest

@@ -1,8 +1,8 @@
 """The scheduler: which waiting requests join the batch, and how far each running stream
 drafts.
 
-A plain object, with no thread and no model: waiting requests, the positions the running
-ones may need and the KV budget go in; which requests join (``admit``), which have waited
+A plain object, with no thread and no model: waiting requests, the KV blocks free and the
+KV budget go in; which requests join (``admit``), which have waited
 past their deadline (``expired``) and each drafting stream's draft length (``plan``) come
 out. It also keeps what finished requests taught about each drafter and source (their
 ``SpeculationPrior``) and the fit of a pass's time (``StepCost``), so a new request's policy
@@ -27,7 +27,7 @@ class Admission:
     """A waiting request that joins the batch."""
 
     stream: RequestStream
-    positions: int  # the most KV positions it can need
+    blocks: int  # the KV blocks it needs free to start (its prompt's and a margin)
     deadline: float | None  # when it ends with ``timeout``, on the scheduler's clock
 
 
@@ -54,7 +54,7 @@ class Scheduler:
         goodput; else every stream drafts as its own policy says, whatever the batch size.
         ``batched``: the target runs many sequences in one pass (else there is no batch
         to plan)."""
-        self.kv_budget = kv_budget  # a request waits while its KV would pass the budget
+        self.kv_budget = kv_budget  # a request waits while its prompt's KV blocks are not free
         self.max_active = max_active
         self.batch_planning = batch_planning
         self.batched = batched
@@ -74,26 +74,30 @@ class Scheduler:
         return [s for s in waiting if s.request.timeout_s is not None
                 and now > s.submitted_at + s.request.timeout_s]
 
-    def admit(self, waiting: Iterable[RequestStream], running: Sequence[int]
+    def admit(self, waiting: Iterable[RequestStream], running: int, free: int | None
               ) -> list[Admission]:
         """The requests at the head of ``waiting`` that join now, in order: while fewer
-        than ``max_active`` run and the KV for one more fits beside ``running`` (the
-        positions each running request may need) and those joining before it. The first
-        that does not fit waits, and so do all behind it. A cancelled request joins only
-        to be dropped: it takes no room."""
-        held = list(running)
-        joining = []
+        than ``max_active`` run (``running`` do) and the blocks to start one more (its
+        prompt's and a margin: not its longest answer) are among the ``free`` ones (None:
+        no bound) beside those joining before it. The first that does not fit waits, and
+        so do all behind it; with none running it joins all the same (a prompt beyond the
+        whole pool was refused before it queued). A cancelled request joins only to be
+        dropped: it takes no room."""
+        joining: list[Admission] = []
         for stream in waiting:
-            if len(held) >= self.max_active:
+            if running >= self.max_active:
                 break
-            positions = self.kv_budget.positions(stream.request)
-            if not stream.cancelled and not self.kv_budget.room(held, positions):
+            blocks = self.kv_budget.to_start(len(stream.request.prompt_ids))
+            if (not stream.cancelled and free is not None and blocks > free
+                    and running > 0):
                 break  # it waits (first in line) until running requests free their KV
             timeout = stream.request.timeout_s
             deadline = stream.submitted_at + timeout if timeout else None
-            joining.append(Admission(stream, positions, deadline))
+            joining.append(Admission(stream, blocks, deadline))
             if not stream.cancelled:
-                held.append(positions)
+                running += 1
+                if free is not None:
+                    free -= blocks
         return joining
 
     # -- the batch plan ------------------------------------------------------------

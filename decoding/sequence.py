@@ -73,10 +73,13 @@ class SequenceDecoder(Generic[StateT]):
         self.committed = Committed(target.tokenizer, request.prompt_ids, stop_ids,
                                    min(request.max_new_tokens, target.max_context - prompt_len),
                                    request.stop)
-        self.prompt = PromptPrefill(request.prompt_ids, prefix_cache,
-                                    request.top_logprobs if request.prompt_logprobs else None)
+        self.prompt = self._prompt_prefill(prefix_cache)
         self.state: StateT | None = target.new_state()  # None once closed
         self.rounds = 0
+        self.preemptions = 0
+        # after a preemption: the tokens whose KV is computed again before the next round
+        # (all it had committed but the pending last one); None: none to compute
+        self._recompute: Sequence[int] | None = None
         self._counts: torch.Tensor | None = None  # output token counts, for penalties
         spec = request.speculation  # a grammar the output must match (decoding/constrained.py)
         self.grammar: RoundConstraint = Unconstrained() if request.grammar is None else (
@@ -114,12 +117,58 @@ class SequenceDecoder(Generic[StateT]):
         if self.drafting is not None and self.rounds > 0:
             self.drafting.choose_source(self.rounds, self.draft_context)
 
+    def _prompt_prefill(self, cache: PrefixCache | None) -> PromptPrefill:
+        request = self.request
+        return PromptPrefill(request.prompt_ids, cache,
+                             request.top_logprobs if request.prompt_logprobs else None)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt, or after a preemption what it had committed, is not all in the
+        target's cache yet."""
+        return self.rounds == 0 or self._recompute is not None
+
+    @property
+    def prefill_left(self) -> int:
+        """The tokens still to go into the target's cache before it decodes."""
+        if self._recompute is not None:
+            return len(self._recompute) - self.live_state.length
+        return len(self.request.prompt_ids) - self.prompt.prefilled
+
+    @property
+    def held_positions(self) -> int:
+        """The positions it needs in the target's cache to decode: its prompt and what it
+        has committed."""
+        return max(len(self.request.prompt_ids), len(self.committed.tokens) - 1)
+
     def next_prompt_chunk(self, limit: int = 0) -> PromptChunk:
         """The next at most ``limit`` prompt tokens to prefill (0: all the rest), after
-        the longest cached prefix (``PromptPrefill.next_chunk``)."""
+        the longest cached prefix (``PromptPrefill.next_chunk``); after a preemption, the
+        next of the tokens it had, after the blocks other sequences still share."""
+        if self._recompute is not None:
+            state = self.live_state
+            if state.length == 0:
+                self.target.share_prefix(state, self._recompute)
+            rest = self._recompute[state.length :]
+            chunk = rest[:limit] if limit else rest
+            return PromptChunk(chunk, final=len(chunk) == len(rest), recompute=True)
         if self.finished or self.rounds:
             raise RuntimeError("the prompt has been prefilled")
         return self.prompt.next_chunk(self.target, self.live_state, limit)
+
+    def suspend(self) -> None:
+        """Preempted: give the target's cache back; ``resume`` computes it again. Its
+        committed tokens, sampling state, grammar and drafter stay as they are, so the
+        answer goes on exactly as it would have."""
+        if self.state is None:
+            raise RuntimeError("the sequence is closed")
+        self.target.release(self.state)
+        self.state = self.target.new_state()
+        self.preemptions += 1
+        if self.rounds == 0:  # its prompt from the start (nothing of it went out)
+            self.prompt = self._prompt_prefill(self.prompt.cache)
+        else:
+            self._recompute = tuple(self.committed.tokens[:-1])
 
     def store_prompt(self) -> None:
         """The prompt's KV blocks into the prefix cache, once (the round after the first
@@ -160,7 +209,8 @@ class SequenceDecoder(Generic[StateT]):
         alternative."""
         features = self.features is not None
         if isinstance(part, PromptChunk):
-            return BatchItem(self.live_state, part.tokens, self.prompt.kept_rows(part),
+            return BatchItem(self.live_state, part.tokens,
+                             0 if part.recompute else self.prompt.kept_rows(part),
                              features=features)
         tokens = [self.committed.tokens[-1], *part.tokens]
         if part.alternative is not None:
@@ -174,9 +224,17 @@ class SequenceDecoder(Generic[StateT]):
                     ) -> RoundEvent | None:
         """After a prompt chunk's pass (``logits``: the rows ``pass_item`` kept): nothing
         yet, or (the last chunk) the first token."""
+        if chunk.recompute:
+            if self.features is not None and features is not None:
+                self.features.add(self.live_state.length - len(chunk.tokens), features)
+            if chunk.final:
+                self._recompute = None
+            return None
         if self.features is not None and features is not None:
             self.features.add(self.prompt.prefilled, features)
         self.prompt.done(chunk, forward_s, logits)
+        self.target.publish_prefix(self.live_state,
+                                   self.request.prompt_ids[: self.prompt.prefilled])
         if not chunk.final:
             return None
         last = logits[-1:]  # [1, vocab]: the first new token's
@@ -205,8 +263,10 @@ class SequenceDecoder(Generic[StateT]):
         """Forget a pass that failed: the cache as it was."""
         if self.state is None:
             return
-        committed = (self.prompt.prefilled if isinstance(part, PromptChunk)
-                     else len(self.committed.tokens))
+        if isinstance(part, PromptChunk):  # (a recomputed chunk's pass left the length)
+            committed = self.state.length if part.recompute else self.prompt.prefilled
+        else:
+            committed = len(self.committed.tokens)
         self.target.rollback(self.state, committed)
 
     def failed(self, error: str) -> RoundEvent:

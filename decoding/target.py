@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
+from runtime.runner.kv_blocks import KVUsage
 from runtime.runner.passes import BatchItem, PreparedPass, TargetCapabilities
 
 if TYPE_CHECKING:
@@ -79,8 +80,27 @@ class Target(Protocol[StateT]):
 
     def kv(self, state: StateT) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
-    def kv_bytes(self, rows: int, positions: int) -> int: ...
+    # the KV cache in blocks of positions (``runtime.runner.kv_blocks``)
+    @property
+    def kv_block_bytes(self) -> int: ...
 
-    def fit(self, rows: int, positions: int) -> None: ...
+    def set_kv_budget(self, max_bytes: int | None) -> None:
+        """Hold at most ``max_bytes`` of KV (None: no bound)."""
+        ...
+
+    def kv_usage(self) -> KVUsage: ...
+
+    def kv_needed(self, state: StateT, positions: int) -> int:
+        """The blocks ``state`` would take to hold ``positions`` positions."""
+        ...
+
+    def share_prefix(self, state: StateT, token_ids: Sequence[int]) -> int:
+        """For an empty ``state``: hold the published blocks of the longest prefix of
+        ``token_ids`` (its last token left to compute); the positions held."""
+        ...
+
+    def publish_prefix(self, state: StateT, token_ids: Sequence[int]) -> None:
+        """Let later sequences share ``state``'s full blocks of ``token_ids``."""
+        ...
 
     def warmup(self) -> None: ...

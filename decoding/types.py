@@ -154,7 +154,9 @@ class RoundEvent:
 
 @dataclass(frozen=True)
 class PromptChunk:
-    """The next piece of a prompt to prefill (round 0)."""
+    """The next piece of a prompt to prefill (round 0), or of what a preempted sequence
+    held, computed again (``recompute``: no logits kept, no event)."""
 
     tokens: Sequence[int]
     final: bool  # the prompt's last chunk: its logits give the first token
+    recompute: bool = False

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "specserve"
@@ -132,20 +132,20 @@ class Metrics:
         self.waiting.set_function(lambda: float(waiting()))
 
     def track_capacity(self, max_waiting: int, max_running: int, kv_limit: int | None,
-                       kv_reserved: Callable[[], int]) -> None:
-        """Export the engine's bounds, and the KV its running requests reserve (read at
-        scrape time), so that queue and KV use can be read as shares of their bounds."""
+                       kv_blocks: Callable[[], Mapping[str, int]]) -> None:
+        """Export the engine's bounds, and its KV blocks (``kv_blocks()`` read at scrape
+        time: ``used``, ``free`` (absent without a bound), ``shared``, ``block_bytes`` and
+        ``preemptions`` so far), so that queue and KV use can be read as shares of their
+        bounds."""
         r = self.registry
         Gauge(f"{PREFIX}_max_requests_waiting", "Requests allowed to wait (--max-queue); "
               "one more is refused with 429.", registry=r).set(max_waiting)
         Gauge(f"{PREFIX}_max_requests_running", "Requests decoded at once at most "
               "(--max-active).", registry=r).set(max_running)
-        reserved = Gauge(f"{PREFIX}_kv_cache_reserved_bytes", "KV the running requests may "
-                         "hold at their longest, as admission counts it.", registry=r)
-        reserved.set_function(lambda: float(kv_reserved()))
         if kv_limit is not None:
-            Gauge(f"{PREFIX}_kv_cache_limit_bytes", "The KV budget admission keeps under "
+            Gauge(f"{PREFIX}_kv_cache_limit_bytes", "The KV budget: the pool of KV blocks "
                   "(--kv-cache-bytes).", registry=r).set(kv_limit)
+        r.register(_KvCollector(kv_blocks))
 
     def track_cache(self, counts: Callable[[], Mapping[str, int]], store: str) -> None:
         """Export a prefix cache's counters, ``counts()`` read at scrape time."""
@@ -222,6 +222,35 @@ class _InvarianceCollector(Collector):
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             family.add_metric([], float(counts[attr]))
             yield family
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+
+class _KvCollector(Collector):
+    def __init__(self, blocks: Callable[[], Mapping[str, int]]) -> None:
+        self.blocks = blocks
+
+    def collect(self) -> Iterable[Metric]:
+        blocks = self.blocks()
+        used = GaugeMetricFamily(f"{PREFIX}_kv_cache_used_bytes", "KV the running requests "
+                                 "hold (each block once, however many share it).")
+        used.add_metric([], float(blocks["used"] * blocks["block_bytes"]))
+        yield used
+        for name, key, doc in (
+                ("kv_blocks_used", "used", "KV blocks the running requests hold."),
+                ("kv_blocks_free", "free", "KV blocks no running request holds."),
+                ("kv_blocks_shared", "shared", "KV blocks more than one running request "
+                 "holds (a common prefix, held once).")):
+            if key in blocks:
+                family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+                family.add_metric([], float(blocks[key]))
+                yield family
+        preempted = CounterMetricFamily(f"{PREFIX}_preemptions", "Running requests "
+                                        "preempted when the KV blocks ran out (recomputed "
+                                        "later; their clients see a pause).")
+        preempted.add_metric([], float(blocks["preemptions"]))
+        yield preempted
 
     def describe(self) -> Iterable[Any]:
         return []

@@ -13,6 +13,7 @@ from runtime.matrices import weights
 from runtime.runner import layout
 from runtime.runner.batched import BatchedLM, BatchedState
 from runtime.runner.causal_lm import CausalLM, TransformersLM
+from runtime.runner.kv_blocks import BLOCK, blocks_for
 from runtime.runner.layout import attention_blocks
 from runtime.runner.memory import FileRows
 from runtime.runner.passes import BatchItem
@@ -91,7 +92,7 @@ def test_attention_blocks_give_the_model_s_own_logits(
 def test_attention_blocks_keep_one_token_rows_apart_from_a_long_draft() -> None:
     """The layout is chosen by the padded (query, key) pairs it computes."""
     def items(news: list[int], length: int = 300) -> list[BatchItem]:
-        return [BatchItem(BatchedState(row=i, length=length), [1] * n, n)
+        return [BatchItem(BatchedState(length=length), [1] * n, n)
                 for i, n in enumerate(news)]
 
     everyone = list(range(8))
@@ -113,7 +114,7 @@ def test_prompts_joining_together_share_a_block_where_calls_cost_more() -> None:
     padding; with a GPU's per-call cost several prompts joining in one pass share one
     block. A prompt chunk never shares a block with decoding rounds."""
     def item(row: int, length: int, n: int) -> BatchItem:
-        return BatchItem(BatchedState(row=row, length=length), [1] * n, 1)
+        return BatchItem(BatchedState(length=length), [1] * n, 1)
 
     joining = [item(0, 200, 1), item(1, 150, 1), item(2, 0, 90), item(3, 0, 40),
                item(4, 0, 60)]
@@ -233,9 +234,9 @@ def test_captured_layers_are_the_model_s_hidden_states_and_change_no_logit(
         target.capture_layers((last + 1,))
 
 
-def test_release_keeps_the_other_rows_intact(tiny_target: BatchedLM) -> None:
-    """Freeing a row moves the last row into the gap; the moved sequence continues
-    exactly as before."""
+def test_release_keeps_the_other_sequences_intact(tiny_target: BatchedLM) -> None:
+    """Freeing a sequence's blocks leaves the others' as they were: a sequence still
+    running continues exactly as before, and a new one takes the freed blocks."""
     ids = list(_ids(tiny_target, "one two three four five six seven"))
     first = tiny_target.new_state()
     middle = tiny_target.new_state()
@@ -244,55 +245,65 @@ def test_release_keeps_the_other_rows_intact(tiny_target: BatchedLM) -> None:
         tiny_target.prefill(state, ids)
     expected = tiny_target.score(last, [42])
     tiny_target.rollback(last, len(ids))
+    freed = list(middle.blocks)
     tiny_target.release(middle)
-    assert last.row == middle.row or last.row < 2
+    assert middle.blocks == [] and middle.length == 0
+    again = tiny_target.new_state()
+    tiny_target.prefill(again, [7] * len(ids))
+    assert set(again.blocks) & set(freed)  # the freed blocks are handed out again
     torch.testing.assert_close(tiny_target.score(last, [42]), expected)
-    tiny_target.release(first)
-    tiny_target.release(last)
+    for state in (first, last, again):
+        tiny_target.release(state)
     tiny_target.release(last)  # idempotent
     assert tiny_target.rows_in_use == 0
+    assert tiny_target.kv_usage().used == 0
 
 
-def test_buffers_grow_past_their_first_size(tiny_long_target: BatchedLM) -> None:
-    states = [tiny_long_target.new_state() for _ in range(9)]  # more rows than first allocated
-    long_prompt = list(range(1000, 1000 + tiny_long_target.capacity + 30))
-    tiny_long_target.prefill(states[0], long_prompt)  # more positions than first allocated
-    assert tiny_long_target.capacity >= len(long_prompt)
-    expected = tiny_long_target.score(states[0], [5])
-    tiny_long_target.rollback(states[0], len(long_prompt))
+def test_the_pool_grows_past_its_first_size(tiny_long_target: BatchedLM) -> None:
+    target = tiny_long_target
+    first = target.kv_blocks.size
+    states = [target.new_state() for _ in range(9)]
+    long_prompt = list(range(1000, 1000 + first * BLOCK + 30))  # more than the pool held
+    target.prefill(states[0], long_prompt)
+    assert target.kv_blocks.size >= blocks_for(len(long_prompt))
+    assert len(states[0].blocks) == blocks_for(len(long_prompt))
+    expected = target.score(states[0], [5])
+    target.rollback(states[0], len(long_prompt))
     for state in states[1:]:
-        tiny_long_target.release(state)  # the sequence still running keeps its cache
-    torch.testing.assert_close(tiny_long_target.score(states[0], [5]), expected)
-    tiny_long_target.release(states[0])
-    assert tiny_long_target.capacity < len(long_prompt)  # idle: the buffers shrank back
+        target.release(state)  # the sequence still running keeps its cache
+    torch.testing.assert_close(target.score(states[0], [5]), expected)
+    target.release(states[0])
+    assert target.kv_blocks.size == first  # idle: the pools shrank back
 
 
-def test_the_stack_holds_the_buffers_as_they_are_made_anew(
+def test_the_stack_holds_the_pools_as_they_are_made_anew(
         tiny_long_target: BatchedLM) -> None:
-    """The layer paths read the KV buffers through ``BatchedLM.stack``, one object for
-    the runner's life: when the runner makes them anew (more rows, more positions, back
-    to their first size when idle), the stack holds the new ones, and a pass writes there."""
+    """The layer paths read the KV pools through ``BatchedLM.stack``, one object for
+    the runner's life: when the runner makes them anew (more blocks, back to their first
+    size when idle), the stack holds the new ones, and a pass writes there."""
     target = tiny_long_target
     stack = target.stack
     first = stack.keys[0]
     states = [target.new_state() for _ in range(3)]
-    prompt = list(range(1000, 1000 + target.capacity + 30))
+    prompt = list(range(1000, 1000 + target.kv_blocks.size * BLOCK + 30))
     target.prefill(states[2], prompt)
     assert target.stack is stack and stack.keys[0] is not first
     assert len(stack.keys) == len(stack.values) == len(stack.weights) == len(stack.layers)
-    for buffer in (*stack.keys, *stack.values):
-        assert buffer.shape[0] >= len(states) and buffer.shape[2] == target.capacity
-    row, n = states[2].row, len(prompt)
+    for pool in (*stack.keys, *stack.values):
+        assert pool.shape[0] == target.kv_blocks.size + 1 and pool.shape[2] == BLOCK
+    n = len(prompt)
     for (keys, values), k, v in zip(target.kv(states[2]), stack.keys, stack.values,
                                     strict=True):
-        assert keys.data_ptr() == k[row].data_ptr() and values.data_ptr() == v[row].data_ptr()
-        assert k[row, :, :n].abs().sum() > 0 and v[row, :, :n].abs().sum() > 0
+        last = states[2].blocks[-1]
+        assert torch.equal(keys[0, :, n - 1], k[last, :, (n - 1) % BLOCK])
+        assert torch.equal(values[0, :, n - 1], v[last, :, (n - 1) % BLOCK])
+        assert keys.abs().sum() > 0 and values.abs().sum() > 0
     for state in states:
         target.release(state)
-    assert stack.keys[0].shape[2] == target.capacity < n  # idle: smaller ones
+    assert stack.keys[0].shape[0] * BLOCK < n  # idle: smaller ones
     state = target.new_state()
     target.prefill(state, [5, 6, 7])
-    assert all(k[state.row, :, :3].abs().sum() > 0 for k in stack.keys)
+    assert all(k[state.blocks[0], :, :3].abs().sum() > 0 for k in stack.keys)
     target.release(state)
 
 

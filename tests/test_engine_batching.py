@@ -10,6 +10,7 @@ import pytest
 
 from decoding.drafter import Drafter
 from decoding.engine import Engine
+from decoding.kv_budget import ADMISSION_MARGIN
 from decoding.round import decode
 from decoding.types import (
     FinishReason,
@@ -22,6 +23,7 @@ from drafters.model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from runtime.runner.batched import BatchedLM, BatchedState
 from runtime.runner.causal_lm import CausalLM
+from runtime.runner.kv_blocks import BLOCK, blocks_for
 from tests.batching import (
     GREEDY,
     PROMPTS,
@@ -264,34 +266,63 @@ def test_the_engine_learns_its_step_cost(fresh_engine: Engine, tiny_target: Caus
     assert fixed > 0 and per_token >= 0
 
 
-def test_admission_waits_for_kv_room(tiny_target: BatchedLM) -> None:
-    """With a KV budget for one request at a time, a second waits for the first to end
-    (rather than growing the cache past the budget), then completes unchanged."""
-    requests = _greedy(tiny_target, PROMPTS[:2], 16)
-    positions = max(len(r.prompt_ids) + r.max_new_tokens + 1 for r in requests)
-    one, two = tiny_target.kv_bytes(1, positions), tiny_target.kv_bytes(2, positions)
-    assert two > one  # the buffers hold a row per running request
-    budget = two - 1  # room for one request's row, not for two
-    results = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=budget)
+def test_requests_start_by_their_prompts_blocks_and_the_newest_is_preempted(
+        tiny_target: BatchedLM) -> None:
+    """A pool that holds one whole answer, not three: the three requests all start (each
+    needs only its prompt's blocks and a margin), the newest running ones are preempted
+    as the pool runs dry and computed again once there is room, and each request gets
+    exactly the tokens it gets alone, greedy and seeded; at the end every block is back."""
+    requests = [*_greedy(tiny_target, PROMPTS[:2], 60),
+                GenerationRequest(prompt_ids=_ids(tiny_target, PROMPTS[2]), max_new_tokens=60,
+                                  sampling=SamplingParams(temperature=0.9, seed=7),
+                                  request_id="seeded")]
+    need = max(blocks_for(len(r.prompt_ids) + r.max_new_tokens + 2) for r in requests)
+    assert sum(blocks_for(len(r.prompt_ids)) + ADMISSION_MARGIN for r in requests) <= need + 2
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()},
+                     max_kv_bytes=(need + 2) * tiny_target.kv_block_bytes)
+    try:
+        results = [list(s) for s in [engine.submit(r) for r in requests]]
+        preemptions, counts = engine.preemptions, engine.kv_counts()
+    finally:
+        engine.shutdown()
+    assert preemptions > 0
+    assert counts["used"] == 0 and counts["free"] == need + 2
     for request, events in zip(requests, results, strict=True):
-        assert _tokens(events) == _alone(tiny_target, NgramDrafter(), request)
-        assert all(e.batch_size == 1 for e in events)  # never ran together
-    together = _serve(tiny_target, {"ngram": NgramDrafter()}, requests, max_kv_bytes=two)
-    assert any(e.batch_size == 2 for e in together[0])
+        assert _tokens(events) == _alone(tiny_target, NgramDrafter(), request), request.request_id
+        assert events[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert any(e.batch_size == 3 for e in results[2])  # they ran together at first
 
 
-def test_the_cache_is_sized_for_the_running_requests(tiny_long_target: BatchedLM) -> None:
+def test_a_request_alone_ends_where_the_pool_ends(tiny_target: BatchedLM) -> None:
+    """A request the pool cannot hold to its end stops there with ``length``: its answer
+    is plain decoding's, cut at the pool's last position."""
+    request = _greedy(tiny_target, PROMPTS[:1], 80)[0]
+    blocks = blocks_for(len(request.prompt_ids)) + 2
+    events = _serve(tiny_target, {}, [request], max_kv_bytes=blocks * tiny_target.kv_block_bytes,
+                    default_drafter=None)[0]
+    alone = _alone(tiny_target, None, request)
+    got = _tokens(events)
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert 0 < len(got) < len(alone) and got == alone[: len(got)]
+    assert len(request.prompt_ids) + len(got) > (blocks - 1) * BLOCK
+
+
+def test_the_pool_grows_as_answers_grow(tiny_long_target: BatchedLM) -> None:
+    """Nothing is reserved for an answer's longest: a request that may give 900 tokens
+    holds its prompt's blocks and its first token's; the pool shrinks back when idle."""
     long_request = GenerationRequest(prompt_ids=_ids(tiny_long_target, "word " * 700),
                                      max_new_tokens=4, sampling=GREEDY)
     engine = _engine(tiny_long_target, {"ngram": NgramDrafter()})
     try:
+        first_size = tiny_long_target.kv_blocks.size
         list(engine.submit(long_request))
-        assert tiny_long_target.capacity < len(long_request.prompt_ids)  # shrank once it ended
-        stream = engine.submit(GenerationRequest(prompt_ids=_ids(tiny_long_target, "hi"),
-                                                 max_new_tokens=900, sampling=GREEDY))
+        assert tiny_long_target.kv_blocks.size == first_size  # shrank once it ended
+        prompt = _ids(tiny_long_target, "hi")
+        stream = engine.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=900,
+                                                 sampling=GREEDY))
         first = next(iter(stream))
         assert first.token_ids
-        assert tiny_long_target.capacity > 900  # reserved for the whole request up front
+        assert engine.kv_counts()["used"] <= blocks_for(len(prompt) + 1 + 8)
         stream.cancel()
         list(stream)
     finally:

@@ -38,6 +38,29 @@ def threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+PAGE = 8  # positions a block in these tests: a sequence's keys cross several
+
+
+def paged(rows: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` ``[R, kv, capacity, D]`` as a pool ``[1 + R * capacity / PAGE, kv, PAGE, D]``
+    (block 0 zero, the others shuffled) and its block tables ``[R, capacity / PAGE]``."""
+    count, kv, capacity, dim = rows.shape
+    width = capacity // PAGE
+    order = torch.randperm(count * width, generator=torch.Generator().manual_seed(seed)) + 1
+    tables = order.view(count, width)
+    pool = rows.new_zeros((1 + count * width, kv, PAGE, dim))
+    for r in range(count):
+        for i in range(width):
+            pool[tables[r, i]] = rows[r, :, i * PAGE:(i + 1) * PAGE]
+    return pool, tables
+
+
+def unpaged(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The rows ``[R, kv, width * PAGE, D]`` that ``tables`` read of ``pool``."""
+    blocks = pool[tables]  # [R, width, kv, PAGE, D]
+    return blocks.transpose(1, 2).reshape(tables.shape[0], pool.shape[1], -1, pool.shape[3])
+
+
 def _close(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
 
@@ -66,10 +89,12 @@ def test_rope_store_rotates_and_writes_the_cache(native: Any, dtype: torch.dtype
     angles = torch.rand(tokens, dim // 2, generator=g) * 6
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
     sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
-    keys = torch.zeros(2, kv, 16, dim, dtype=dtype)
-    values = torch.zeros_like(keys)
+    pool_k, tables = paged(torch.zeros(2, kv, 16, dim, dtype=dtype))
+    pool_v = torch.zeros_like(pool_k)
     rows, slots = torch.tensor([1, 1, 0]), torch.tensor([4, 5, 9])
-    q = native.rope_store(qkv, cos, sin, keys, values, rows, slots, heads, kv)
+    q = native.rope_store(qkv, cos, sin, pool_k, pool_v, tables, rows, slots, heads, kv)
+    keys, values = unpaged(pool_k, tables), unpaged(pool_v, tables)
+    assert not pool_k[0].any() and not pool_v[0].any()  # the null block stays zero
     split = qkv.float().view(tokens, heads + 2 * kv, dim)
     rotated = rotate(split[:, : heads + kv], cos.float()[:, None], sin.float()[:, None])
     torch.testing.assert_close(q.float(), rotated[:, :heads], **_close(dtype))
@@ -92,11 +117,12 @@ def test_attend_sees_exactly_the_keys_allowed(native: Any, dtype: torch.dtype,
     g = torch.Generator().manual_seed(2)
     keys = torch.randn(3, kv, capacity, dim, generator=g).to(dtype)
     values = torch.randn(3, kv, capacity, dim, generator=g).to(dtype)
+    (pool_k, tables), (pool_v, _) = paged(keys), paged(values)
     q = torch.randn(4, heads, dim, generator=g).to(dtype)
     rows = torch.tensor([0, 2, 2, 1])
     limits = torch.tensor([1, 17, 18, 30])
     extras = torch.tensor([-1, -1, 33, -1])  # the third also sees key 33 (an alternative)
-    out = native.attend(q, keys, values, rows, limits, extras, 0.3)
+    out = native.attend(q, pool_k, pool_v, tables, rows, limits, extras, 0.3)
     for t in range(4):
         seen = list(range(int(limits[t]))) + ([int(extras[t])] if extras[t] >= 0 else [])
         k = keys[rows[t], :, seen].float().repeat_interleave(heads // kv, 0)  # [h, n, D]
@@ -114,8 +140,8 @@ def test_silu_mul(native: Any) -> None:
 def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) -> None:
     """Bitwise: a token alone, beside others, and on one or two threads."""
     g = torch.Generator().manual_seed(3)
-    keys = torch.randn(2, 3, 64, 64, generator=g).to(torch.bfloat16)
-    values = torch.randn(2, 3, 64, 64, generator=g).to(torch.bfloat16)
+    keys, tables = paged(torch.randn(2, 3, 64, 64, generator=g).to(torch.bfloat16))
+    values, _ = paged(torch.randn(2, 3, 64, 64, generator=g).to(torch.bfloat16))
     q = torch.randn(9, 9, 64, generator=g).to(torch.bfloat16)
     rows, limits = torch.tensor([0] * 5 + [1] * 4), torch.arange(30, 39)
     extras = torch.full((9,), -1)
@@ -124,14 +150,14 @@ def test_a_token_s_result_depends_on_nothing_else(native: Any, threads: None) ->
     results = []
     for n in (1, 2):
         torch.set_num_threads(n)
-        results.append((native.attend(q, keys, values, rows, limits, extras, 0.125),
+        results.append((native.attend(q, keys, values, tables, rows, limits, extras, 0.125),
                         native.add_rms_norm(hidden, hidden, weight, 1e-5)[1],
                         native.silu_mul(torch.cat((hidden, hidden), -1))))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     for t in (0, 4, 8):
-        one = native.attend(q[t : t + 1], keys, values, rows[t : t + 1], limits[t : t + 1],
-                            extras[t : t + 1], 0.125)
+        one = native.attend(q[t : t + 1], keys, values, tables, rows[t : t + 1],
+                            limits[t : t + 1], extras[t : t + 1], 0.125)
         assert torch.equal(one[0], results[0][0][t])
         assert torch.equal(native.add_rms_norm(hidden[t : t + 1], hidden[t : t + 1], weight,
                                                1e-5)[1][0], results[0][1][t])
@@ -177,18 +203,25 @@ def test_argmax_rows_is_torch_s_argmax(native: Any, dtype: torch.dtype) -> None:
 
 
 def test_bad_calls_raise_instead_of_reading_out_of_bounds(native: Any) -> None:
-    keys = torch.zeros(1, 1, 8, 16)
+    keys = torch.zeros(2, 1, 8, 16)  # a pool of two blocks of 8
+    tables = torch.tensor([[1]])
     q = torch.zeros(1, 2, 16)
     one = torch.tensor([0])
     with pytest.raises(RuntimeError, match="out of range"):
-        native.attend(q, keys, keys, torch.tensor([1]), torch.tensor([1]), torch.tensor([-1]), 1.0)
+        native.attend(q, keys, keys, tables, torch.tensor([1]), torch.tensor([1]),
+                      torch.tensor([-1]), 1.0)
     with pytest.raises(RuntimeError, match="out of range"):
-        native.attend(q, keys, keys, one, torch.tensor([9]), torch.tensor([-1]), 1.0)
+        native.attend(q, keys, keys, tables, one, torch.tensor([9]), torch.tensor([-1]), 1.0)
+    with pytest.raises(RuntimeError, match="names block 2"):
+        native.attend(q, keys, keys, torch.tensor([[2]]), one, one + 1, one - 1, 1.0)
+    with pytest.raises(RuntimeError, match="power of two"):
+        native.attend(q, keys[:, :, :6].contiguous(), keys[:, :, :6].contiguous(), tables, one,
+                      one + 1, one - 1, 1.0)
     with pytest.raises(RuntimeError, match="out of range"):
         native.rope_store(torch.zeros(1, 64), torch.zeros(1, 16), torch.zeros(1, 16), keys,
-                          keys.clone(), one, torch.tensor([8]), 2, 1)
+                          keys.clone(), tables, one, torch.tensor([8]), 2, 1)
     with pytest.raises(RuntimeError, match="dtype"):
-        native.attend(q.double(), keys, keys, one, one + 1, one - 1, 1.0)
+        native.attend(q.double(), keys, keys, tables, one, one + 1, one - 1, 1.0)
     with pytest.raises(RuntimeError):
         native.silu_mul(torch.zeros(2, 3))
 
@@ -311,9 +344,9 @@ def every_kernel(native: Any, cases: dict[str, Any]) -> dict[str, list[torch.Ten
     out = {}
     for name, c in cases.items():
         qkv, cos, sin, rows, slots, heads, kv, cap = c["rope"]
-        keys = torch.zeros(2, kv, cap, cos.shape[1], dtype=qkv.dtype)
+        keys, tables = paged(torch.zeros(2, kv, cap, cos.shape[1], dtype=qkv.dtype))
         values = torch.zeros_like(keys)
-        rotated = native.rope_store(qkv, cos, sin, keys, values, rows, slots, heads, kv)
+        rotated = native.rope_store(qkv, cos, sin, keys, values, tables, rows, slots, heads, kv)
         out[name] = [*native.add_rms_norm(*c["norm"], 1e-5), rotated, keys, values,
                      *[native.attend(*a, 0.3) for a in c["attend"]], native.silu_mul(c["silu"]),
                      native.argmax_rows(c["silu"])]
@@ -340,9 +373,10 @@ def test_every_level_computes_the_same_kernels(native: Any, tmp_path: Path, leve
                      torch.cat([angles.cos()] * 2, -1).to(dtype),
                      torch.cat([angles.sin()] * 2, -1).to(dtype), rows, slots, heads, kv, cap),
             "attend": [(torch.randn(t, heads, dim, generator=g).to(dtype),
-                        torch.randn(2, kv, cap, dim, generator=g).to(dtype),
-                        torch.randn(2, kv, cap, dim, generator=g).to(dtype),
-                        rows, limits, extras) for dim in (64, 24)],
+                        paged(torch.randn(2, kv, cap, dim, generator=g).to(dtype))[0],
+                        paged(torch.randn(2, kv, cap, dim, generator=g).to(dtype))[0],
+                        paged(torch.zeros(2, 1, cap, 1))[1], rows, limits, extras)
+                       for dim in (64, 24)],
             "silu": (torch.randn(t, 2 * 40, generator=g) * 4).to(dtype)}
     torch.save(cases, tmp_path / "cases.pt")
     at_level(level, "import torch\nfrom runtime.native import kernels\n"
@@ -412,7 +446,7 @@ def chain_drafts(model_dir: str) -> dict[str, Any]:
         drafts = runner.draft_chain(states, feeds, [5, 3, 1], runner.vocab_size)
         drafts += runner.draft_chain(states, [[d.tokens[-1]] for d in drafts], [4, 4, 2],
                                      runner.vocab_size)
-        keys = [runner.stack.keys[0][s.row, :, : s.length].clone() for s in states]
+        keys = [runner.kv(s)[0][0].clone() for s in states]
         out[f"{dtype}-{quantize}"] = ([(d.tokens, d.confidences, d.runner_up) for d in drafts],
                                       keys)
         for state in states:
@@ -570,19 +604,22 @@ def test_the_layer_stack_checks_its_call_once_and_refuses_bad_ranges(tiny_target
     runner.forward_batch([BatchItem(state, [5, 6, 7], 1)])
     hidden = runner.model.model.embed_tokens(torch.tensor([8]))
     cos, sin = runner.stack.rotary(hidden, torch.tensor([3]))
-    capacity = runner.stack.keys[0].shape[2]
-    good = dict(rows=torch.tensor([state.row]), slots=torch.tensor([3]),
-                limits=torch.tensor([4]), extras=torch.tensor([-1]))
+    capacity = len(state.blocks) * runner.stack.keys[0].shape[2]
+    good = dict(tables=torch.tensor([state.blocks]), rows=torch.tensor([0]),
+                slots=torch.tensor([3]), limits=torch.tensor([4]), extras=torch.tensor([-1]))
 
     def run(**change: Any) -> torch.Tensor:
         keys = change.pop("keys", runner.stack.keys)
         args = {**good, **change}
-        return loop.forward(hidden, cos, sin, keys, runner.stack.values, args["rows"],
-                            args["slots"], args["limits"], args["extras"])
+        return loop.forward(hidden, cos, sin, keys, runner.stack.values, args["tables"],
+                            args["rows"], args["slots"], args["limits"], args["extras"])
 
     assert run().shape == hidden.shape
+    blocks = runner.stack.keys[0].shape[0]
     for bad in (dict(slots=torch.tensor([capacity])), dict(limits=torch.tensor([capacity + 1])),
                 dict(limits=torch.tensor([0])), dict(rows=torch.tensor([-1])),
+                dict(rows=torch.tensor([1])), dict(tables=torch.tensor([[blocks]])),
+                dict(tables=torch.tensor([[-1]])),
                 dict(extras=torch.tensor([capacity])), dict(slots=torch.tensor([1, 2])),
                 dict(keys=[runner.stack.keys[0],
                            *(k[:, :, :4].contiguous() for k in runner.stack.keys[1:])]),

@@ -1,45 +1,46 @@
-"""Admission under the KV budget, without a model: a target that only sizes its KV."""
+"""Admission under the KV budget, without a model: a target that only counts its blocks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoding.kv_budget import KvBudget
-from decoding.types import GenerationRequest
+from decoding.kv_budget import ADMISSION_MARGIN, KvBudget
+from runtime.runner.kv_blocks import BLOCK, KVUsage
 
 
 @dataclass
-class SizedTarget:
-    """Only what the budget reads of a target: the context and the KV sizes."""
+class PoolTarget:
+    """Only what the budget reads of a target: the context and its pool of KV blocks."""
 
-    max_context: int = 100
-    position_bytes: int = 10
+    max_context: int = 1000
+    limit: int | None = 10
+    used: int = 0
+    kv_block_bytes: int = 160
 
-    def kv_bytes(self, rows: int, positions: int) -> int:
-        return rows * positions * self.position_bytes
-
-
-def _request(prompt: int, max_new_tokens: int) -> GenerationRequest:
-    return GenerationRequest(prompt_ids=tuple(range(prompt)), max_new_tokens=max_new_tokens)
+    def kv_usage(self) -> KVUsage:
+        return KVUsage(self.limit, self.used, 0)
 
 
-def test_a_request_needs_its_prompt_its_tokens_and_one_more() -> None:
-    budget = KvBudget(SizedTarget(), 1000)
-    assert budget.positions(_request(10, 20)) == 31
-    assert budget.positions(_request(90, 50)) == 101  # no more than the context
+def test_a_request_needs_its_prompt_s_blocks_and_a_margin_not_its_answer() -> None:
+    budget = KvBudget(PoolTarget(), 1600)
+    assert ADMISSION_MARGIN == 1
+    assert budget.to_start(1) == 2
+    assert budget.to_start(BLOCK) == 2
+    assert budget.to_start(BLOCK + 1) == 3
+    assert budget.to_start(5 * BLOCK) == 6
 
 
-def test_the_running_requests_hold_their_longest_each() -> None:
-    budget = KvBudget(SizedTarget(), 1000)
-    assert budget.reserved([]) == 0
-    assert budget.reserved([31]) == 310
-    assert budget.reserved([31, 11, 20]) == 3 * 31 * 10
+def test_the_free_blocks_are_the_pool_s_less_those_held() -> None:
+    target = PoolTarget(used=3)
+    budget = KvBudget(target, 1600)
+    assert budget.free() == 7
+    assert budget.limit == 10
+    assert budget.bytes_in_use() == 3 * 160
+    target.used = 10
+    assert budget.free() == 0
+    assert KvBudget(PoolTarget(limit=None), None).free() is None
 
 
-def test_one_more_fits_while_the_budget_holds_it() -> None:
-    budget = KvBudget(SizedTarget(), 1000)
-    assert budget.room([], 500)  # one always fits when none runs
-    assert budget.room([40], 50)  # 2 x 50 x 10 = 1000
-    assert not budget.room([40], 51)
-    assert not budget.room([40, 40], 40)  # 3 x 40 x 10 = 1200
-    assert KvBudget(SizedTarget(), None).room([99] * 50, 99)
+def test_one_sequence_holds_at_most_the_whole_pool() -> None:
+    assert KvBudget(PoolTarget(), 1600).positions() == 10 * BLOCK
+    assert KvBudget(PoolTarget(limit=None), None).positions() is None

@@ -12,73 +12,70 @@ from decoding.policy import MIN_CALIBRATION, AdaptiveSpeculation
 from decoding.scheduler import RunningStream, Scheduler
 from decoding.streams import RequestStream
 from decoding.types import GenerationRequest
+from runtime.runner.kv_blocks import BLOCK
 from tests.batching import _cost, _policy
 from tests.clocks import ManualClock
-from tests.test_kv_budget import SizedTarget
+from tests.test_kv_budget import PoolTarget
 
 
-def _stream(prompt: int, max_new_tokens: int, *, at: float = 0.0,
+def _stream(prompt: int, max_new_tokens: int = 10_000, *, at: float = 0.0,
             timeout_s: float | None = None, drafter: str | None = None) -> RequestStream:
-    """A waiting request of ``prompt + max_new_tokens + 1`` KV positions (context 100)."""
+    """A waiting request of a ``prompt``-token prompt: ``max_new_tokens`` takes no room."""
     request = GenerationRequest(prompt_ids=tuple(range(1, prompt + 1)),
                                 max_new_tokens=max_new_tokens, timeout_s=timeout_s)
     return RequestStream(request=request, drafter=drafter, submitted_at=at)
 
 
-def _scheduler(max_bytes: int | None = None, max_active: int = 16, *,
-               batch_planning: bool = True, batched: bool = True,
+def _scheduler(max_active: int = 16, *, batch_planning: bool = True, batched: bool = True,
                clock: Callable[[], float] | None = None) -> Scheduler:
-    """A scheduler over a target whose KV takes 10 bytes per row and position."""
-    return Scheduler(KvBudget(SizedTarget(), max_bytes), max_active, batch_planning, batched,
-                     clock or ManualClock())
+    """A scheduler over a target with a pool of 100 blocks."""
+    return Scheduler(KvBudget(PoolTarget(limit=100), 100 * 160), max_active, batch_planning,
+                     batched, clock or ManualClock())
 
 
 # -- admission -----------------------------------------------------------------------
 
 
-def test_every_request_joins_in_order_when_the_budget_holds_them() -> None:
-    waiting = [_stream(10, 19), _stream(5, 4), _stream(20, 9)]  # 30, 10 and 30 positions
-    joining = _scheduler(max_bytes=3 * 30 * 10).admit(waiting, [])
+def test_every_request_joins_in_order_while_its_prompt_s_blocks_are_free() -> None:
+    """A request takes its prompt's blocks and a margin, whatever answer it may give."""
+    waiting = [_stream(10 * BLOCK), _stream(5), _stream(2 * BLOCK + 1)]  # 11, 2 and 4 blocks
+    joining = _scheduler().admit(waiting, 0, 17)
     assert [a.stream for a in joining] == waiting
-    assert [a.positions for a in joining] == [30, 10, 30]
+    assert [a.blocks for a in joining] == [11, 2, 4]
 
 
 def test_the_first_request_that_does_not_fit_waits_and_so_do_those_behind_it() -> None:
-    """Room for two rows of 30 positions beside nothing: the third waits, and the small
-    fourth does not overtake it."""
-    waiting = [_stream(10, 19), _stream(10, 19), _stream(10, 19), _stream(1, 1)]
-    scheduler = _scheduler(max_bytes=2 * 30 * 10)
-    assert [a.stream for a in scheduler.admit(waiting, [])] == waiting[:2]
-    # one of 30 positions already runs: only one more fits
-    assert [a.stream for a in scheduler.admit(waiting, [30])] == waiting[:1]
-    # the longest running request sets every row's length: 2 x 60 x 10 > 600
-    assert scheduler.admit(waiting, [60]) == []
-    assert scheduler.admit(waiting[3:], [60]) == []  # 2 rows x 60 positions still
-    big, small = _stream(40, 19), _stream(4, 5)  # 60 and 10 positions
-    assert [a.stream for a in scheduler.admit([small], [10])] == [small]
-    assert scheduler.admit([big, small], [10]) == []  # the small one does not overtake
+    """Room for two prompts of 10 blocks: the third waits, and the small fourth does not
+    overtake it."""
+    waiting = [_stream(9 * BLOCK), _stream(9 * BLOCK), _stream(9 * BLOCK), _stream(1)]
+    scheduler = _scheduler()
+    assert [a.stream for a in scheduler.admit(waiting, 1, 20)] == waiting[:2]
+    assert [a.stream for a in scheduler.admit(waiting, 1, 19)] == waiting[:1]
+    assert scheduler.admit(waiting, 1, 9) == []
+    assert [a.stream for a in scheduler.admit(waiting[3:], 1, 2)] == waiting[3:]
+    assert scheduler.admit([waiting[0], waiting[3]], 1, 2) == []  # no overtaking
 
 
 def test_one_request_always_joins_when_none_runs() -> None:
-    huge = _stream(50, 49)  # 100 positions: 1000 bytes, past the budget alone
-    assert [a.stream for a in _scheduler(max_bytes=100).admit([huge], [])] == [huge]
-    assert _scheduler(max_bytes=100).admit([huge], [1]) == []
+    huge = _stream(50 * BLOCK)
+    assert [a.stream for a in _scheduler().admit([huge], 0, 3)] == [huge]
+    assert _scheduler().admit([huge], 1, 3) == []
 
 
 def test_no_more_join_than_max_active() -> None:
-    waiting = [_stream(2, 2) for _ in range(5)]
-    scheduler = _scheduler(max_active=3)  # no KV bound
-    assert [a.stream for a in scheduler.admit(waiting, [])] == waiting[:3]
-    assert [a.stream for a in scheduler.admit(waiting, [5, 5])] == waiting[:1]
-    assert scheduler.admit(waiting, [5, 5, 5]) == []
+    waiting = [_stream(2) for _ in range(5)]
+    scheduler = _scheduler(max_active=3)
+    assert [a.stream for a in scheduler.admit(waiting, 0, None)] == waiting[:3]
+    assert [a.stream for a in scheduler.admit(waiting, 2, None)] == waiting[:1]
+    assert scheduler.admit(waiting, 3, None) == []
 
 
 def test_a_cancelled_request_joins_to_be_dropped_and_takes_no_room() -> None:
-    waiting = [_stream(10, 19), _stream(10, 19), _stream(10, 19)]
+    waiting = [_stream(9 * BLOCK), _stream(9 * BLOCK), _stream(9 * BLOCK)]
     waiting[0].cancel()
-    joining = _scheduler(max_bytes=2 * 30 * 10, max_active=2).admit(waiting, [])
+    joining = _scheduler(max_active=2).admit(waiting, 0, 20)
     assert [a.stream for a in joining] == waiting  # the two live ones still fit
-    assert _scheduler(max_bytes=30 * 10, max_active=1).admit(waiting[1:], [30]) == []
+    assert _scheduler(max_active=2).admit(waiting[1:], 1, 9) == []
 
 
 def test_a_request_waits_past_its_deadline_on_the_scheduler_clock() -> None:
@@ -94,7 +91,7 @@ def test_a_request_waits_past_its_deadline_on_the_scheduler_clock() -> None:
     assert scheduler.expired(waiting) == [short]
     clock.now = 10.5
     assert scheduler.expired(waiting) == [short, long]
-    deadlines = {id(a.stream): a.deadline for a in scheduler.admit(waiting, [])}
+    deadlines = {id(a.stream): a.deadline for a in scheduler.admit(waiting, 0, None)}
     assert deadlines == {id(patient): None, id(short): 3.0, id(long): 10.0}
 
 

@@ -84,19 +84,22 @@ def test_an_incomplete_character_is_held_until_its_bytes_arrive() -> None:
 # -- PromptPrefill: the prompt's chunks, timing, log-probabilities and the prefix cache -----
 
 
-def test_the_prompt_runs_in_chunks_and_only_the_last_keeps_a_row() -> None:
+def test_the_prompt_runs_in_chunks_and_only_the_last_keeps_a_row(tiny_target: CausalLM
+                                                                  ) -> None:
     prompt = list(range(10, 18))
     prefill = PromptPrefill(prompt, None)
+    state = tiny_target.new_state()  # (nothing is run: the chunks are only handed out)
     chunks = []
     while not chunks or not chunks[-1].final:
-        chunk = prefill.next_chunk(None, None, 3)  # type: ignore[arg-type]  # no cache: no target
-        assert prefill.next_chunk(None, None, 3) == chunk  # type: ignore[arg-type]  # until done
+        chunk = prefill.next_chunk(tiny_target, state, 3)
+        assert prefill.next_chunk(tiny_target, state, 3) == chunk  # until done
         chunks.append(chunk)
         prefill.done(chunk, 0.25, torch.zeros(prefill.kept_rows(chunk), 4))
     assert [list(c.tokens) for c in chunks] == [prompt[:3], prompt[3:6], prompt[6:]]
     assert [prefill.kept_rows(c) for c in chunks] == [0, 0, 1]
     assert prefill.prefilled == len(prompt) and prefill.seconds == pytest.approx(0.75)
     assert prefill.take_logprobs() == ()
+    tiny_target.release(state)
 
 
 def test_a_prompt_asked_for_its_log_probabilities_keeps_every_row() -> None:

@@ -78,12 +78,9 @@ def test_a_real_target_measures_a_curve_and_its_ceilings(default_target: CausalL
 def test_a_model_source_starts_from_its_measured_step() -> None:
     from decoding.kv_budget import KvBudget
     from decoding.scheduler import Scheduler
+    from tests.test_kv_budget import PoolTarget
 
-    class _Target:  # what KvBudget reads of a target: no budget
-        def kv_bytes(self, rows: int, positions: int) -> int:
-            return 0
-
-    scheduler = Scheduler(KvBudget(_Target(), None), max_active=4)  # type: ignore[arg-type]
+    scheduler = Scheduler(KvBudget(PoolTarget(limit=None), None), max_active=4)
     scheduler.verify_curve = _line(0.2)
     scheduler.draft_costs["ngram+draft"] = 0.45
     model = scheduler.new_policy("ngram+draft", "model")

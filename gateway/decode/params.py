@@ -279,21 +279,10 @@ def operator_cap(request: AnyRequest, limits: Limits) -> int | None:
 
 
 def budget_positions(budget: KvBudget) -> int | None:
-    """The most positions one sequence alone may hold within the engine's KV budget
-    (None: the budget has no bound, or holds the whole context)."""
-    if budget.max_bytes is None:
-        return None
-    context = budget.target.max_context
-    if budget.target.kv_bytes(1, context + 1) <= budget.max_bytes:
-        return None
-    low, high = 0, context + 1  # kv_bytes(1, low) fits, kv_bytes(1, high) does not
-    while high - low > 1:
-        middle = (low + high) // 2
-        if budget.target.kv_bytes(1, middle) <= budget.max_bytes:
-            low = middle
-        else:
-            high = middle
-    return low
+    """The most positions one sequence alone may hold in the engine's pool of KV blocks
+    (None: the pool has no bound, or holds the whole context)."""
+    positions = budget.positions()
+    return None if positions is None or positions > budget.target.max_context else positions
 
 
 def generation_requests(

@@ -81,7 +81,7 @@ class GatewayState:
             metrics.track_engine(lambda: engine.num_running, lambda: engine.num_waiting)
             metrics.track_capacity(engine.max_queue, engine.scheduler.max_active,
                                    engine.scheduler.kv_budget.max_bytes,
-                                   lambda: engine.kv_bytes_reserved)
+                                   engine.kv_counts)
             if engine.prefix_cache is not None:
                 kind = "redis" if self.settings.redis_url else "in-process"
                 metrics.track_cache(engine.prefix_cache.stats.counts, kind)

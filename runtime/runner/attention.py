@@ -86,39 +86,42 @@ class GroupedAttention:
     def attend_layer(self, batch: Layout, masks: list[torch.Tensor], q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor) -> torch.Tensor:
-        """Store a pass's keys and values in a layer's cache ``keys``/``values`` and
-        attend every group of ``batch``; ``[T, h * D]``."""
+        """Store a pass's keys and values in a layer's pools ``keys``/``values``
+        ``[blocks, kv, BLOCK, D]`` through the pass's block tables and attend every group
+        of ``batch``; ``[T, h * D]``."""
         width = self.heads * self.head_dim
-        if batch.contiguous is not None:  # one sequence: a slice of its row, no padding
-            row, start = batch.contiguous
-            n = q.shape[0]
-            keys[row, :, start : start + n] = k.transpose(0, 1)
-            values[row, :, start : start + n] = v.transpose(0, 1)
-            group = batch.groups[0]
-            if n < group.width:  # the block's dummy queries (see layout.MIN_WIDTH)
-                q = torch.cat((q, q.new_zeros((group.width - n, *q.shape[1:]))))
-            attended = self.attend(
-                q.view(1, group.width, self.heads, self.head_dim),
-                keys[row : row + 1, :, : group.span], values[row : row + 1, :, : group.span],
-                masks[0])
-            return attended[0, :n].reshape(n, width)
-        rows, at = batch.cache_rows, batch.cache_slots
-        keys[rows, :, at] = k  # buffer[row, :, position] for each token: [T, kv, D]
-        values[rows, :, at] = v
+        block = keys.shape[2]
+        tables, at = batch.tables, batch.cache_slots
+        blocks = tables[batch.cache_rows, at // block]
+        keys[blocks, :, at % block] = k  # pool[block, :, offset] for each token: [T, kv, D]
+        values[blocks, :, at % block] = v
         single = len(batch.groups) == 1
         out = q.new_empty((q.shape[0], width)) if not single else None
         for group, mask in zip(batch.groups, masks, strict=True):
             group_q = q if single else q[group.tokens]
-            padded = q.new_zeros((group.n_rows * group.width, self.heads, self.head_dim))
-            padded[group.slots] = group_q
+            if batch.contiguous is not None:  # one sequence: no padding but the block's
+                n = q.shape[0]
+                padded = (torch.cat((q, q.new_zeros((group.width - n, *q.shape[1:]))))
+                          if n < group.width else q)  # (its dummy queries: layout.MIN_WIDTH)
+            else:
+                padded = q.new_zeros((group.n_rows * group.width, self.heads, self.head_dim))
+                padded[group.slots] = group_q
             hi = group.lo + group.n_rows
             attended = self.attend(
                 padded.view(group.n_rows, group.width, self.heads, self.head_dim),
-                keys[group.lo : hi, :, : group.span], values[group.lo : hi, :, : group.span],
-                mask)  # [R, W, h, D]
+                spans(keys, tables[group.lo : hi], group.span),
+                spans(values, tables[group.lo : hi], group.span), mask)  # [R, W, h, D]
             attended = attended.reshape(-1, width)[group.slots]
             if out is None:
                 return attended
             out[group.tokens] = attended
         assert out is not None
         return out
+
+
+def spans(pool: torch.Tensor, tables: torch.Tensor, span: int) -> torch.Tensor:
+    """The first ``span`` positions of each table row's blocks in ``pool`` ``[blocks, kv,
+    BLOCK, D]``, as ``[rows, kv, span, D]`` (a copy)."""
+    block = pool.shape[2]
+    rows = pool[tables[:, : span // block]]  # [R, span / BLOCK, kv, BLOCK, D]
+    return rows.transpose(1, 2).reshape(rows.shape[0], pool.shape[1], span, pool.shape[3])

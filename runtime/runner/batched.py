@@ -7,8 +7,10 @@ several sequences, each adding a different number of tokens at a different posit
 share one pass over the weights. At small batch a step is bound by reading the weights, so
 verifying eight streams' drafts costs little more than verifying one.
 
-The KV cache is preallocated: one row a sequence in buffers of every layer, rolled back
-by setting the row's length (``runtime.runner.kv_rows.KVRows``).
+The KV cache lies in blocks of positions from one pool per layer, read through each
+sequence's block table; a sequence takes blocks as it grows, gives them back on a
+roll-back past them, and shares a published prompt's blocks
+(``runtime.runner.kv_blocks.KVBlocks``).
 
 A forward packs every sequence's new tokens into one list for the matrix
 products (a ragged batch costs its real tokens, not the longest row times the
@@ -17,7 +19,7 @@ kernels (``runtime.runner.fused``), or as PyTorch ops that pad the tokens to
 ``[rows, width]`` for attention, where a mask lets each query see its own row's
 cached keys and the new keys up to itself.
 
-The runner composes three parts, each with one job: the KV rows (``KVRows``), the
+The runner composes three parts, each with one job: the KV blocks (``KVBlocks``), the
 forward pass (here) and the native draft chain (``runtime.runner.chains.DraftChains``), all
 over one ``Stack``. ``forward_batch`` is the batched call; ``CausalLM``'s one-sequence
 calls (``prefill``, ``score``) are passes of one item.
@@ -43,7 +45,7 @@ from runtime.runner import fused, layers
 from runtime.runner.attention import GroupedAttention
 from runtime.runner.causal_lm import CausalLM, TransformersLM, head_subset
 from runtime.runner.chains import DraftChains, Fusion
-from runtime.runner.kv_rows import INITIAL_CAPACITY, INITIAL_ROWS, BatchedState, KVRows, aligned
+from runtime.runner.kv_blocks import BatchedState, KVBlocks, KVUsage
 from runtime.runner.layout import Layout, check_items
 from runtime.runner.memory import release_plain_weights
 from runtime.runner.passes import BatchItem, DraftSteps, PreparedPass, TargetCapabilities
@@ -109,8 +111,8 @@ class BatchedLM(CausalLM[BatchedState]):
                 fold_single=self.device.type != "cpu" or self.dtype != torch.float32),
             heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
             scaling=self.scaling, dtype=self.dtype)
-        self.kv_rows = KVRows(self.stack, self.device)
-        self.chains = DraftChains(self.stack, self.kv_rows, name, self.max_context,
+        self.kv_blocks = KVBlocks(self.stack, self.device)
+        self.chains = DraftChains(self.stack, self.kv_blocks, name, self.max_context,
                                   self.hidden_size)
         self.use_kernels(kernels)
         dtype_name = str(self.dtype).removeprefix("torch.")  # or int8, int4, gguf-<types>:
@@ -216,18 +218,15 @@ class BatchedLM(CausalLM[BatchedState]):
     # -- sequences --------------------------------------------------------------------
 
     def adopt_alternative(self, state: BatchedState, start: int, n: int) -> None:
-        self.kv_rows.adopt_alternative(state, start, n)
-
-    @property
-    def capacity(self) -> int:
-        return self.kv_rows.capacity
+        self.kv_blocks.adopt_alternative(state, start, n)
 
     @property
     def rows_in_use(self) -> int:
-        return self.kv_rows.rows_in_use
+        """Sequences not yet released."""
+        return self.kv_blocks.states
 
     def new_state(self) -> BatchedState:
-        return self.kv_rows.new_state()
+        return self.kv_blocks.new_state()
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -242,26 +241,34 @@ class BatchedLM(CausalLM[BatchedState]):
         finally:
             self.release(state)
 
-    def kv_bytes(self, rows: int, positions: int) -> int:
-        """The KV buffers' size for ``rows`` sequences of up to ``positions`` tokens."""
-        return super().kv_bytes(max(rows, INITIAL_ROWS),
-                                aligned(max(positions, INITIAL_CAPACITY)))
+    def set_kv_budget(self, max_bytes: int | None) -> None:
+        super().set_kv_budget(max_bytes)
+        self.kv_blocks.limit = self._kv_limit
 
-    def fit(self, rows: int, positions: int) -> None:
-        self.kv_rows.fit(rows, positions)
+    def kv_usage(self) -> KVUsage:
+        return self.kv_blocks.usage()
+
+    def kv_needed(self, state: BatchedState, positions: int) -> int:
+        return self.kv_blocks.needed(state, positions)
+
+    def share_prefix(self, state: BatchedState, token_ids: Sequence[int]) -> int:
+        return self.kv_blocks.share(state, token_ids)
+
+    def publish_prefix(self, state: BatchedState, token_ids: Sequence[int]) -> None:
+        self.kv_blocks.publish(state, token_ids)
 
     def release(self, state: BatchedState) -> None:
-        self.kv_rows.release(state)
+        self.kv_blocks.release(state)
 
     def rollback(self, state: BatchedState, length: int) -> None:
-        self.kv_rows.rollback(state, length)
+        self.kv_blocks.rollback(state, length)
 
     def load_kv(self, state: BatchedState,
                 kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.kv_rows.load_kv(state, kv)
+        self.kv_blocks.load_kv(state, kv)
 
     def kv(self, state: BatchedState) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.kv_rows.kv(state)
+        return self.kv_blocks.kv(state)
 
     # -- forward passes -----------------------------------------------------------------
 
@@ -275,7 +282,8 @@ class BatchedLM(CausalLM[BatchedState]):
         if not items:
             return PreparedPass(items)
         check_items(items, self.max_context, self.hidden_size)
-        self.kv_rows.reach(max(item.state.length + len(item.token_ids) for item in items))
+        for item in items:
+            self.kv_blocks.reserve(item.state, item.state.length + len(item.token_ids))
         native = self.stack.kernels is not None
         batch = Layout.build(items, self.device, self.batch_invariant, native=native)
         inputs = batch.inputs(items, self.model.model.embed_tokens, self.dtype)

@@ -24,6 +24,7 @@ from runtime.models.causal_model import CausalModel
 from runtime.models.checkpoints import transformers_pretrained
 from runtime.models.families import attention_dims, kv_position_bytes
 from runtime.native import kernels
+from runtime.runner.kv_blocks import BLOCK, KVUsage, blocks_for
 from runtime.runner.passes import BatchItem, PreparedPass, TargetCapabilities
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class CausalLM(Generic[S]):
         self.heads, self.kv_heads, self.head_dim = attention_dims(config)
         self.hidden_size = int(config.hidden_size)
         self.kv_position_bytes = kv_position_bytes(config, self.dtype)
+        self._kv_limit: int | None = None  # the KV budget in blocks (None: no bound)
 
     @property
     def capabilities(self) -> TargetCapabilities:
@@ -130,13 +132,34 @@ class CausalLM(Generic[S]):
         """The cached KV, per layer [1, heads, length, head_dim] each (views, not copies)."""
         raise NotImplementedError
 
-    def kv_bytes(self, rows: int, positions: int) -> int:
-        """At most how much KV ``rows`` sequences of up to ``positions`` tokens hold."""
-        return rows * positions * self.kv_position_bytes
+    # -- the KV budget, in blocks of positions (``runtime.runner.kv_blocks``) ----------
 
-    def fit(self, rows: int, positions: int) -> None:
-        """Size the KV storage for this many sequences and positions (nothing to do where
-        per-sequence caches grow as they go)."""
+    @property
+    def kv_block_bytes(self) -> int:
+        """The KV of one block of positions, every layer's keys and values."""
+        return BLOCK * self.kv_position_bytes
+
+    def set_kv_budget(self, max_bytes: int | None) -> None:
+        """Hold at most ``max_bytes`` of KV (None: no bound), in whole blocks."""
+        self._kv_limit = None if max_bytes is None else max(1, max_bytes // self.kv_block_bytes)
+
+    def kv_usage(self) -> KVUsage:
+        """The blocks the budget allows and those the sequences hold."""
+        raise NotImplementedError
+
+    def kv_needed(self, state: S, positions: int) -> int:
+        """The blocks ``state`` would take to hold ``positions`` positions."""
+        raise NotImplementedError
+
+    def share_prefix(self, state: S, token_ids: Sequence[int]) -> int:
+        """For an empty ``state``: hold the blocks other sequences published of the longest
+        prefix of ``token_ids`` they share (leaving the last token); the positions held.
+        Nothing here: each sequence's cache is its own."""
+        return 0
+
+    def publish_prefix(self, state: S, token_ids: Sequence[int]) -> None:
+        """Let later sequences share ``state``'s full blocks of ``token_ids`` (its first
+        positions, written). Nothing here."""
 
     def warmup(self) -> None:
         """Build whatever the first passes would otherwise build while serving."""
@@ -151,6 +174,11 @@ class TransformersLM(CausalLM[CacheState]):
     """Prefill / score / rollback over transformers' own model, one sequence per forward
     pass (the ``Target`` of models the batched runner does not cover)."""
 
+    def __init__(self, model: CausalModel, tokenizer: PreTrainedTokenizerBase,
+                 name: str = "model") -> None:
+        super().__init__(model, tokenizer, name)
+        self._live: dict[int, CacheState] = {}  # by id: the sequences not released
+
     @property
     def capabilities(self) -> TargetCapabilities:
         return ONE_SEQUENCE
@@ -160,7 +188,17 @@ class TransformersLM(CausalLM[CacheState]):
         return cls(*transformers_pretrained(path, dtype, device), name=str(path))
 
     def new_state(self) -> CacheState:
-        return CacheState(cache=DynamicCache(config=self.model.config))
+        state = CacheState(cache=DynamicCache(config=self.model.config))
+        self._live[id(state)] = state
+        return state
+
+    def kv_usage(self) -> KVUsage:
+        """Counted from the sequences' lengths: each sequence's cache is its own."""
+        used = sum(blocks_for(state.length) for state in self._live.values())
+        return KVUsage(self._kv_limit, used, 0)
+
+    def kv_needed(self, state: CacheState, positions: int) -> int:
+        return max(0, blocks_for(positions) - blocks_for(state.length))
 
     @torch.inference_mode()
     def prefill(self, state: CacheState, token_ids: Sequence[int]) -> torch.Tensor:  # [vocab]
@@ -189,6 +227,7 @@ class TransformersLM(CausalLM[CacheState]):
     def release(self, state: CacheState) -> None:
         """Free the sequence's cache."""
         self.rollback(state, 0)
+        self._live.pop(id(state), None)
 
     def rollback(self, state: CacheState, length: int) -> None:
         if length < state.length:

@@ -2,7 +2,7 @@
 
 The native chain (``fused.draft_chain``) is built once per vocabulary it drafts from and
 input fusion it runs, over the runner's ``Stack``; it feeds every sequence's tokens,
-then drafts and feeds back its steps, in the runner's KV rows (``KVRows``).
+then drafts and feeds back its steps, in the runner's KV blocks (``KVBlocks``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from runtime.matrices.weights import Product
 from runtime.runner import fused
-from runtime.runner.kv_rows import BatchedState, KVRows
+from runtime.runner.kv_blocks import BatchedState, KVBlocks
 from runtime.runner.layout import Layout, check_items
 from runtime.runner.passes import BatchItem, DraftSteps
 from runtime.runner.stack import Stack
@@ -24,7 +24,7 @@ Fusion = tuple[Product, int]  # a feature head's input product and its input wid
 class DraftChains:
     """The chains over one runner's stack and KV rows."""
 
-    def __init__(self, stack: Stack, kv: KVRows, name: str, max_context: int,
+    def __init__(self, stack: Stack, kv: KVBlocks, name: str, max_context: int,
                  hidden_size: int) -> None:
         self.stack, self.kv = stack, kv
         self.name, self.max_context, self.hidden_size = name, max_context, hidden_size
@@ -77,19 +77,20 @@ class DraftChains:
         items = [BatchItem(s, f, 1) for s, f in zip(states, feeds, strict=True)]
         reach = max(s.length + len(f) + k - 1 for s, f, k in zip(states, feeds, steps,
                                                                   strict=True))
-        self.kv.reach(reach)
+        for state, feed, k in zip(states, feeds, steps, strict=True):
+            self.kv.reserve(state, state.length + len(feed) + k - 1)
         batch = Layout.build(items, self.kv.device, batch_invariant, native=True)
         rows = None
         if carried is not None:  # in the pass's order of tokens
             order = sorted(range(len(items)), key=lambda i: batch.offsets[i])
             rows = torch.cat([carried[i] for i in order]).contiguous()
-        tables = self.stack.rotary.tables(reach, self.stack.keys[0])
-        assert tables is not None  # (a chain is built only for tables of positions)
+        rotary = self.stack.rotary.tables(reach, self.stack.keys[0])
+        assert rotary is not None  # (a chain is built only for tables of positions)
         last = torch.tensor([o + len(f) - 1 for o, f in zip(batch.offsets, feeds, strict=True)])
         tokens, sure, second, second_sure, hidden = chain.run(
-            batch.ids, batch.positions, batch.cache_rows, batch.cache_slots, batch.limits,
-            batch.extras, last, torch.tensor(list(steps)), *tables, self.stack.keys,
-            self.stack.values, rows)
+            batch.ids, batch.positions, batch.tables, batch.cache_rows, batch.cache_slots,
+            batch.limits, batch.extras, last, torch.tensor(list(steps)), *rotary,
+            self.stack.keys, self.stack.values, rows)
         out = []
         for i, (state, feed, k) in enumerate(zip(states, feeds, steps, strict=True)):
             state.length += len(feed) + k - 1

@@ -166,8 +166,8 @@ class DraftChain(Protocol):
     """The kernels' greedy draft steps over a stack (``draft_chain``): what
     ``BatchedLM.draft_chain`` calls."""
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-            slots: torch.Tensor, limits: torch.Tensor, extras: torch.Tensor,
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+            rows: torch.Tensor, slots: torch.Tensor, limits: torch.Tensor, extras: torch.Tensor,
             last: torch.Tensor, steps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor],
             carried: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -254,8 +254,8 @@ def forward(stack: Stack, batch: Layout, embedded: Embedded, capture: Sequence[i
                                  captured)
     loop = stack.layer_stack
     if loop is not None and split >= hidden.shape[0] and not cuts:  # the whole pass: one call
-        return loop.forward(hidden, cos, sin, stack.keys, stack.values, batch.cache_rows,
-                            batch.cache_slots, batch.limits, batch.extras)
+        return loop.forward(hidden, cos, sin, stack.keys, stack.values, batch.tables,
+                            batch.cache_rows, batch.cache_slots, batch.limits, batch.extras)
 
     def product(m: Product, x: torch.Tensor) -> torch.Tensor:
         return multiply(m, x, split).to(dtype).contiguous()
@@ -267,9 +267,9 @@ def forward(stack: Stack, batch: Layout, embedded: Embedded, capture: Sequence[i
         qkv = product(w.qkv, x)  # [T, (h + 2 kv) D]
         if w.qk_norms is not None:
             qkv = norm_heads(qkv, w.qk_norms, stack.heads, stack.kv_heads, stack.head_dim)
-        q = native.rope_store(qkv, cos, sin, keys, values, rows, slots, stack.heads,
-                              stack.kv_heads)  # [T, h, D]
-        out = native.attend(q, keys, values, rows, batch.limits, batch.extras,
+        q = native.rope_store(qkv, cos, sin, keys, values, batch.tables, rows, slots,
+                              stack.heads, stack.kv_heads)  # [T, h, D]
+        out = native.attend(q, keys, values, batch.tables, rows, batch.limits, batch.extras,
                             stack.scaling)  # [T, h * D]
         hidden, x = native.add_rms_norm(hidden, product(w.o, out), *norms[2 * index + 1])
         gated = native.silu_mul(product(w.gate_up, x))  # [T, I]
@@ -291,7 +291,8 @@ def _forward_segments(native: ModuleType, stack: Stack, batch: Layout, embedded:
     out = hidden
     for layers, loop in segments:
         out = loop.forward(hidden, cos, sin, stack.keys[layers.start:layers.stop],
-                           stack.values[layers.start:layers.stop], batch.cache_rows,
+                           stack.values[layers.start:layers.stop], batch.tables,
+                           batch.cache_rows,
                            batch.cache_slots, batch.limits, batch.extras)
         if layers.stop - 1 in cuts:
             assert captured is not None

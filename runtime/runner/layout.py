@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.runner.kv_blocks import BLOCK, NULL_BLOCK
 from runtime.runner.passes import BatchItem
 
 # Attention spans are padded to a multiple of this many keys (masked): PyTorch 2.13's CPU
 # attention reduces over blocks of 512 keys, and a block's reductions round differently
 # at different lengths, so a query must see the same whole blocks whether it attends
 # alone or beside later drafts; then a verify pass gives bitwise a one-token step's
-# logits (docs/performance.md, "Batch invariance"). The KV buffers' capacity is a
-# multiple of it.
+# logits (docs/performance.md, "Batch invariance"). A pass's block tables reach a
+# multiple of it (padded with the null block).
 SPAN_ALIGN = 512
 FAST_SPAN_ALIGN = 64  # without batch invariance (``--no-batch-invariance``)
 GROUP_WIDTH = 16  # additions up to this many tokens may share one padded attention block
@@ -39,8 +40,9 @@ GPU_BLOCK_OVERHEAD = 250_000
 @dataclass(frozen=True)
 class Group:
     """Sequences whose attention runs as one padded ``[rows, width]`` block over the
-    contiguous cache rows ``lo .. lo + n_rows`` (rows in the block but not in the
-    group get zero queries whose output is dropped)."""
+    pass's block-table rows ``lo .. lo + n_rows`` (an item's table row is its index in
+    the pass; rows in the block but not in the group get zero queries whose output is
+    dropped)."""
 
     tokens: torch.Tensor  # [t] the group's tokens' indexes in the packed order
     slots: torch.Tensor  # [t] each token's index in the padded [n_rows * width] layout
@@ -54,8 +56,7 @@ class Group:
     @classmethod
     def build(cls, items: Sequence[BatchItem], members: list[int], offsets: list[int],
               device: torch.device, invariant: bool = True) -> Group:
-        rows = [items[i].state.row for i in members]
-        lo, n_rows = min(rows), max(rows) + 1 - min(rows)
+        lo, n_rows = min(members), max(members) + 1 - min(members)
         width = max(MIN_WIDTH if invariant else 1, *(len(items[i].token_ids) for i in members))
         tokens: list[int] = []
         slots: list[int] = []
@@ -63,7 +64,7 @@ class Group:
         span = 0
         for i in members:
             item = items[i]
-            row, start, n = item.state.row - lo, item.state.length, len(item.token_ids)
+            row, start, n = i - lo, item.state.length, len(item.token_ids)
             tokens.extend(range(offsets[i], offsets[i] + n))
             slots.extend(range(row * width, row * width + n))
             starts[row] = start
@@ -77,8 +78,8 @@ class Group:
             item = items[i]
             if item.alternative:
                 start, n = item.state.length, len(item.token_ids)
-                mask[item.state.row - lo, n - 1] = (keys <= start) | (keys == start + n - 1)
-                query_pos[item.state.row - lo, n - 1] = start + 1
+                mask[i - lo, n - 1] = (keys <= start) | (keys == start + n - 1)
+                query_pos[i - lo, n - 1] = start + 1
         return cls(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                    slots=torch.tensor(slots, dtype=torch.long, device=device),
                    mask=mask[:, None].to(device), query_positions=query_pos.to(device),
@@ -104,15 +105,16 @@ class Layout:
     positions: torch.Tensor  # [T] position of each token in its sequence
     cache_slots: torch.Tensor  # [T] where its keys and values go in its row (its position,
     # but for an alternative: after the tokens before it, at the position of the second)
-    cache_rows: torch.Tensor  # [T] the cache row of each token
+    cache_rows: torch.Tensor  # [T] the block-table row of each token (its item's index)
+    tables: torch.Tensor  # [items, width] each item's KV blocks, padded with the null block
     offsets: list[int]  # where each item's tokens start in the packed order
     groups: list[Group]
     # packed tokens from here on are long additions' taking the bulk products (T: none,
     # always so with invariance); short additions are packed first
     bulk_from: int
-    # (row, first slot) when the pass is one sequence's plain addition: its keys and
-    # values go to a slice of its row, its queries need no padding
-    contiguous: tuple[int, int] | None
+    # the first slot when the pass is one sequence's plain addition: its queries need no
+    # padding
+    contiguous: int | None
     # for the native kernels, which attend without blocks: each token sees the keys
     # [0, limit) of its row, and the key at ``extra`` too when that is >= its limit (an
     # alternative's own key); -1: none
@@ -144,7 +146,7 @@ class Layout:
                              else range(start, start + n))
             if item.alternative:
                 positions.append(start + 1)
-            cache_rows.extend([item.state.row] * n)
+            cache_rows.extend([i] * n)
             if item.alternative:  # sees the cache and the pending token, and itself
                 limits.extend(range(start + 1, start + n))
                 limits.append(start + 1)
@@ -160,14 +162,23 @@ class Layout:
         bulk = not invariant and len(ids) - short >= BULK_MIN_TOKENS
         bulk_from = short if bulk else len(ids)
         only = items[0]
-        contiguous = ((only.state.row, only.state.length)
-                      if len(items) == 1 and not only.alternative else None)
+        contiguous = (only.state.length if len(items) == 1 and not only.alternative else None)
+        reach = max(item.state.length + len(item.token_ids) for item in items)
+        width = max(len(item.state.blocks) for item in items)
+        if not native:  # attention reads whole aligned spans
+            align = SPAN_ALIGN if invariant else FAST_SPAN_ALIGN
+            width = max(width, -(-reach // align) * align // BLOCK)
+        tables = torch.full((len(items), width), NULL_BLOCK, dtype=torch.long)
+        for i, item in enumerate(items):
+            if item.state.blocks:
+                tables[i, : len(item.state.blocks)] = torch.tensor(item.state.blocks)
 
         # one tensor for the six index lists (one call instead of six: a step's worth)
         table = torch.tensor([ids, positions, cache_slots, cache_rows, limits, extras],
                              dtype=torch.long, device=device)
         return cls(ids=table[0], positions=table[1], cache_slots=table[2],
-                   cache_rows=table[3], offsets=offsets, groups=groups,
+                   cache_rows=table[3], tables=tables.to(device), offsets=offsets,
+                   groups=groups,
                    bulk_from=bulk_from, contiguous=contiguous, limits=table[4],
                    extras=table[5], positions_end=max(positions) + 1 if positions else None)
 
@@ -219,18 +230,16 @@ def _cheapest(items: Sequence[BatchItem], layouts: list[list[list[int]]], overhe
 
 def _block_cost(items: Sequence[BatchItem], members: list[int], overhead: int) -> int:
     """(query, key) pairs a padded block computes, plus one call's overhead."""
-    rows = [items[i].state.row for i in members]
     width = max(len(items[i].token_ids) for i in members)
     span = max(items[i].state.length + len(items[i].token_ids) for i in members)
-    return (max(rows) + 1 - min(rows)) * width * span + overhead
+    return (max(members) + 1 - min(members)) * width * span + overhead
 
 
 def check_items(items: Sequence[BatchItem], max_context: int, hidden_size: int) -> None:
     """Refuse what no pass can run: a sequence twice or released, an item without tokens,
     an alternative without a draft before it, a context overflow, input rows of the
     wrong shape."""
-    rows = [item.state.row for item in items]
-    if len(set(rows)) != len(rows):
+    if len({id(item.state) for item in items}) != len(items):
         raise ValueError("a sequence appears twice in one batch")
     if any(item.state.released for item in items):
         raise ValueError("a released sequence cannot run")

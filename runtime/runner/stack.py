@@ -3,7 +3,7 @@
 ``BatchedLM`` holds one ``Stack`` and hands it to the paths that run its layers
 (``runtime.runner.fused``, the native kernels'; ``runtime.runner.layers``, PyTorch's), to the draft
 chain (``fused.draft_chain``) and to ``runtime.runner.memory``. The stack is the one holder of
-what changes while the runner lives: the KV buffers (``BatchedLM`` grows and shrinks
+what changes while the runner lives: the KV pools (``KVBlocks`` grows and shrinks
 them), the native kernels with their norms and loops (``BatchedLM.use_kernels``;
 ``memory.release_plain_weights`` makes them anew), the captured layers; a path reads
 them here at every call, so it sees the current ones.
@@ -32,9 +32,9 @@ class NativeLoop(Protocol):
     """The kernels' loop over a run of layers (``LayerStack``, ``fused.layer_stack``)."""
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor], rows: torch.Tensor,
-                slots: torch.Tensor, limits: torch.Tensor, extras: torch.Tensor
-                ) -> torch.Tensor:  # [T, H]
+                keys: list[torch.Tensor], values: list[torch.Tensor], tables: torch.Tensor,
+                rows: torch.Tensor, slots: torch.Tensor, limits: torch.Tensor,
+                extras: torch.Tensor) -> torch.Tensor:  # [T, H]
         ...
 
 
@@ -98,7 +98,7 @@ class Stack:
     head_dim: int
     scaling: float  # attention's
     dtype: torch.dtype  # the activations' and the KV buffers'
-    # [layer] each [rows, kv_heads, capacity, head_dim]: every sequence owns a row
+    # [layer] each a pool [blocks, kv_heads, BLOCK, head_dim] (``runtime.runner.kv_blocks``)
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     kernels: ModuleType | None = None  # the native kernels (``runtime.native.kernels``), or None

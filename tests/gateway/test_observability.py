@@ -28,6 +28,7 @@ from observability.metrics import Metrics, start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import RequestSpan, build_tracer_provider
 from runtime.runner.causal_lm import CausalLM
+from runtime.runner.kv_blocks import blocks_for
 from tests.conftest import free_port, require_program
 from tests.gateway.conftest import TINY, in_process, live_server, openai_client, tiny_settings
 
@@ -460,15 +461,18 @@ class GatedDrafter(BaseDrafter):
         return None
 
 
-async def test_the_engine_bounds_and_its_reserved_kv_are_exported(tiny_target: CausalLM
-                                                                   ) -> None:
+async def test_the_engine_bounds_and_its_kv_blocks_are_exported(tiny_target: CausalLM
+                                                                 ) -> None:
     """Queue and KV use can be read as shares of their bounds: the bounds are exported,
-    and the KV gauge reads what admission counts for the running requests."""
+    and the KV gauges read the blocks the running requests hold, as the pool counts them:
+    a running request's prompt and its first token, not its longest answer."""
     drafter = GatedDrafter()
     engine = Engine(tiny_target, {"gate": drafter}, default_drafter="gate", max_queue=5,
                     max_active=3, max_kv_bytes=64 << 20)
     engine.start()
     telemetry, _ = _telemetry()
+    block_bytes = tiny_target.kv_block_bytes
+    pool = (64 << 20) // block_bytes
     try:
         async with in_process(create_app(tiny_settings(), engine=engine,
                                          telemetry=telemetry)) as client:
@@ -476,18 +480,22 @@ async def test_the_engine_bounds_and_its_reserved_kv_are_exported(tiny_target: C
             assert _total(idle, "specserve_max_requests_waiting") == 5
             assert _total(idle, "specserve_max_requests_running") == 3
             assert _total(idle, "specserve_kv_cache_limit_bytes") == 64 << 20
-            assert _total(idle, "specserve_kv_cache_reserved_bytes") == 0
-            prompt = [1, 2, 3, 4, 5]
+            assert _total(idle, "specserve_kv_cache_used_bytes") == 0
+            assert _total(idle, "specserve_kv_blocks_free") == pool
+            assert _total(idle, "specserve_preemptions_total") == 0
+            prompt = [1, 2, 3, 4, 5] * 5  # 25 tokens: two blocks
             reply = asyncio.create_task(client.post("/v1/completions", json={
-                "model": TINY, "prompt": prompt, "max_tokens": 8, "temperature": 0}))
+                "model": TINY, "prompt": prompt, "max_tokens": 200, "temperature": 0}))
             assert await asyncio.to_thread(drafter.entered.wait, 30), "no round drafted"
             busy = _samples(telemetry.metrics)
             drafter.release_all.set()
             assert (await reply).status_code == 200
-        reserved = _total(busy, "specserve_kv_cache_reserved_bytes")
-        assert reserved == tiny_target.kv_bytes(1, len(prompt) + 8 + 1) > 0
+        assert _total(busy, "specserve_kv_blocks_used") == blocks_for(len(prompt)) == 2
+        assert _total(busy, "specserve_kv_cache_used_bytes") == 2 * block_bytes
+        assert _total(busy, "specserve_kv_blocks_free") == pool - 2
+        assert _total(busy, "specserve_kv_blocks_shared") == 0
         assert _total(busy, "specserve_num_requests_running") == 1
-        assert _total(_samples(telemetry.metrics), "specserve_kv_cache_reserved_bytes") == 0
+        assert _total(_samples(telemetry.metrics), "specserve_kv_blocks_used") == 0
     finally:
         drafter.release_all.set()
         engine.shutdown()
@@ -495,10 +503,15 @@ async def test_the_engine_bounds_and_its_reserved_kv_are_exported(tiny_target: C
 
 def test_an_unbounded_kv_exports_no_limit() -> None:
     metrics = Metrics()
-    metrics.track_capacity(8, 2, None, lambda: 0)
-    names = {name for name, _ in _samples(metrics)}
-    assert "specserve_kv_cache_reserved_bytes" in names
+    metrics.track_capacity(8, 2, None, lambda: {"used": 3, "shared": 1, "block_bytes": 10,
+                                                "preemptions": 2})
+    samples = _samples(metrics)
+    names = {name for name, _ in samples}
     assert "specserve_kv_cache_limit_bytes" not in names
+    assert "specserve_kv_blocks_free" not in names
+    assert _total(samples, "specserve_kv_cache_used_bytes") == 30
+    assert _total(samples, "specserve_kv_blocks_shared") == 1
+    assert _total(samples, "specserve_preemptions_total") == 2
 
 
 def test_the_invariance_check_and_the_cache_are_read_at_scrape_time() -> None:

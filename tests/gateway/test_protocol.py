@@ -28,6 +28,7 @@ from gateway.server import create_app
 from gateway.wire.errors import InvalidRequestError
 from gateway.wire.requests import ChatCompletionRequest, CompletionRequest
 from runtime.runner.causal_lm import CausalLM
+from runtime.runner.kv_blocks import BLOCK
 from tests.gateway.conftest import tiny_settings
 
 LIMITS = Limits(max_context=100, max_prompt_tokens=None, max_tokens=40, timeout_s=5.0,
@@ -251,15 +252,19 @@ def test_a_kv_budget_bounds_an_answer_without_max_tokens() -> None:
     assert generation_requests(asked, [PROMPT], budget, "i")[0].max_new_tokens == 90
 
 
-def test_budget_positions_follow_the_kv_sizes(tiny_target: CausalLM) -> None:
-    """The positions one sequence may hold: all of the context under a large budget,
-    and the largest count whose KV fits under a small one."""
-    assert budget_positions(KvBudget(tiny_target, None)) is None
-    assert budget_positions(KvBudget(tiny_target, 1 << 40)) is None
-    one = tiny_target.kv_bytes(1, tiny_target.max_context)  # the context's end passes it
-    small = budget_positions(KvBudget(tiny_target, one))
-    assert small is not None and small < tiny_target.max_context + 1
-    assert tiny_target.kv_bytes(1, small) <= one < tiny_target.kv_bytes(1, small + 1)
+def test_budget_positions_are_the_pool_s_blocks(tiny_target: CausalLM) -> None:
+    """The positions one sequence may hold: all of the context under a large budget (or
+    none), and the pool's whole blocks under a small one."""
+    try:
+        tiny_target.set_kv_budget(None)
+        assert budget_positions(KvBudget(tiny_target, None)) is None
+        tiny_target.set_kv_budget(1 << 40)
+        assert budget_positions(KvBudget(tiny_target, 1 << 40)) is None
+        small = 5 * tiny_target.kv_block_bytes + 1  # five blocks, and a byte of a sixth
+        tiny_target.set_kv_budget(small)
+        assert budget_positions(KvBudget(tiny_target, small)) == 5 * BLOCK
+    finally:
+        tiny_target.set_kv_budget(None)
 
 
 @pytest.mark.parametrize(("model", "payload", "field", "value"), [

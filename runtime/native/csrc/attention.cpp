@@ -1,5 +1,7 @@
 // Attention over the cache: each query reads exactly the keys it may see (no padding, no
 // masks), so a verify pass gives each position a one-token step's logits by construction.
+// The keys and values lie in blocks of a pool, found through the sequence's block table
+// (KvPages): where a key lies changes no operation on it.
 //
 // A key's score is one sum per lane of 16 (the first of a head's 16-dimension chunks
 // multiplied, then each next chunk fused in), the lanes added by vec.h's fixed tree; the
@@ -25,6 +27,13 @@ constexpr int kValueHeads = 2, kValueChunks = 2;  // 8 of the 16 registers
 constexpr int kValueHeads = 6, kValueChunks = 4;
 #endif
 
+// One sequence's key/value head in the pools: where each of its positions lies
+struct HeadCache {
+  const KvPages& pages;
+  int64_t row, head;
+  int64_t at(int64_t position) const { return pages.at(row, head, position); }
+};
+
 // s [seen] scores -> e^(s - max) in place; returns 1 / their sum (16 lanes, summed by
 // halves)
 float softmax(float* s, int64_t seen) {
@@ -44,8 +53,8 @@ float softmax(float* s, int64_t seen) {
 // 16 dimensions at a time with the sums in registers (a sum kept in memory would wait on
 // its own store every key)
 template <typename T, int SUB>
-void weigh_values(const T* values, int64_t limit, int64_t extra, int64_t seen, int64_t dim,
-                  const float* p, int64_t stride, const float* inv, T* out) {
+void weigh_values(const T* values, const HeadCache& cache, int64_t limit, int64_t extra, int64_t seen,
+                  int64_t dim, const float* p, int64_t stride, const float* inv, T* out) {
   constexpr int CH = kValueChunks;
   for (int64_t d0 = 0; d0 < dim; d0 += 16 * CH) {
     const int chunks = static_cast<int>(std::min<int64_t>(16 * CH, dim - d0) / 16);
@@ -53,7 +62,7 @@ void weigh_values(const T* values, int64_t limit, int64_t extra, int64_t seen, i
     for (int g = 0; g < SUB; ++g)
       for (int c = 0; c < CH; ++c) acc[g][c] = zero();
     for (int64_t j = 0; j < seen; ++j) {
-      const T* v = values + (j < limit ? j : extra) * dim + d0;
+      const T* v = values + cache.at(j < limit ? j : extra) + d0;
       F16 row[CH];
       for (int c = 0; c < CH; ++c) row[c] = c < chunks ? load(v + 16 * c) : zero();
       for (int g = 0; g < SUB; ++g) {
@@ -72,8 +81,8 @@ void weigh_values(const T* values, int64_t limit, int64_t extra, int64_t seen, i
 // and, when extra >= limit, the key at slot `extra` too. Each key and value is read once
 // for the group.
 template <typename T>
-void attend_task(const T* q, const T* keys, const T* values, T* out, int64_t limit,
-                 int64_t extra, int64_t group, int64_t dim, float scale,
+void attend_task(const T* q, const T* keys, const T* values, const HeadCache& cache, T* out,
+                 int64_t limit, int64_t extra, int64_t group, int64_t dim, float scale,
                  std::vector<float>& scores) {
   const int64_t chunks = dim / 16;
   const int64_t seen = limit + (extra >= limit ? 1 : 0);
@@ -92,11 +101,13 @@ void attend_task(const T* q, const T* keys, const T* values, T* out, int64_t lim
         continue;
       }
       const int64_t slot = j0 + jj < limit ? j0 + jj : extra;
-      const T* k = keys + slot * dim;
+      const int64_t at = cache.at(slot);
+      const T* k = keys + at;
       // the cache was written a pass ago and the weights have streamed through the caches
       // since: fetch the keys a few rows ahead, and each value row as its key is scored
-      prefetch_row(k + kKeysAhead * dim, dim * sizeof(T));
-      prefetch_row(values + slot * dim, dim * sizeof(T));
+      if (j0 + jj + kKeysAhead < limit)
+        prefetch_row(keys + cache.at(j0 + jj + kKeysAhead), dim * sizeof(T));
+      prefetch_row(values + at, dim * sizeof(T));
       for (int64_t c = 0; c < chunks; ++c) kv[c] = load(k + c * 16);
       for (int64_t g = 0; g < group; ++g) {
         F16 acc = mul(qv[g][0], kv[0]);
@@ -118,7 +129,7 @@ void attend_task(const T* q, const T* keys, const T* values, T* out, int64_t lim
 #define SPECSERVE_HEADS(N)                                                         \
   case N:                                                                          \
     if constexpr (N <= kValueHeads)                                                \
-      weigh_values<T, N>(values, limit, extra, seen, dim, p, seen, inv + g, o);    \
+      weigh_values<T, N>(values, cache, limit, extra, seen, dim, p, seen, inv + g, o); \
     break;
       SPECSERVE_HEADS(1) SPECSERVE_HEADS(2) SPECSERVE_HEADS(3)
       SPECSERVE_HEADS(4) SPECSERVE_HEADS(5) SPECSERVE_HEADS(6)
@@ -130,8 +141,8 @@ void attend_task(const T* q, const T* keys, const T* values, T* out, int64_t lim
 // attend_task for a head_dim that is not a multiple of 16, one query head at a time: the
 // same steps with the lanes of each chunk that exist
 template <typename T>
-void attend_task_any(const T* q, const T* keys, const T* values, T* out, int64_t limit,
-                     int64_t extra, int64_t group, int64_t dim, float scale,
+void attend_task_any(const T* q, const T* keys, const T* values, const HeadCache& cache, T* out,
+                     int64_t limit, int64_t extra, int64_t group, int64_t dim, float scale,
                      std::vector<float>& scores) {
   const int64_t seen = limit + (extra >= limit ? 1 : 0);
   scores.resize(static_cast<size_t>(seen));
@@ -139,7 +150,7 @@ void attend_task_any(const T* q, const T* keys, const T* values, T* out, int64_t
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t i = 0; i < dim; ++i) qf[i] = load(q + g * dim, i) * scale;
     for (int64_t j = 0; j < seen; ++j) {
-      const T* k = keys + (j < limit ? j : extra) * dim;
+      const T* k = keys + cache.at(j < limit ? j : extra);
       float lanes[16];
       for (int l = 0; l < 16; ++l) lanes[l] = l < dim ? qf[l] * load(k, l) : 0.0f;
       for (int64_t i = 16; i < dim; ++i) lanes[i % 16] = std::fma(qf[i], load(k, i), lanes[i % 16]);
@@ -148,7 +159,7 @@ void attend_task_any(const T* q, const T* keys, const T* values, T* out, int64_t
     const float inv = softmax(scores.data(), seen);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < seen; ++j) {
-      const T* v = values + (j < limit ? j : extra) * dim;
+      const T* v = values + cache.at(j < limit ? j : extra);
       for (int64_t i = 0; i < dim; ++i) acc[i] = std::fma(scores[j], load(v, i), acc[i]);
     }
     for (int64_t i = 0; i < dim; ++i) store(out + g * dim, i, acc[i] * inv);
@@ -158,9 +169,10 @@ void attend_task_any(const T* q, const T* keys, const T* values, T* out, int64_t
 }  // namespace
 
 template <typename T>
-void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* row,
-                 const int64_t* limit, const int64_t* extra, int64_t tokens, int64_t heads,
-                 int64_t kv_heads, int64_t dim, int64_t capacity, float scale) {
+void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const KvPages& pages,
+                 const int64_t* row, const int64_t* limit, const int64_t* extra,
+                 int64_t tokens, int64_t heads, float scale) {
+  const int64_t kv_heads = pages.kv_heads, dim = pages.dim;
   const int64_t group = heads / kv_heads;
   const bool chunked = dim % 16 == 0 && dim / 16 <= kMaxChunks;
   // a task: a token's query heads of one key/value head, or an even part of them where
@@ -176,30 +188,27 @@ void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* ro
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t t = task / (kv_heads * parts), h = task / parts % kv_heads;
       const int64_t g0 = task % parts * part, size = std::min(part, group - g0);
-      const int64_t base = (row[t] * kv_heads + h) * capacity * dim;
+      const HeadCache cache{pages, row[t], h};
       const int64_t at = (t * heads + h * group + g0) * dim;
       if (chunked)
-        attend_task<T>(qp + at, kp + base, vp + base, op + at, limit[t], extra[t], size, dim,
-                       scale, scores);
+        attend_task<T>(qp + at, kp, vp, cache, op + at, limit[t], extra[t], size, dim, scale,
+                       scores);
       else
-        attend_task_any<T>(qp + at, kp + base, vp + base, op + at, limit[t], extra[t], size,
-                           dim, scale, scores);
+        attend_task_any<T>(qp + at, kp, vp, cache, op + at, limit[t], extra[t], size, dim, scale,
+                           scores);
     }
   });
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                  const at::Tensor& rows, const at::Tensor& limits, const at::Tensor& extras,
-                  double scale) {
+                  const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& limits,
+                  const at::Tensor& extras, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [tokens, heads, dim]");
-  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() &&
-                  keys.sizes() == values.sizes() && keys.size(3) == q.size(2),
-              "keys/values must be contiguous [rows, kv_heads, capacity, dim]");
-  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
-              "q, keys and values must share a dtype");
-  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = keys.size(1), capacity = keys.size(2), kv_rows = keys.size(0);
-  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  const KvPages pages = kv_pages(keys, values, tables);
+  TORCH_CHECK(pages.dim == q.size(2), "keys/values must be pools [blocks, kv_heads, block, dim]");
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type(), "q, keys and values must share a dtype");
+  const int64_t tokens = q.size(0), heads = q.size(1);
+  TORCH_CHECK(heads % pages.kv_heads == 0, "heads must be a multiple of kv_heads");
   for (const at::Tensor* t : {&rows, &limits, &extras})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == tokens && t->is_contiguous(),
                 "rows/limits/extras must be contiguous int64 [tokens]");
@@ -207,24 +216,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const int64_t* limit = limits.data_ptr<int64_t>();
   const int64_t* extra = extras.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(row[t] >= 0 && row[t] < kv_rows && limit[t] >= 1 && limit[t] <= capacity &&
-                    extra[t] < capacity,
-                "a token's cache row or key range is out of range");
-  at::Tensor out = at::empty({tokens, heads * dim}, q.options());
+    TORCH_CHECK(row[t] >= 0 && row[t] < tables.size(0) && limit[t] >= 1 &&
+                    limit[t] <= pages.positions() && extra[t] < pages.positions(),
+                "a token's table row or key range is out of range");
+  at::Tensor out = at::empty({tokens, heads * pages.dim}, q.options());
   DISPATCH(q.scalar_type(), "attend", [&] {
     attend_rows<scalar_t>(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(),
-                          values.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), row, limit, extra,
-                          tokens, heads, kv_heads, dim, capacity, static_cast<float>(scale));
+                          values.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), pages, row,
+                          limit, extra, tokens, heads, static_cast<float>(scale));
   });
   return out;
 }
 
-template void attend_rows<float>(const float*, const float*, const float*, float*, const int64_t*,
-                                 const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
+template void attend_rows<float>(const float*, const float*, const float*, float*,
+                                 const KvPages&, const int64_t*, const int64_t*, const int64_t*,
                                  int64_t, int64_t, float);
 template void attend_rows<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*,
-                                         const c10::BFloat16*, c10::BFloat16*, const int64_t*,
-                                         const int64_t*, const int64_t*, int64_t, int64_t,
-                                         int64_t, int64_t, int64_t, float);
+                                         const c10::BFloat16*, c10::BFloat16*, const KvPages&,
+                                         const int64_t*, const int64_t*, const int64_t*,
+                                         int64_t, int64_t, float);
 
 }  // namespace specserve

@@ -80,17 +80,19 @@ DraftChain(stack, embedding, embedding_kind, head, head_kind, head_out, head_bia
     carried hidden being [fuse_in - hidden] wide: the caller's rows at step 0, then each
     sequence's stack output of the step before (None: the embedding enters the stack).
 
-run(ids, positions, rows, slots, limits, extras, last, steps, cos, sin, keys, values, carried)
+run(ids, positions, tables, rows, slots, limits, extras, last, steps, cos, sin, keys, values,
+    carried)
   Step 0 is one stack pass over the round's fed tokens, packed as runtime.runner.layout.Layout packs
-  them (ids [T] and its int64 [T] positions, cache rows, cache slots, limits, extras); last
+  them (ids [T] and its int64 [T] positions, block-table rows, cache slots, limits, extras;
+  tables [rows, width] int64, each row a sequence's blocks in the pools); last
   [n]: the index in that pass of each sequence's last fed token; steps [n] (>= 1): how many
   tokens each sequence drafts. Each step takes each sequence's logits after its last token,
   picks the first of the largest (the lowest id among ties) and, while the sequence drafts
-  more, feeds that token at the next position and slot of its cache row (limit + 1, no
+  more, feeds that token at the next position and slot of its table row (limit + 1, no
   extra). cos/sin: the rotary tables [positions, dim] by position (runtime.runner.stack.Rotary's),
-  covering every position the steps reach. keys/values: the stack's cache per layer,
-  [rows, kv_heads, capacity, dim], with room for the fed tokens and steps - 1 more; the cache
-  grows by them. carried: [T, fuse_in - hidden] in the model's dtype with an input fusion,
+  covering every position the steps reach. keys/values: the stack's cache per layer, pools
+  [blocks, kv_heads, block, dim]; each table row holds blocks for the fed tokens and steps - 1
+  more; the cache grows by them. carried: [T, fuse_in - hidden] in the model's dtype with an input fusion,
   else None.
   Returns (tokens [n, max steps] int64, -1 past a sequence's steps; their probabilities
   [n, max steps] float32, each the softmax's largest over the head's tokens below vocab;

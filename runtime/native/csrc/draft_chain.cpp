@@ -186,7 +186,8 @@ void DraftChain::pick(const at::Tensor& logits, int64_t row, bool second, int64_
 }
 
 std::vector<at::Tensor> DraftChain::run(const at::Tensor& ids, const at::Tensor& positions,
-                                        const at::Tensor& rows, const at::Tensor& slots,
+                                        const at::Tensor& tables, const at::Tensor& rows,
+                                        const at::Tensor& slots,
                                         const at::Tensor& limits, const at::Tensor& extras,
                                         const at::Tensor& last, const at::Tensor& steps,
                                         const at::Tensor& cos, const at::Tensor& sin,
@@ -243,8 +244,8 @@ std::vector<at::Tensor> DraftChain::run(const at::Tensor& ids, const at::Tensor&
       x = product(fuse_, at::cat({x, carry}, 1));
     }
     at::Tensor h = stack_.forward(x, cos.index_select(0, step_positions),
-                                  sin.index_select(0, step_positions), keys, values, step_rows,
-                                  step_slots, step_limits, step_extras);
+                                  sin.index_select(0, step_positions), keys, values, tables,
+                                  step_rows, step_slots, step_limits, step_extras);
     h = h.index_select(0, picked);  // [active, H]: each sequence's last token's
     at::Tensor logits = head_logits(h);
     const int64_t m = static_cast<int64_t>(active.size());

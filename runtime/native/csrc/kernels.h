@@ -20,15 +20,36 @@ template <typename T>
 void rms_norm_rows(const T* hidden, const T* delta, const T* weight, T* hidden_out, T* normed,
                    int64_t tokens, int64_t n, double eps);
 
-// The rotated queries [tokens, heads, dim]; the rotated keys and the values go to
-// keys/values [rows, kv_heads, capacity, dim] at (rows[t], slots[t]).
+// The KV cache in blocks: each layer's keys (and values) are one pool [blocks, kv_heads,
+// block, dim], and a sequence reads and writes its positions through its row of a block
+// table [rows, width] (int64): position p of table row r lies in block tables[r][p / block],
+// at row p % block of it. A block holds a power of two of positions.
+struct KvPages {
+  const int64_t* tables = nullptr;
+  int64_t width = 0;    // blocks a table row
+  int64_t shift = 0;    // log2 of the positions a block
+  int64_t kv_heads = 0, dim = 0;
+  // where position p of table row r's key/value head h starts, in elements of the pool
+  int64_t at(int64_t r, int64_t h, int64_t p) const {
+    const int64_t block = tables[r * width + (p >> shift)];
+    return ((block * kv_heads + h) << shift | (p & ((int64_t{1} << shift) - 1))) * dim;
+  }
+  int64_t positions() const { return width << shift; }  // a table row's reach
+};
+// The pages of a pool of keys (and values of its shape) read through `tables`; checks the
+// shapes, the block size, and that every entry of the tables names a block of the pool.
+KvPages kv_pages(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables);
+
+// The rotated queries [tokens, heads, dim]; the rotated keys and the values go to the
+// pools keys/values at position slots[t] of table row rows[t] (KvPages).
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                      at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
-                      const at::Tensor& slots, int64_t heads, int64_t kv_heads);
+                      at::Tensor& keys, at::Tensor& values, const at::Tensor& tables,
+                      const at::Tensor& rows, const at::Tensor& slots, int64_t heads,
+                      int64_t kv_heads);
 template <typename T>
 void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* values, T* q_out,
-                     const int64_t* rows, const int64_t* slots, int64_t tokens, int64_t heads,
-                     int64_t kv_heads, int64_t dim, int64_t capacity);
+                     const KvPages& pages, const int64_t* rows, const int64_t* slots,
+                     int64_t tokens, int64_t heads);
 
 // silu(gate) * up of a fused [tokens, 2n] gate/up product: [tokens, n].
 at::Tensor silu_mul(const at::Tensor& gate_up);
@@ -37,16 +58,16 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t n);
 
 // --- attention.cpp
 
-// q [tokens, heads, dim] against keys/values [rows, kv_heads, capacity, dim]: token t sees
-// keys [0, limits[t]) of cache row rows[t], and the key at extras[t] when that is >= its
-// limit (an alternative's own key). Returns [tokens, heads * dim].
+// q [tokens, heads, dim] against the pools keys/values: token t sees positions
+// [0, limits[t]) of table row rows[t] (KvPages), and the one at extras[t] when that is >=
+// its limit (an alternative's own key). Returns [tokens, heads * dim].
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                  const at::Tensor& rows, const at::Tensor& limits, const at::Tensor& extras,
-                  double scale);
+                  const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& limits,
+                  const at::Tensor& extras, double scale);
 template <typename T>
-void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* row,
-                 const int64_t* limit, const int64_t* extra, int64_t tokens, int64_t heads,
-                 int64_t kv_heads, int64_t dim, int64_t capacity, float scale);
+void attend_rows(const T* qp, const T* kp, const T* vp, T* op, const KvPages& pages,
+                 const int64_t* row, const int64_t* limit, const int64_t* extra,
+                 int64_t tokens, int64_t heads, float scale);
 
 // --- block_products.cpp: 4- and 8-bit block matrices with int8 activations
 
@@ -134,8 +155,8 @@ class LayerStack {
   // hidden [T, H] (the model's dtype) -> the final norm of the last layer's output, [T, H]
   at::Tensor forward(const at::Tensor& embedded, const at::Tensor& cos, const at::Tensor& sin,
                      std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
-                     const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& limits,
-                     const at::Tensor& extras) const;
+                     const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& slots,
+                     const at::Tensor& limits, const at::Tensor& extras) const;
 
   int64_t layers() const { return static_cast<int64_t>(packed_.size() / 4); }
   int64_t hidden() const { return norms_[0].numel(); }
@@ -146,9 +167,9 @@ class LayerStack {
   template <typename T>
   at::Tensor forward_native(const at::Tensor& embedded, const at::Tensor& cos,
                             const at::Tensor& sin, const std::vector<at::Tensor>& keys,
-                            const std::vector<at::Tensor>& values, const at::Tensor& rows,
-                            const at::Tensor& slots, const at::Tensor& limits,
-                            const at::Tensor& extras) const;
+                            const std::vector<at::Tensor>& values, const at::Tensor& tables,
+                            const at::Tensor& rows, const at::Tensor& slots,
+                            const at::Tensor& limits, const at::Tensor& extras) const;
   at::Tensor product(const at::Tensor& x, size_t i) const;
 
   std::vector<at::Tensor> packed_, scales_zeros_;
@@ -185,7 +206,8 @@ class DraftChain {
              c10::optional<at::Tensor> fuse_bias);
 
   std::vector<at::Tensor> run(const at::Tensor& ids, const at::Tensor& positions,
-                              const at::Tensor& rows, const at::Tensor& slots,
+                              const at::Tensor& tables, const at::Tensor& rows,
+                              const at::Tensor& slots,
                               const at::Tensor& limits, const at::Tensor& extras,
                               const at::Tensor& last, const at::Tensor& steps,
                               const at::Tensor& cos, const at::Tensor& sin,

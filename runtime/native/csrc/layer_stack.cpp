@@ -101,9 +101,9 @@ LayerStack::LayerStack(std::vector<at::Tensor> packed, std::vector<at::Tensor> s
 template <typename T>
 at::Tensor LayerStack::forward_native(const at::Tensor& embedded, const at::Tensor& cos,
                           const at::Tensor& sin, const std::vector<at::Tensor>& keys,
-                          const std::vector<at::Tensor>& values, const at::Tensor& rows,
-                          const at::Tensor& slots, const at::Tensor& limits,
-                          const at::Tensor& extras) const {
+                          const std::vector<at::Tensor>& values, const at::Tensor& tables,
+                          const at::Tensor& rows, const at::Tensor& slots,
+                          const at::Tensor& limits, const at::Tensor& extras) const {
   check_rows(embedded, "hidden");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
@@ -115,15 +115,15 @@ at::Tensor LayerStack::forward_native(const at::Tensor& embedded, const at::Tens
                   cos.scalar_type() == dtype_ && sin.scalar_type() == dtype_,
               "cos/sin must be [tokens, ", dim, "] in the model's dtype");
   const at::Tensor& first = keys[0];
-  TORCH_CHECK(first.dim() == 4 && first.size(1) == kv_heads_ && first.size(3) == dim,
-              "keys/values must be [rows, kv_heads, capacity, dim]");
+  const KvPages pages = kv_pages(first, values[0], tables);
+  TORCH_CHECK(pages.kv_heads == kv_heads_ && pages.dim == dim,
+              "keys/values must be pools [blocks, kv_heads, block, dim]");
   for (size_t l = 0; l < keys.size(); ++l)
     for (const at::Tensor* t : {&keys[l], &values[l]})
       TORCH_CHECK(t->sizes() == first.sizes() && t->is_contiguous() &&
                       t->scalar_type() == dtype_,
                   "every layer's keys/values must be contiguous, of one shape, in the "
                   "model's dtype");
-  const int64_t kv_rows = first.size(0), capacity = first.size(2);
   for (const at::Tensor* t : {&rows, &slots, &limits, &extras})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == tokens && t->is_contiguous(),
                 "rows/slots/limits/extras must be contiguous int64 [tokens]");
@@ -132,9 +132,10 @@ at::Tensor LayerStack::forward_native(const at::Tensor& embedded, const at::Tens
   const int64_t* limit = limits.data_ptr<int64_t>();
   const int64_t* extra = extras.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(row[t] >= 0 && row[t] < kv_rows && slot[t] >= 0 && slot[t] < capacity &&
-                    limit[t] >= 1 && limit[t] <= capacity && extra[t] < capacity,
-                "a token's cache row, slot or key range is out of range");
+    TORCH_CHECK(row[t] >= 0 && row[t] < tables.size(0) && slot[t] >= 0 &&
+                    slot[t] < pages.positions() && limit[t] >= 1 &&
+                    limit[t] <= pages.positions() && extra[t] < pages.positions(),
+                "a token's table row, slot or key range is out of range");
   // hidden (updated in place), normed, q/k/v, q rotated, attention's output, a product's
   // output before the residual addition, gate/up, the gated activation
   at::Tensor buffer = at::empty(
@@ -174,11 +175,10 @@ at::Tensor LayerStack::forward_native(const at::Tensor& embedded, const at::Tens
       T* vp = values[l].data_ptr<T>();
       product(x, hidden, 4 * l, qkv);
       sync();
-      rope_store_rows<T>(qkv, cp, sp, kp, vp, q, row, slot, tokens, heads_, kv_heads_, dim,
-                         capacity);
+      rope_store_rows<T>(qkv, cp, sp, kp, vp, q, pages, row, slot, tokens, heads_);
       sync();
-      attend_rows<T>(q, kp, vp, out, row, limit, extra, tokens, heads_, kv_heads_, dim,
-                     capacity, static_cast<float>(scale_));
+      attend_rows<T>(q, kp, vp, out, pages, row, limit, extra, tokens, heads_,
+                     static_cast<float>(scale_));
       sync();
       product(out, attended, 4 * l + 1, delta);
       sync();
@@ -217,22 +217,23 @@ at::Tensor LayerStack::forward_native(const at::Tensor& embedded, const at::Tens
 // hidden [T, H] (the model's dtype) -> the final norm of the last layer's output, [T, H]
 at::Tensor LayerStack::forward(const at::Tensor& embedded, const at::Tensor& cos, const at::Tensor& sin,
                    std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
-                   const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& limits,
-                   const at::Tensor& extras) const {
+                   const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& slots,
+                   const at::Tensor& limits, const at::Tensor& extras) const {
   const size_t layers = packed_.size() / 4;
   TORCH_CHECK(keys.size() == layers && values.size() == layers, "one cache per layer");
   TORCH_CHECK(embedded.scalar_type() == dtype_, "these layers take ", dtype_);
   if (native_ && dtype_ == at::kFloat)
-    return forward_native<float>(embedded, cos, sin, keys, values, rows, slots, limits, extras);
+    return forward_native<float>(embedded, cos, sin, keys, values, tables, rows, slots, limits,
+                                 extras);
   if (native_)
-    return forward_native<c10::BFloat16>(embedded, cos, sin, keys, values, rows, slots, limits,
-                                         extras);
+    return forward_native<c10::BFloat16>(embedded, cos, sin, keys, values, tables, rows, slots,
+                                         limits, extras);
   std::vector<at::Tensor> state = add_rms_norm(embedded.contiguous(), c10::nullopt, norms_[0], eps_[0]);
   at::Tensor hidden = state[0], x = state[1];
   for (size_t l = 0; l < layers; ++l) {
-    at::Tensor q = rope_store(product(x, 4 * l), cos, sin, keys[l], values[l], rows, slots,
-                              heads_, kv_heads_);
-    at::Tensor out = attend(q, keys[l], values[l], rows, limits, extras, scale_);
+    at::Tensor q = rope_store(product(x, 4 * l), cos, sin, keys[l], values[l], tables, rows,
+                              slots, heads_, kv_heads_);
+    at::Tensor out = attend(q, keys[l], values[l], tables, rows, limits, extras, scale_);
     state = add_rms_norm(hidden, product(out, 4 * l + 1), norms_[2 * l + 1], eps_[2 * l + 1]);
     hidden = state[0];
     at::Tensor gated = silu_mul(product(state[1], 4 * l + 2));

@@ -87,8 +87,9 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const c10::option
 
 template <typename T>
 void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* values, T* q_out,
-                     const int64_t* rows, const int64_t* slots, int64_t tokens, int64_t heads,
-                     int64_t kv_heads, int64_t dim, int64_t capacity) {
+                     const KvPages& pages, const int64_t* rows, const int64_t* slots,
+                     int64_t tokens, int64_t heads) {
+  const int64_t kv_heads = pages.kv_heads, dim = pages.dim;
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
   split(0, tokens, kTokenGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
@@ -98,9 +99,8 @@ void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* value
       const int64_t row = rows[t], slot = slots[t];
       for (int64_t head = 0; head < heads + kv_heads; ++head) {
         const T* in = x + head * dim;
-        T* out = head < heads
-                     ? q_out + (t * heads + head) * dim
-                     : keys + ((row * kv_heads + (head - heads)) * capacity + slot) * dim;
+        T* out = head < heads ? q_out + (t * heads + head) * dim
+                              : keys + pages.at(row, head - heads, slot);
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = load(in, i), x2 = load(in, i + half);
           const float ci = load(c, i), si = load(s, i);
@@ -112,16 +112,38 @@ void rope_store_rows(const T* qkv, const T* cos, const T* sin, T* keys, T* value
       }
       for (int64_t head = 0; head < kv_heads; ++head) {
         const T* in = x + (heads + kv_heads + head) * dim;
-        std::memcpy(values + ((row * kv_heads + head) * capacity + slot) * dim, in,
-                    dim * sizeof(T));
+        std::memcpy(values + pages.at(row, head, slot), in, dim * sizeof(T));
       }
     }
   });
 }
 
+KvPages kv_pages(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables) {
+  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() &&
+                  keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type(),
+              "keys/values must be contiguous pools [blocks, kv_heads, block, dim] of one dtype");
+  const int64_t block = keys.size(2), blocks = keys.size(0);
+  TORCH_CHECK(block > 0 && (block & (block - 1)) == 0, "a block's positions must be a power of two");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() &&
+                  tables.size(1) > 0,
+              "tables must be contiguous int64 [rows, width]");
+  const int64_t* entry = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(entry[i] >= 0 && entry[i] < blocks, "a block table names block ", entry[i],
+                " of a pool of ", blocks);
+  KvPages pages;
+  pages.tables = entry;
+  pages.width = tables.size(1);
+  while ((int64_t{1} << pages.shift) < block) ++pages.shift;
+  pages.kv_heads = keys.size(1);
+  pages.dim = keys.size(3);
+  return pages;
+}
+
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                      at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
-                      const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+                      at::Tensor& keys, at::Tensor& values, const at::Tensor& tables,
+                      const at::Tensor& rows, const at::Tensor& slots, int64_t heads,
+                      int64_t kv_heads) {
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
@@ -129,10 +151,9 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
               "qkv must be [tokens, (heads + 2 kv_heads) * dim]");
   TORCH_CHECK(cos.size(0) == tokens && sin.sizes() == cos.sizes(), "cos/sin must be [tokens, dim]");
-  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() &&
-                  keys.sizes() == values.sizes() && keys.size(1) == kv_heads &&
-                  keys.size(3) == dim,
-              "keys/values must be contiguous [rows, kv_heads, capacity, dim]");
+  const KvPages pages = kv_pages(keys, values, tables);
+  TORCH_CHECK(pages.kv_heads == kv_heads && pages.dim == dim,
+              "keys/values must be pools [blocks, kv_heads, block, dim]");
   for (const at::Tensor* t : {&cos, &sin, static_cast<const at::Tensor*>(&keys),
                               static_cast<const at::Tensor*>(&values)})
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "every tensor must have qkv's dtype");
@@ -143,14 +164,15 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(row[t] >= 0 && row[t] < keys.size(0) && slot[t] >= 0 && slot[t] < keys.size(2),
-                "a token's cache row or slot is out of range");
+    TORCH_CHECK(row[t] >= 0 && row[t] < tables.size(0) && slot[t] >= 0 &&
+                    slot[t] < pages.positions(),
+                "a token's table row or position is out of range");
   at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
   DISPATCH(qkv.scalar_type(), "rope_store", [&] {
     rope_store_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
                               sin.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(),
-                              values.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                              row, slot, tokens, heads, kv_heads, dim, keys.size(2));
+                              values.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), pages,
+                              row, slot, tokens, heads);
   });
   return q;
 }
@@ -195,9 +217,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 #define SPECSERVE_INSTANTIATE(T)                                                            \
   template void rms_norm_rows<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t,    \
                                  double);                                                   \
-  template void rope_store_rows<T>(const T*, const T*, const T*, T*, T*, T*, const int64_t*, \
-                                   const int64_t*, int64_t, int64_t, int64_t, int64_t,      \
-                                   int64_t);                                                \
+  template void rope_store_rows<T>(const T*, const T*, const T*, T*, T*, T*, const KvPages&, \
+                                   const int64_t*, const int64_t*, int64_t, int64_t);        \
   template void silu_mul_rows<T>(const T*, T*, int64_t, int64_t);
 SPECSERVE_INSTANTIATE(float)
 SPECSERVE_INSTANTIATE(c10::BFloat16)
