@@ -405,28 +405,29 @@ class Engine:
                    ) -> tuple[list[tuple[SequenceDecoder, int]], list[_Active], list[int]]:
         """The pass's work, once its sequences' KV blocks fit among the free ones: the
         newest running requests are preempted until they do (vLLM's recompute
-        preemption). A request alone that the pool cannot hold drafts nothing, and
-        then ends with ``length``: its KV budget is spent."""
-        free = self.scheduler.kv_budget.free()
-        if free is None:
+        preemption), whether or not they are in this pass (a prompt waiting for its next
+        chunk holds blocks too). A request alone that the pool cannot hold drafts nothing,
+        and then ends with ``length``: its KV budget is spent."""
+        budget = self.scheduler.kv_budget
+        if budget.limit is None:
             return prompts, decoding, lengths
         target = self.target
 
         def needed() -> int:
             blocks = 0
-            for decoder, limit in prompts:
+            for decoder, limit in prompts:  # (a prompt's first chunk may load a cached prefix)
                 state = decoder.live_state
-                blocks += target.kv_needed(state, state.length + min(limit, decoder.prefill_left))
+                fresh = state.length == 0 and decoder.prompt.prefilled == 0
+                chunk = decoder.prefill_left if fresh else min(limit, decoder.prefill_left)
+                blocks += target.kv_needed(state, state.length + chunk)
             for active, k in zip(decoding, lengths, strict=True):  # pending, drafts, alternative
                 state = active.decoder.live_state
                 blocks += target.kv_needed(state, state.length + k + 2)
             return blocks
 
-        while needed() > free:
-            busy = {id(d) for d, _ in prompts} | {id(a.decoder) for a in decoding}
-            victims = [a for a in self._active if id(a.decoder) in busy]
-            if len(victims) > 1:
-                victim = victims[-1]
+        while needed() > (budget.free() or 0):
+            if len(self._active) > 1:
+                victim = self._active[-1]  # the newest
                 self._preempt(victim)
                 prompts = [(d, n) for d, n in prompts if d is not victim.decoder]
                 kept = [i for i, a in enumerate(decoding) if a is not victim]
@@ -434,9 +435,9 @@ class Engine:
             elif any(lengths):
                 lengths = [0] * len(lengths)
             else:  # (a prompt alone always fits: submit refuses one beyond the pool)
-                for active in victims:
+                for active in decoding:
                     self._finish(active, active.decoder.final_event(FinishReason.LENGTH))
-                return [], [], []
+                return prompts, [], []
         return prompts, decoding, lengths
 
     def _admit(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime.runner.kv_blocks import KVUsage, blocks_for
+from runtime.runner.passes import KVUsage, blocks_for
 
 # Blocks a request needs free beyond its prompt's to be admitted: room to write its first
 # rounds (the pool's other free blocks are shared by every running request as they grow)

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from runtime.runner.kv_blocks import KVUsage
-from runtime.runner.passes import BatchItem, PreparedPass, TargetCapabilities
+from runtime.runner.passes import BatchItem, KVUsage, PreparedPass, TargetCapabilities
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

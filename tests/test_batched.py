@@ -13,10 +13,9 @@ from runtime.matrices import weights
 from runtime.runner import layout
 from runtime.runner.batched import BatchedLM, BatchedState
 from runtime.runner.causal_lm import CausalLM, TransformersLM
-from runtime.runner.kv_blocks import BLOCK, blocks_for
 from runtime.runner.layout import attention_blocks
 from runtime.runner.memory import FileRows
-from runtime.runner.passes import BatchItem
+from runtime.runner.passes import BLOCK, BatchItem, blocks_for
 from tests.batching import (
     PROMPTS,
     _alone,

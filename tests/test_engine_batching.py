@@ -23,7 +23,7 @@ from drafters.model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from runtime.runner.batched import BatchedLM, BatchedState
 from runtime.runner.causal_lm import CausalLM
-from runtime.runner.kv_blocks import BLOCK, blocks_for
+from runtime.runner.passes import BLOCK, blocks_for
 from tests.batching import (
     GREEDY,
     PROMPTS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decoding.kv_budget import ADMISSION_MARGIN, KvBudget
-from runtime.runner.kv_blocks import BLOCK, KVUsage
+from runtime.runner.passes import BLOCK, KVUsage
 
 
 @dataclass

@@ -12,7 +12,7 @@ from decoding.policy import MIN_CALIBRATION, AdaptiveSpeculation
 from decoding.scheduler import RunningStream, Scheduler
 from decoding.streams import RequestStream
 from decoding.types import GenerationRequest
-from runtime.runner.kv_blocks import BLOCK
+from runtime.runner.passes import BLOCK
 from tests.batching import _cost, _policy
 from tests.clocks import ManualClock
 from tests.test_kv_budget import PoolTarget

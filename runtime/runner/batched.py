@@ -45,10 +45,10 @@ from runtime.runner import fused, layers
 from runtime.runner.attention import GroupedAttention
 from runtime.runner.causal_lm import CausalLM, TransformersLM, head_subset
 from runtime.runner.chains import DraftChains, Fusion
-from runtime.runner.kv_blocks import BatchedState, KVBlocks, KVUsage
+from runtime.runner.kv_blocks import BatchedState, KVBlocks
 from runtime.runner.layout import Layout, check_items
 from runtime.runner.memory import release_plain_weights
-from runtime.runner.passes import BatchItem, DraftSteps, PreparedPass, TargetCapabilities
+from runtime.runner.passes import BatchItem, DraftSteps, KVUsage, PreparedPass, TargetCapabilities
 from runtime.runner.stack import Rotary, Stack
 
 if TYPE_CHECKING:

@@ -24,8 +24,14 @@ from runtime.models.causal_model import CausalModel
 from runtime.models.checkpoints import transformers_pretrained
 from runtime.models.families import attention_dims, kv_position_bytes
 from runtime.native import kernels
-from runtime.runner.kv_blocks import BLOCK, KVUsage, blocks_for
-from runtime.runner.passes import BatchItem, PreparedPass, TargetCapabilities
+from runtime.runner.passes import (
+    BLOCK,
+    BatchItem,
+    KVUsage,
+    PreparedPass,
+    TargetCapabilities,
+    blocks_for,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.runner.passes import BLOCK, KVUsage, blocks_for
 from runtime.runner.stack import Stack
 
 log = logging.getLogger(__name__)
 
-BLOCK = 16  # positions a block (a power of two: the kernels find a position by shifts)
 INITIAL_BLOCKS = 64  # the pool's size when idle (block 0 among them)
 NULL_BLOCK = 0  # pads tables; never written
 
@@ -53,22 +53,6 @@ class BatchedState:
     released: bool = False
     # the chained digest of each of its first blocks whose tokens it knows (``publish``)
     digests: list[bytes] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    """The pool's blocks: how many it may hold, how many sequences hold (each once), and
-    how many of those more than one sequence holds; positions a block."""
-
-    limit: int | None
-    used: int
-    shared: int
-    block: int = BLOCK
-
-
-def blocks_for(positions: int) -> int:
-    """Blocks that hold ``positions`` positions."""
-    return -(-positions // BLOCK)
 
 
 def chain_digests(tokens: Sequence[int], start: bytes = b"") -> list[bytes]:
@@ -108,11 +92,6 @@ class KVBlocks:
     def usage(self) -> KVUsage:
         shared = sum(1 for r in self._refs[1:] if r > 1)
         return KVUsage(self.limit, self._held, shared)
-
-    def available(self) -> int | None:
-        """Blocks sequences could still take (free or not yet allocated), or None without a
-        limit."""
-        return None if self.limit is None else self.limit - self._held
 
     def needed(self, state: BatchedState, positions: int) -> int:
         """The blocks ``state`` would take to hold ``positions`` positions: new ones, and
@@ -203,15 +182,6 @@ class KVBlocks:
         state.length = len(state.blocks) * BLOCK
         return state.length
 
-    def tables(self, states: Sequence[BatchedState], width: int) -> torch.Tensor:
-        """``[len(states), width]`` int64: each sequence's blocks, padded with the null one."""
-        table = torch.full((len(states), width), NULL_BLOCK, dtype=torch.long)
-        for row, state in enumerate(states):
-            n = min(width, len(state.blocks))
-            if n:
-                table[row, :n] = torch.tensor(state.blocks[:n], dtype=torch.long)
-        return table.to(self.device)
-
     @torch.inference_mode()
     def adopt_alternative(self, state: BatchedState, start: int, n: int) -> None:
         """Move the last of a pass's ``n`` positions from ``start`` (an alternative) to
@@ -277,13 +247,14 @@ class KVBlocks:
             self._free.append(block)
 
     def _make_room(self, need: int) -> None:
-        """Grow the pools until ``need`` blocks can be taken, or raise."""
-        if len(self._free) >= need:
-            return
+        """Raise unless ``need`` more blocks stay within the limit; grow the pools until
+        they can be taken."""
         held = self._held
         if self.limit is not None and held + need > self.limit:
             raise KVPoolExhausted(f"{need} more KV blocks are needed; {held} of "
                                   f"{self.limit} are held")
+        if len(self._free) >= need:
+            return
         wanted = max(held + need, 2 * self.size)
         if self.limit is not None:
             wanted = min(wanted, self.limit)

@@ -16,6 +16,25 @@ S = TypeVar("S")  # a runner's per-sequence state
 S_contra = TypeVar("S_contra", contravariant=True)
 
 
+BLOCK = 16  # KV positions a block (a power of two: the kernels find a position by shifts)
+
+
+def blocks_for(positions: int) -> int:
+    """KV blocks that hold ``positions`` positions."""
+    return -(-positions // BLOCK)
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A target's KV blocks: how many it may hold (None: no bound), how many sequences
+    hold (each once), and how many of those more than one sequence holds."""
+
+    limit: int | None
+    used: int
+    shared: int
+    block: int = BLOCK  # positions a block
+
+
 @dataclass(frozen=True)
 class TargetCapabilities:
     """What a target runner can do, declared rather than probed."""

@@ -229,7 +229,7 @@ def test_every_panel_shows_data(observed: Observed, pick_all: bool) -> None:
 
 def test_speculation_and_kv_panels_read_what_the_server_did(observed: Observed) -> None:
     """Values, not only presence: acceptance is a share, some rounds drafted and some
-    did not, the KV reserved for running requests was seen above zero, the queue full."""
+    did not, the KV blocks the running requests held were seen above zero, the queue full."""
     step, rate_s = rate_interval(observed.end - observed.start)
     variables = {"job": JOB, "model": observed.model}
     by_title = {(t.panel, t.ref): t for t in targets(load_dashboard())}
@@ -258,6 +258,11 @@ def test_speculation_and_kv_panels_read_what_the_server_did(observed: Observed) 
     assert 0 < max(kv) <= 1
     (queue,) = values("KV cache and queue use", "B").values()
     assert max(queue) == 1  # the burst filled the queue
+    (used,) = values("KV blocks").values()
+    (free,) = values("KV blocks", "B").values()
+    assert max(used) > 0 and min(used) >= 0 and min(free) > 0  # held while requests ran
+    (preempted,) = values("Preemptions").values()
+    assert min(preempted) >= 0
 
 
 def json_key(metric: dict[str, str]) -> str:

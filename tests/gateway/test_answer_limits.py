@@ -22,6 +22,7 @@ from decoding.engine import Engine
 from drafters.ngram import NgramDrafter
 from gateway.server import create_app
 from runtime.runner.batched import BatchedLM
+from runtime.runner.passes import BLOCK
 from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings
 
 DIGITS = 600
@@ -96,3 +97,36 @@ def test_the_operator_cap_cuts_with_length_and_says_so(
     for request_id in cut:
         line = next(line for line in lines if request_id in line)
         assert f"at {CAP} tokens" in line and "--max-tokens" in line
+
+
+POOL_BLOCKS = 20  # a KV pool of 320 positions: fewer than the context, and than the digits
+
+
+@pytest.fixture(scope="module")
+def small_pool(tiny_long_context_dir: Path) -> Iterator[openai.OpenAI]:
+    target = BatchedLM.load(str(tiny_long_context_dir), dtype="float32")
+    engine = Engine(target, {"ngram": NgramDrafter()}, default_drafter="ngram",
+                    max_kv_bytes=POOL_BLOCKS * target.kv_block_bytes)
+    engine.start()
+    try:
+        settings = tiny_settings(kv_cache_bytes=POOL_BLOCKS * target.kv_block_bytes)
+        with live_server(create_app(settings, engine=engine)) as url:
+            yield openai_client(url)
+    finally:
+        engine.shutdown()
+
+
+def test_without_max_tokens_an_answer_runs_to_the_pool_s_end(small_pool: openai.OpenAI
+                                                             ) -> None:
+    """Where the KV pool holds fewer positions than the context, an answer without a
+    limit runs exactly to the pool's last position; a prompt whose blocks alone pass the
+    pool is a 400 that names the budget."""
+    out = _digits(small_pool)
+    assert out.usage is not None
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == POOL_BLOCKS * BLOCK - 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        small_pool.completions.create(model=TINY, prompt="word " * (POOL_BLOCKS * BLOCK),
+                                      max_tokens=4)
+    assert refused.value.code == "context_length_exceeded"
+    assert "--kv-cache-bytes" in refused.value.message

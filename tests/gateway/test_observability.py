@@ -28,7 +28,7 @@ from observability.metrics import Metrics, start_metrics_server
 from observability.telemetry import Telemetry
 from observability.tracing import RequestSpan, build_tracer_provider
 from runtime.runner.causal_lm import CausalLM
-from runtime.runner.kv_blocks import blocks_for
+from runtime.runner.passes import blocks_for
 from tests.conftest import free_port, require_program
 from tests.gateway.conftest import TINY, in_process, live_server, openai_client, tiny_settings
 

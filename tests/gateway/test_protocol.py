@@ -28,7 +28,7 @@ from gateway.server import create_app
 from gateway.wire.errors import InvalidRequestError
 from gateway.wire.requests import ChatCompletionRequest, CompletionRequest
 from runtime.runner.causal_lm import CausalLM
-from runtime.runner.kv_blocks import BLOCK
+from runtime.runner.passes import BLOCK
 from tests.gateway.conftest import tiny_settings
 
 LIMITS = Limits(max_context=100, max_prompt_tokens=None, max_tokens=40, timeout_s=5.0,

@@ -1,5 +1,5 @@
-"""A long soak of mixed traffic against ``specserve serve`` on the default model, with the
-server's resident memory sampled throughout.
+"""A long soak of mixed traffic against ``specserve serve`` (the default model, or another
+with ``--target``), with the server's resident memory and KV blocks sampled throughout.
 
 Workers (24 by default) each loop over a mix a real deployment sees: streamed chats
 (sampling defaults, no temperature sent), streams the client drops after two chunks,
@@ -17,7 +17,15 @@ allowance for allocator slack and per-request objects (``REST_BYTES``).
 
     python -m tests.reliability.soak --minutes 30 --json bench-results/soak.json
 
-(``make soak``); ``tests/reliability/test_soak.py`` runs it as a slow test.
+(``make soak``); ``tests/reliability/test_soak.py`` runs it as a slow test. Many users on
+the real model, with requests that set no answer limit and preemptions forced by a small
+KV pool:
+
+    python -m tests.reliability.soak --target qwen2.5-coder-1.5b --workers 8 --minutes 10 \
+        --kv-cache-bytes 33554432 --json bench-results/soak-qwen.json
+
+The report also gives the preemptions, the KV blocks still held once traffic stops (none
+should be), and the resident memory at the end against its value after the first minute.
 """
 
 from __future__ import annotations
@@ -124,6 +132,11 @@ async def _one(client: httpx.AsyncClient, kind: str, rng: random.Random, tally: 
                                       {**base, "messages": _messages(rng), "stream": True,
                                        "max_tokens": 200}, drop_after=2)
         _check_stream(tally, kind, status, lines, done=False)
+    elif kind == "unbounded":  # no answer limit, as most clients send: read a while, then go
+        unbounded = {"model": MODEL, "messages": _messages(rng), "stream": True}
+        status, lines = await _stream(client, "/v1/chat/completions", unbounded,
+                                      drop_after=rng.choice([8, 32, 96]))
+        _check_stream(tally, kind, status, lines, done=bool(lines) and lines[-1] == "[DONE]")
     elif kind == "bad-json":
         response = await client.post("/v1/chat/completions", content=b'{"model": "tiny", "mes',
                                      headers={"content-type": "application/json"})
@@ -163,7 +176,7 @@ async def _one(client: httpx.AsyncClient, kind: str, rng: random.Random, tally: 
 
 
 KINDS = ["chat-stream", "chat-stream", "disconnect", "bad-json", "n2", "json-schema", "tools",
-         "responses"]
+         "responses", "unbounded"]
 
 
 async def _worker(url: str, seed: int, until: float, tally: Tally) -> None:
@@ -182,18 +195,31 @@ def _sample(server: ServeProcess, began: float, stop: threading.Event,
             curve: list[dict[str, float]]) -> None:
     while not stop.wait(SAMPLE_S):
         try:
-            cache = scrape(server.metrics_url).get("specserve_prefix_cache_bytes", 0.0)
+            metrics = scrape(server.metrics_url)
             curve.append({"t_s": round(time.monotonic() - began, 1),
                           "rss_mib": round(server.rss() / MIB, 1),
-                          "prefix_cache_mib": round(cache / MIB, 1)})
+                          "prefix_cache_mib": round(
+                              metrics.get("specserve_prefix_cache_bytes", 0.0) / MIB, 1),
+                          "kv_blocks_used": metrics.get("specserve_kv_blocks_used", 0.0)})
         except Exception:  # the sampler must outlive a slow scrape
             continue
 
 
-def run(minutes: float, workers: int = WORKERS) -> dict[str, Any]:
-    flags = ("--kv-cache-bytes", str(KV_CACHE_BYTES), "--prefix-cache-bytes",
+def _idle_blocks(server: ServeProcess, timeout_s: float = 120.0) -> float:
+    """The KV blocks held once no request runs (every block should be back)."""
+    deadline = time.monotonic() + timeout_s
+    metrics = scrape(server.metrics_url)
+    while metrics.get("specserve_num_requests_running", 0.0) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        metrics = scrape(server.metrics_url)
+    return metrics.get("specserve_kv_blocks_used", -1.0)
+
+
+def run(minutes: float, workers: int = WORKERS, target: str = "default",
+        kv_cache_bytes: int = KV_CACHE_BYTES) -> dict[str, Any]:
+    flags = ("--kv-cache-bytes", str(kv_cache_bytes), "--prefix-cache-bytes",
              str(PREFIX_CACHE_BYTES), "--threads", "2", "--log-level", "warning")
-    with serve(Path("default"), *flags, start_timeout=600) as server:
+    with serve(Path(target), *flags, start_timeout=900) as server:
         ready = server.rss()
         tally = Tally()
         curve: list[dict[str, float]] = []
@@ -211,12 +237,19 @@ def run(minutes: float, workers: int = WORKERS) -> dict[str, Any]:
         asyncio.run(drive())
         stop.set()
         sampler.join(timeout=30)
+        idle_blocks = _idle_blocks(server)
+        preemptions = scrape(server.metrics_url).get("specserve_preemptions_total", 0.0)
         log = server.log_text()
     warm = [p for p in curve if p["t_s"] >= WARM_UP_FRACTION * minutes * 60]
     thirds = [warm[i * len(warm) // 3:(i + 1) * len(warm) // 3] for i in range(3)]
-    bound = ready + KV_CACHE_BYTES + PREFIX_CACHE_BYTES + REST_BYTES
+    bound = ready + kv_cache_bytes + PREFIX_CACHE_BYTES + REST_BYTES
     peak = max((p["rss_mib"] for p in curve), default=ready / MIB)
+    after_minute = [p["rss_mib"] for p in curve if p["t_s"] >= 60.0]
     return {
+        "target": target, "kv_cache_bytes": kv_cache_bytes,
+        "preemptions": preemptions, "kv_blocks_idle": idle_blocks,
+        "rss_after_first_minute_mib": after_minute[0] if after_minute else None,
+        "rss_end_mib": after_minute[-1] if after_minute else None,
         "minutes": minutes, "workers": workers, "requests": sum(tally.requests.values()),
         "by_kind": tally.requests, "server_errors": tally.server_errors,
         "failures": tally.failures,
@@ -226,7 +259,7 @@ def run(minutes: float, workers: int = WORKERS) -> dict[str, Any]:
         "warm_thirds_max_mib": [max((p["rss_mib"] for p in t), default=0.0) for t in thirds],
         "warm_thirds_median_mib": [statistics.median([p["rss_mib"] for p in t]) if t else 0.0
                                    for t in thirds],
-        "bound_mib": {"ready": round(ready / MIB, 1), "kv_budget": KV_CACHE_BYTES / MIB,
+        "bound_mib": {"ready": round(ready / MIB, 1), "kv_budget": kv_cache_bytes / MIB,
                       "prefix_cache": PREFIX_CACHE_BYTES / MIB, "rest": REST_BYTES / MIB,
                       "total": round(bound / MIB, 1)},
         "curve": curve,
@@ -245,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--workers", type=int, default=WORKERS)
     parser.add_argument("--json", type=Path, default=Path("bench-results/soak.json"))
+    parser.add_argument("--target", default="default", help="a model of the catalogue, or a path")
+    parser.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES,
+                        help="the KV pool; a small one forces preemptions")
     args = parser.parse_args(argv)
-    report = run(args.minutes, args.workers)
+    report = run(args.minutes, args.workers, args.target, args.kv_cache_bytes)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     print(f"{report['requests']} requests in {args.minutes:g} min, "
