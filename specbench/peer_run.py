@@ -362,7 +362,7 @@ def versions(llama_server: str | None) -> dict[str, str | None]:
     return found
 
 
-def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+def exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through the context that stops the servers
 
 
@@ -392,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
     logs = json_path.with_name(json_path.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _exit_on_signal)
+        signal.signal(signum, exit_on_signal)
     machine = machine_record(args.threads)
     try:
         report = measure(servers, args, prompt_sets, logs)

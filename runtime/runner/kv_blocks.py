@@ -37,7 +37,6 @@ from runtime.runner.stack import Stack
 log = logging.getLogger(__name__)
 
 INITIAL_BLOCKS = 64  # the pool's size when idle (block 0 among them)
-NULL_BLOCK = 0  # pads tables; never written
 
 
 class KVPoolExhausted(RuntimeError):

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.runner.kv_blocks import NULL_BLOCK
-from runtime.runner.passes import BLOCK, BatchItem
+from runtime.runner.passes import BLOCK, NULL_BLOCK, BatchItem
 
 # Attention spans are padded to a multiple of this many keys (masked): PyTorch 2.13's CPU
 # attention reduces over blocks of 512 keys, and a block's reductions round differently

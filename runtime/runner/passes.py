@@ -17,6 +17,7 @@ S_contra = TypeVar("S_contra", contravariant=True)
 
 
 BLOCK = 16  # KV positions a block (a power of two: the kernels find a position by shifts)
+NULL_BLOCK = 0  # the block that pads a pass's block tables: never handed out, never written
 
 
 def blocks_for(positions: int) -> int:
