@@ -76,7 +76,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
 import signal
 import statistics
@@ -94,6 +93,8 @@ from specbench.peer import GREEDY_EXTRAS, WARMUP_MESSAGES, quantile
 from specbench.peer_run import (
     START_TIMEOUT_S,
     Server,
+    add_peer_arguments,
+    close_machine_record,
     exit_on_signal,
     gguf_file,
     locate,
@@ -107,7 +108,6 @@ log = logging.getLogger(__name__)
 
 SERVERS = ("llama-server", "specserve-none", "specserve")
 REFERENCE = "llama-server"
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_STREAMS = "1,2,4,8,16"
 DEFAULT_SETS = "code_chat,chat"
 DEFAULT_JSON = "bench-results/many-users.json"
@@ -693,10 +693,7 @@ def run(args: argparse.Namespace) -> int:
     machine["cpu_flags_of_note"] = cpu_flags(machine)
     warn_if_busy(machine)
     records = run_rounds(args, servers, gguf, prompts, logs)
-    from specbench.concurrency import measure_bandwidth
-
-    machine["memory_read_gb_per_s_end"] = round(measure_bandwidth() / 1e9, 2)
-    machine["load_average_1m_end"] = os.getloadavg()[0]
+    close_machine_record(machine)
     report = {"machine": machine, **versions(args.llama_server if gguf else None),
               "target": {"given": args.target, "file": str(gguf) if gguf else None},
               "config": config_of(args, prompts), "ratios": ratios(records), "rows": records}
@@ -720,11 +717,7 @@ def config_of(args: argparse.Namespace, prompts: Sequence[Prompt]) -> dict[str, 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specbench.many_users", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "llama-server"),
-                        help="llama.cpp's llama-server binary (default $LLAMA_SERVER, else "
-                             "llama-server on PATH)")
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"a catalogue name or a GGUF file (default {DEFAULT_TARGET})")
+    add_peer_arguments(parser)
     parser.add_argument("--streams", default=DEFAULT_STREAMS,
                         help=f"comma-separated numbers of concurrent streams (default "
                              f"{DEFAULT_STREAMS})")

@@ -399,8 +399,7 @@ def run(args: argparse.Namespace) -> int:
     except PeerError as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 1
-    machine["memory_read_gb_per_s_end"] = round(_bandwidth() / 1e9, 2)
-    machine["load_average_1m_end"] = os.getloadavg()[0]
+    close_machine_record(machine)
     report = {"machine": machine, **versions(args.llama_server if wants_llama else None),
               "target": {"given": args.target, "file": str(target)},
               "draft": {"given": args.draft, "file": str(draft) if draft else None},
@@ -415,20 +414,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bandwidth() -> float:
+def close_machine_record(machine: dict[str, Any]) -> None:
+    """The machine's memory bandwidth and load once the run is over, beside those before."""
     from specbench.concurrency import measure_bandwidth
 
-    return measure_bandwidth()
+    machine["memory_read_gb_per_s_end"] = round(measure_bandwidth() / 1e9, 2)
+    machine["load_average_1m_end"] = os.getloadavg()[0]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specbench.peer_run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--llama-server`` and ``--target``, as every peer benchmark takes them."""
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "llama-server"),
                         help="llama.cpp's llama-server binary (default $LLAMA_SERVER, else "
                              "llama-server on PATH)")
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"a catalogue name or a GGUF file (default {DEFAULT_TARGET})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specbench.peer_run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_peer_arguments(parser)
     parser.add_argument("--draft", default=DEFAULT_DRAFT,
                         help=f"the draft model, same tokenizer: a catalogue name, a GGUF file, "
                              f"or none (default {DEFAULT_DRAFT})")
