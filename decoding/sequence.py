@@ -76,7 +76,6 @@ class SequenceDecoder(Generic[StateT]):
         self.prompt = self._prompt_prefill(prefix_cache)
         self.state: StateT | None = target.new_state()  # None once closed
         self.rounds = 0
-        self.preemptions = 0
         # after a preemption: the tokens whose KV is computed again before the next round
         # (all it had committed but the pending last one); None: none to compute
         self._recompute: Sequence[int] | None = None
@@ -157,14 +156,13 @@ class SequenceDecoder(Generic[StateT]):
         return self.prompt.next_chunk(self.target, self.live_state, limit)
 
     def suspend(self) -> None:
-        """Preempted: give the target's cache back; ``resume`` computes it again. Its
-        committed tokens, sampling state, grammar and drafter stay as they are, so the
-        answer goes on exactly as it would have."""
+        """Preempted: give the target's cache back; its next prompt chunks compute it again
+        (``next_prompt_chunk``). Its committed tokens, sampling state, grammar and drafter
+        stay as they are, so the answer goes on exactly as it would have."""
         if self.state is None:
             raise RuntimeError("the sequence is closed")
         self.target.release(self.state)
         self.state = self.target.new_state()
-        self.preemptions += 1
         if self.rounds == 0:  # its prompt from the start (nothing of it went out)
             self.prompt = self._prompt_prefill(self.prompt.cache)
         else:

@@ -99,7 +99,7 @@ class GroupedAttention:
         out = q.new_empty((q.shape[0], width)) if not single else None
         for group, mask in zip(batch.groups, masks, strict=True):
             group_q = q if single else q[group.tokens]
-            if batch.contiguous is not None:  # one sequence: no padding but the block's
+            if batch.contiguous:  # one sequence: no padding but the block's
                 n = q.shape[0]
                 padded = (torch.cat((q, q.new_zeros((group.width - n, *q.shape[1:]))))
                           if n < group.width else q)  # (its dummy queries: layout.MIN_WIDTH)

@@ -111,9 +111,8 @@ class Layout:
     # packed tokens from here on are long additions' taking the bulk products (T: none,
     # always so with invariance); short additions are packed first
     bulk_from: int
-    # the first slot when the pass is one sequence's plain addition: its queries need no
-    # padding
-    contiguous: int | None
+    # the pass is one sequence's plain addition: its queries need no padding
+    contiguous: bool
     # for the native kernels, which attend without blocks: each token sees the keys
     # [0, limit) of its row, and the key at ``extra`` too when that is >= its limit (an
     # alternative's own key); -1: none
@@ -161,7 +160,7 @@ class Layout:
         bulk = not invariant and len(ids) - short >= BULK_MIN_TOKENS
         bulk_from = short if bulk else len(ids)
         only = items[0]
-        contiguous = (only.state.length if len(items) == 1 and not only.alternative else None)
+        contiguous = len(items) == 1 and not only.alternative
         reach = max(item.state.length + len(item.token_ids) for item in items)
         width = max(len(item.state.blocks) for item in items)
         if not native:  # attention reads whole aligned spans
