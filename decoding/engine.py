@@ -420,9 +420,9 @@ class Engine:
                 fresh = state.length == 0 and decoder.prompt.prefilled == 0
                 chunk = decoder.prefill_left if fresh else min(limit, decoder.prefill_left)
                 blocks += target.kv_needed(state, state.length + chunk)
-            for active, k in zip(decoding, lengths, strict=True):  # pending, drafts, alternative
+            for active, k in zip(decoding, lengths, strict=True):
                 state = active.decoder.live_state
-                blocks += target.kv_needed(state, state.length + k + 2)
+                blocks += target.kv_needed(state, state.length + active.decoder.pass_tokens(k))
             return blocks
 
         while needed() > (budget.free() or 0):

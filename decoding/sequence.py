@@ -140,6 +140,14 @@ class SequenceDecoder(Generic[StateT]):
         has committed."""
         return max(len(self.request.prompt_ids), len(self.committed.tokens) - 1)
 
+    def pass_tokens(self, k: int) -> int:
+        """The most tokens the next round's pass takes with a draft of ``k``: the pending
+        token, the grammar's forced tokens and ``k`` drafted (within the answer's room),
+        and an alternative."""
+        tokens = self.committed.tokens
+        forced = len(self.grammar.context(tokens, len(self.committed.output))) - len(tokens)
+        return 2 + min(forced + k, max(0, self.committed.remaining - 1))
+
     def next_prompt_chunk(self, limit: int = 0) -> PromptChunk:
         """The next at most ``limit`` prompt tokens to prefill (0: all the rest), after
         the longest cached prefix (``PromptPrefill.next_chunk``); after a preemption, the

@@ -3,6 +3,7 @@ fp32), whatever the mix of prompts, drafts, sampling settings, finishes and canc
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -291,6 +292,62 @@ def test_requests_start_by_their_prompts_blocks_and_the_newest_is_preempted(
         assert _tokens(events) == _alone(tiny_target, NgramDrafter(), request), request.request_id
         assert events[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert any(e.batch_size == 3 for e in results[2])  # they ran together at first
+
+
+def test_grammar_forced_tokens_are_counted_before_the_pass(
+        tiny_target: BatchedLM, caplog: pytest.LogCaptureFixture) -> None:
+    """A grammar that forces a long run of tokens adds them to a round's pass beyond its
+    draft: the blocks they need are made room for (preempting another request), never a
+    pass that fails for want of them. The forced request gets its text alone."""
+    from grammars.guidance import GrammarCompiler
+
+    compiler = GrammarCompiler(tiny_target.tokenizer, tiny_target.vocab_size)
+    phrase = "the quick brown fox jumps over the lazy dog and runs far away, said the owl " * 2
+    forced = GenerationRequest(prompt_ids=_ids(tiny_target, PROMPTS[1]), max_new_tokens=48,
+                               sampling=GREEDY, request_id="forced",
+                               grammar=compiler.json_schema({"const": phrase}))
+    plain = _greedy(tiny_target, PROMPTS[:1], 30)[0]
+    assert len(forced.prompt_ids) + len(plain.prompt_ids) < BLOCK + 2
+    # each fits alone; a forced round (up to 32 tokens past the pending one) needs 2 more
+    # blocks than a draft of k would
+    budget = 4 * tiny_target.kv_block_bytes
+    engine = _engine(tiny_target, {"ngram": NgramDrafter()}, max_kv_bytes=budget)
+    try:
+        with caplog.at_level(logging.WARNING, logger="decoding.round"):
+            results = [list(s) for s in [engine.submit(plain), engine.submit(forced)]]
+    finally:
+        engine.shutdown()
+    assert engine.preemptions > 0
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]  # no pass failed
+    for request, events in zip([plain, forced], results, strict=True):
+        assert events[-1].finish_reason is not FinishReason.ERROR, request.request_id
+        assert _tokens(events) == _alone(tiny_target, NgramDrafter(), request), request.request_id
+
+
+def test_a_round_s_pass_takes_no_more_tokens_than_the_engine_makes_room_for(
+        tiny_target: BatchedLM) -> None:
+    """``SequenceDecoder.pass_tokens(k)``, what the engine counts blocks by before a pass,
+    bounds the pass a round then runs: a grammar's forced tokens come on top of the draft."""
+    from decoding.round import step
+    from decoding.sequence import SequenceDecoder
+    from grammars.guidance import GrammarCompiler
+
+    compiler = GrammarCompiler(tiny_target.tokenizer, tiny_target.vocab_size)
+    phrase = "the quick brown fox jumps over the lazy dog and runs far away, said the owl " * 2
+    for grammar in (compiler.json_schema({"const": phrase}), None):
+        request = GenerationRequest(prompt_ids=_ids(tiny_target, PROMPTS[1]),
+                                    max_new_tokens=48, sampling=GREEDY, grammar=grammar)
+        decoder = SequenceDecoder(tiny_target, NgramDrafter(), request)
+        try:
+            step(decoder)  # the prompt and the first token
+            for k in (0, 3):
+                bound = decoder.pass_tokens(k)
+                item = decoder.pass_item(decoder.propose(k))
+                assert len(item.token_ids) <= bound
+                if grammar is not None:
+                    assert len(item.token_ids) > k + 2  # the forced run counts
+        finally:
+            decoder.close()
 
 
 def test_a_request_alone_ends_where_the_pool_ends(tiny_target: BatchedLM) -> None:
