@@ -145,12 +145,15 @@ def _gauges(metrics: Metrics) -> dict[str, float]:
 
 
 def test_requests_sharing_a_system_prompt_hold_it_once(target: CausalLM) -> None:
-    """8 requests that share a 2,000-token system prompt, running together: the KV in use,
-    read from ``specserve_kv_blocks_used``, is at most one prefix plus 8 tails plus one
-    block each (8 copies of the prefix would be 8 times more)."""
+    """8 requests that share a 2,000-token system prompt, all decoding: the KV in use, read
+    from ``specserve_kv_blocks_used``, is at most one prefix plus 8 tails plus one block
+    each (8 copies of the prefix would be 8 times more). (While the prompts are read, a
+    prompt chunk computed beside the one that publishes the same blocks is held twice until
+    its pass ends: the figure is read once every request has its first token.)"""
     system = _system_prompt(target, 2000)
-    tokens = 16
-    prompts = [_chat(target, f"Which rule mentions item {i}?", system) for i in range(8)]
+    tokens = 24
+    prompts = [_chat(target, f"Quote, one per line and in full, every rule that mentions item {i}.",
+                     system) for i in range(8)]
     common = 0
     while all(p[common] == prompts[0][common] for p in prompts):
         common += 1
@@ -160,15 +163,17 @@ def test_requests_sharing_a_system_prompt_hold_it_once(target: CausalLM) -> None
     bound = shared + tails + len(prompts)
     assert bound < 2 * shared  # without sharing, 8 prefixes would pass it by far
 
-    engine = Engine(target, {"ngram": NgramDrafter()}, default_drafter="ngram",
-                    max_kv_bytes=Settings().kv_cache_bytes)
+    # (no drafter: one token a round, so the first request is still decoding when the
+    # last one's prompt is in)
+    engine = Engine(target, {}, max_kv_bytes=Settings().kv_cache_bytes)
     metrics = Metrics()
     metrics.track_capacity(64, 16, Settings().kv_cache_bytes, engine.kv_counts)
     engine.start()
     seen: list[dict[str, float]] = []
-    done = threading.Event()
+    decoding, done = threading.Event(), threading.Event()
 
-    def sample() -> None:  # the gauges as a scrape reads them, while the requests run
+    def sample() -> None:  # the gauges as a scrape reads them, while all 8 decode
+        decoding.wait()
         while not done.is_set():
             seen.append(_gauges(metrics))
             done.wait(0.01)
@@ -178,8 +183,12 @@ def test_requests_sharing_a_system_prompt_hold_it_once(target: CausalLM) -> None
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=tokens, sampling=GREEDY,
                                   request_id=str(i)) for i, p in enumerate(prompts)]
     try:
-        results = [list(s) for s in [engine.submit(r) for r in requests]]
+        streams = [engine.submit(r) for r in requests]
+        firsts = [next(iter(s)) for s in streams]  # every prompt is in
+        decoding.set()
+        results = [[first, *s] for first, s in zip(firsts, streams, strict=True)]
     finally:
+        decoding.set()
         done.set()
         sampler.join()
         engine.shutdown()
