@@ -21,9 +21,6 @@ class KvPool(Protocol):
     @property
     def max_context(self) -> int: ...
 
-    @property
-    def kv_block_bytes(self) -> int: ...
-
     def kv_usage(self) -> KVUsage: ...
 
 
@@ -51,6 +48,3 @@ class KvBudget:
         """The most positions one sequence alone may hold (None: no bound)."""
         limit = self.limit
         return None if limit is None else limit * self.target.kv_usage().block
-
-    def bytes_in_use(self) -> int:
-        return self.target.kv_usage().used * self.target.kv_block_bytes
