@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -89,6 +89,7 @@ class Engine:
         decode_threads: int | None = None,
         invariance_check: InvarianceCheck | None = None,
         clock: Callable[[], float] = time.monotonic,
+        predicted: Callable[[Sequence[int], Drafter | None], Drafter] | None = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
@@ -112,6 +113,7 @@ class Engine:
         if default_drafter is not None and default_drafter not in self.drafters:
             raise UnknownDrafterError(f"default drafter {default_drafter!r} is not loaded")
         self.default_drafter = default_drafter
+        self.predicted = predicted  # a request's drafter from its prediction and own drafter
         self.max_queue = max_queue
         self._waiting: deque[RequestStream] = deque()
         self._active: list[_Active] = []
@@ -455,6 +457,8 @@ class Engine:
                     continue
                 try:
                     drafter = self.drafters[stream.drafter] if stream.drafter else None
+                    if stream.request.prediction and self.predicted is not None:
+                        drafter = self.predicted(stream.request.prediction, drafter)
                     decoder = SequenceDecoder(self.target, drafter, stream.request,
                                               prefix_cache=self.prefix_cache,
                                               new_policy=partial(self.scheduler.new_policy,

@@ -92,6 +92,7 @@ class GenerationRequest:
     request_id: str = ""
     grammar: Grammar | None = None  # the output must match it (structured outputs, tools)
     prompt_logprobs: bool = False
+    prediction: tuple[int, ...] = ()  # the client's draft of the answer (``Engine.predicted``)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

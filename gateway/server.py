@@ -36,6 +36,7 @@ from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
 from decoding.target import Target
 from decoding.threads import default_decode_threads
 from drafters.combined import CombinedDrafter
+from drafters.prediction import PredictionDrafter
 from gateway.api import pages
 from gateway.api.middleware import HeadAsGetMiddleware, RequestMetricsMiddleware
 from gateway.api.openapi import install_openapi
@@ -199,6 +200,7 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
                     batch_planning=settings.batch_speculation == "adaptive",
                     max_kv_bytes=settings.kv_cache_bytes,
                     decode_threads=settings.decode_threads or default_decode_threads(),
+                    predicted=PredictionDrafter.around,
                     invariance_check=(InvarianceCheck(settings.check_invariance)
                                       if settings.check_invariance else None))
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)

@@ -22,6 +22,8 @@ from observability.tracing import RequestSpan, build_tracer_provider
 # the GenAI operation of each endpoint (a Responses request is a chat)
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
              "/v1/responses": "chat"}
+PREDICTION = "prediction"  # a round drafted from the request's own predicted output: its
+# figures go under this drafter label, apart from the server drafter's
 
 
 class Telemetry:
@@ -83,7 +85,8 @@ class RequestTelemetry:
             m.generation_tokens.labels(model).inc(committed)
             self.output_tokens += committed
         if event.round_index > 0 and committed:
-            m.record_round(model, drafter or "none", event.draft_tokens, event.accepted_tokens,
+            source = PREDICTION if event.draft_source == PREDICTION else drafter or "none"
+            m.record_round(model, source, event.draft_tokens, event.accepted_tokens,
                            event.timing.draft_s, event.timing.verify_s)
             m.batch_size.labels(model).observe(event.batch_size)
             if event.constraint_s > 0:

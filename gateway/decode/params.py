@@ -285,6 +285,19 @@ def budget_positions(budget: KvBudget) -> int | None:
     return None if positions is None or positions > budget.target.max_context else positions
 
 
+def predicted_tokens(tokenizer: Any, request: AnyRequest, limits: Limits) -> tuple[int, ...]:
+    """The request's prediction as token ids (none without one), refused where it is
+    longer than the model's context: no answer could follow that much of it."""
+    if request.prediction is None:
+        return ()
+    ids = tuple(encode_text(tokenizer, request.prediction.text()))
+    if len(ids) > limits.max_context:
+        raise InvalidRequestError(
+            f"The prediction has {len(ids)} tokens; this model's maximum context length is "
+            f"{limits.max_context} tokens.", param="prediction", code="context_length_exceeded")
+    return ids
+
+
 def generation_requests(
     request: AnyRequest, prompts: Sequence[Prompt], limits: Limits, request_id: str,
     seed: int | None = None,

@@ -33,6 +33,7 @@ from gateway.decode.params import (
     include_usage,
     logprob_options,
     operator_cap,
+    predicted_tokens,
     request_seed,
 )
 from gateway.decode.tool_plan import ToolPlan, request_tools
@@ -108,6 +109,9 @@ async def plan_request(host: PlanHost, engine: Engine, request: AnyRequest, job_
                                           engine.target.vocab_size, host.fim)
     seed = request_seed(request) if seeded else None
     requests = generation_requests(request, prompts, limits, job_id, seed)
+    prediction = await asyncio.to_thread(predicted_tokens, tokenizer, request, limits)
+    if prediction:
+        requests = [replace(r, prediction=prediction) for r in requests]
     job = Job(id=job_id, created=int(time.time()), model=model, prompts=prompts,
               per_prompt=choices_per_prompt(request), logprobs=logprob_options(request)[0],
               echo=bool(getattr(request, "echo", False)),

@@ -4,7 +4,8 @@ each character of the chunk's text came from.
 Every streamed chunk carries its choice's running totals and its round in the
 ``speculation`` extra (see docs/api.md), so that a client can colour the text by
 origin: the accepted drafts of a round by the source that drafted them
-(``lookup``, ``cache``, ``model``) and the rest by ``target`` (the token verification
+(``lookup``, ``cache``, ``model``, ``prediction``: the request's own predicted output)
+and the rest by ``target`` (the token verification
 takes from the target itself: recovered or bonus).
 """
 
@@ -22,15 +23,18 @@ ANCHOR_CONTEXT = 8  # tokens decoded before a round's start, so word boundaries 
 LOOKUP_SOURCES = frozenset({"lookup", "ngram"})  # a combined drafter's cheap sources, n-gram
 
 
-Source = Literal["lookup", "cache", "model", "none"]
+Source = Literal["lookup", "cache", "model", "prediction", "none"]
 
 
 def source_kind(draft_source: str) -> Source:
     """The kind of drafter behind a round's ``draft_source``: a combined drafter names
     ``lookup`` (n-gram or continuation cache, whichever proposed longer) or ``model``;
-    a single drafter names itself (``ngram``, ``cache``, or a draft model's name)."""
+    a single drafter names itself (``ngram``, ``cache``, or a draft model's name); a
+    request's prediction names ``prediction``."""
     if not draft_source:
         return "none"
+    if draft_source == "prediction":
+        return "prediction"
     if draft_source in LOOKUP_SOURCES:
         return "lookup"
     if draft_source == "cache":

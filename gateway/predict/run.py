@@ -166,7 +166,8 @@ class ResponseRun:
     def submit(self, engine: Engine) -> None:
         """Every choice on the engine, or none (a refusal raises, its span ended)."""
         self.streams = submit_traced(engine, self.plan.requests, self.trace)
-        self.totals = [ChoiceTotals(drafter=s.drafter) for s in self.streams]
+        self.totals = [ChoiceTotals(drafter=s.drafter, prediction=s.request.prediction)
+                       for s in self.streams]
         self.state.begin(self.streams)
         self.started = time.monotonic()
 

@@ -84,12 +84,15 @@
       const on = this.speculation === null ? $("speculation").checked : this.speculation;
       const speculation = on ? { enabled: true, drafter: $("drafter").value || null }
         : { enabled: false };
-      return {
+      const body = {
         model: state.model, stream: true, stream_options: { include_usage: true },
         messages: [...this.messages, { role: "user", content: text }],
         max_tokens: Number($("max-tokens").value) || 128,
         temperature: Number($("temperature").value) || 0, speculation,
       };
+      const predicted = $("prediction").value;
+      if (on && predicted) body.prediction = { type: "content", content: predicted };
+      return body;
     }
 
     async ask(text) {
@@ -126,6 +129,7 @@
       Object.assign(this, { answer, figures, table });
       this.text = "";
       this.tokens = 0;
+      this.predicted = null;  // the prediction's tokens the answer holds (usage)
       this.totals = null;
       this.ttft = null;
     }
@@ -165,7 +169,11 @@
       if (data === "[DONE]") return;
       const chunk = JSON.parse(data);
       if (chunk.error) throw this.fail(chunk.error.message);
-      if (chunk.usage) this.tokens = chunk.usage.completion_tokens;
+      if (chunk.usage) {  // the answer's tokens: a prediction's rejected ones are billed apart
+        const details = chunk.usage.completion_tokens_details || {};
+        this.tokens = chunk.usage.completion_tokens - (details.rejected_prediction_tokens || 0);
+        this.predicted = details.accepted_prediction_tokens;
+      }
       const speculation = chunk.speculation;
       if (speculation) this.totals = speculation;
       const round = speculation && speculation.round;
@@ -216,6 +224,7 @@
         ["tok/s", seconds > 0 ? (this.tokens / seconds).toFixed(1) : "-"],
         ["TTFT", this.ttft === null ? "-" : Math.round(this.ttft) + " ms"],
       ];
+      if (this.predicted != null) figures.push(["prediction tokens in the answer", this.predicted]);
       this.figures.replaceChildren();
       for (const [name, value] of figures) {
         const item = el("span", "figure", name + " ");

@@ -17,11 +17,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # none: the models served do not reason apart from the answer
+    # the prediction's tokens that appear in the answer (as a diff would align them), and
+    # those that do not; the latter are counted in ``completion_tokens`` too, as OpenAI does
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class SpeculationStats(BaseModel):
@@ -53,7 +62,8 @@ class RoundInfo(BaseModel):
     """Extra, in stream chunks: the round that produced the chunk (docs/api.md)."""
 
     index: int  # the choice's round, from 0
-    source: Literal["lookup", "cache", "model", "none"]  # what drafted it ("none": nothing)
+    source: Literal["lookup", "cache", "model", "prediction", "none"]  # what drafted it
+    # ("none": nothing; "prediction": the request's predicted output)
     draft_tokens: int  # proposed this round
     accepted_tokens: int  # of those, accepted
     tokens: int  # committed this round: the accepted drafts and the target's own token
@@ -61,7 +71,7 @@ class RoundInfo(BaseModel):
     verify_ms: float
     batch_size: int  # sequences in the forward pass that verified it
     # The chunk's text by origin, in order: [code points, "lookup" | "cache" | "model" |
-    # "target" | "prompt"]; the counts add up to the text's length.
+    # "prediction" | "target" | "prompt"]; the counts add up to the text's length.
     spans: list[list[int | str]]
 
 

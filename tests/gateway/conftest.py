@@ -22,6 +22,7 @@ from decoding.drafter import Drafter
 from decoding.engine import Engine
 from drafters.model import ModelDrafter
 from drafters.ngram import NgramDrafter
+from drafters.prediction import PredictionDrafter
 from gateway.server import create_app
 from gateway.service.settings import Settings
 from observability.metrics import Metrics
@@ -51,7 +52,8 @@ def _no_specserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def tiny_engine(tiny_target: CausalLM, tiny_draft: CausalLM) -> Iterator[Engine]:
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter(),
                                     "draft": ModelDrafter(tiny_draft, tiny_target)}
-    engine = Engine(tiny_target, drafters, default_drafter="ngram")
+    engine = Engine(tiny_target, drafters, default_drafter="ngram",
+                    predicted=PredictionDrafter.around)
     engine.start()
     yield engine
     engine.shutdown()

@@ -103,7 +103,10 @@ async def test_chat_completion(client: httpx.AsyncClient, tiny_target: CausalLM)
     prompt_tokens = len(encode_chat(tiny_target.tokenizer, CHAT))
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6,
                              "total_tokens": prompt_tokens + 6,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0},
+                             "completion_tokens_details": {
+                                 "reasoning_tokens": 0, "accepted_prediction_tokens": 0,
+                                 "rejected_prediction_tokens": 0}}
     spec = body["speculation"]
     assert spec["drafter"] == "ngram" and spec["rounds"] >= 1
     assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]

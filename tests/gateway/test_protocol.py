@@ -52,7 +52,6 @@ def refused(model: type[Any], payload: dict[str, Any]) -> InvalidRequestError:
     ("logit_bias", {"42": 5}),
     ("audio", {"voice": "alloy", "format": "mp3"}),
     ("modalities", ["text", "audio"]),
-    ("prediction", {"type": "content", "content": "x"}),
     ("store", True),
     ("reasoning_effort", "high"),
     ("web_search_options", {}),
@@ -62,6 +61,38 @@ def test_unsupported_chat_fields_are_refused_by_name(field: str, value: Any) -> 
     assert error.status_code == 400
     assert error.param == field
     assert field in error.message and error.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(("prediction", "param"), [
+    ({"type": "text", "content": "x"}, "prediction.type"),
+    ({"content": "x"}, "prediction.type"),
+    ({"type": "content"}, "prediction.content"),
+    ({"type": "content", "content": ""}, "prediction.content"),
+    ({"type": "content", "content": []}, "prediction.content"),
+    ({"type": "content", "content": [{"type": "text", "text": ""}]}, "prediction.content"),
+    ({"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+     "prediction.content"),
+    ({"type": "content", "content": [{"type": "text"}]}, "prediction.content"),
+    ({"type": "content", "content": 5}, "prediction.content"),
+    ("def f(): pass", "prediction"),
+])
+def test_a_bad_prediction_is_refused_naming_the_field(prediction: Any, param: str) -> None:
+    for model, body in ((ChatCompletionRequest, chat(prediction=prediction)),
+                        (CompletionRequest, {"model": "m", "prompt": "p",
+                                             "prediction": prediction})):
+        error = refused(model, body)
+        assert error.status_code == 400
+        assert error.param is not None and error.param.startswith(param), (error.param, param)
+
+
+def test_a_prediction_is_a_string_or_text_parts() -> None:
+    whole = parse_body(ChatCompletionRequest, json.dumps(chat(
+        prediction={"type": "content", "content": "def f():\n    return 1\n"})).encode())
+    parts = parse_body(ChatCompletionRequest, json.dumps(chat(prediction={
+        "type": "content", "content": [{"type": "text", "text": "def f():\n"},
+                                       {"type": "text", "text": "    return 1\n"}]})).encode())
+    assert whole.prediction is not None and parts.prediction is not None
+    assert whole.prediction.text() == parts.prediction.text() == "def f():\n    return 1\n"
 
 
 def test_neutral_values_of_unsupported_fields_pass() -> None:

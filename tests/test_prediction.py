@@ -1,0 +1,224 @@
+"""Predicted outputs: the prediction drafter follows an answer through edits and
+hands its rounds to the server's drafter where the prediction is unrelated; on the
+default model, through the engine, a prediction changes no greedy token, no seeded
+sampled token and no log-probability; a prediction's usage counts are a diff's."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from decoding.drafter import DraftContext
+from decoding.engine import Engine
+from decoding.prompting import encode_chat, encode_text
+from decoding.types import GenerationRequest, RoundEvent, SamplingParams, TokenLogprob
+from drafters.ngram import NgramDrafter
+from drafters.prediction import SOURCE, PredictionDrafter, PredictionState
+from gateway.encode.totals import common_length
+from runtime.loaders.loading import load_target
+from runtime.runner.causal_lm import CausalLM
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = (1, 2, 3)
+PREDICTION = tuple(range(100, 160))  # 60 distinct tokens: every run occurs once
+
+
+def _textbook_lcs(a: Sequence[int], b: Sequence[int]) -> int:
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        row = [0]
+        for j, y in enumerate(b):
+            row.append(previous[j] + 1 if x == y else max(previous[j + 1], row[j]))
+        previous = row
+    return previous[-1]
+
+
+def test_the_prediction_s_tokens_in_the_answer_are_the_longest_common_subsequence() -> None:
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.randrange(5) for _ in range(rng.randrange(0, 40))]
+        b = [rng.randrange(5) for _ in range(rng.randrange(0, 40))]
+        assert common_length(a, b) == _textbook_lcs(a, b), (a, b)
+    assert common_length(list(range(50)), list(range(50))) == 50
+    assert common_length([1, 2, 3], [4, 5]) == 0
+
+
+def _context(answer: Sequence[int]) -> DraftContext:
+    return DraftContext((*PROMPT, *answer), GREEDY, None)
+
+
+def _next(drafter: PredictionDrafter, state: PredictionState, answer: Sequence[int],
+          k: int = 4) -> tuple[str, tuple[int, ...]]:
+    context = _context(answer)
+    return drafter.source(state, context), drafter.propose(state, context, k).tokens
+
+
+def test_it_drafts_from_the_first_round() -> None:
+    drafter = PredictionDrafter(PREDICTION)
+    state = drafter.begin(PROMPT)
+    assert _next(drafter, state, PREDICTION[:1]) == (SOURCE, PREDICTION[1:5])
+    assert _next(drafter, state, PREDICTION[:3], k=2) == (SOURCE, PREDICTION[3:5])
+    assert _next(drafter, state, PREDICTION[:5], k=0) == (SOURCE, ())
+
+
+@pytest.mark.parametrize(("answer", "rejoined"), [
+    # a line inserted after the 10th token: the answer goes on from the 11th
+    ((*PREDICTION[:10], 7, 8, 9, *PREDICTION[10:13]), 13),
+    # tokens 10-19 dropped: the answer goes on from the 20th
+    ((*PREDICTION[:10], *PREDICTION[20:23]), 23),
+    # the 10th token renamed (one token for another)
+    ((*PREDICTION[:10], 7, *PREDICTION[11:14]), 14),
+], ids=["inserted", "dropped", "renamed"])
+def test_it_finds_where_the_answer_rejoins_the_prediction(
+        answer: tuple[int, ...], rejoined: int) -> None:
+    drafter = PredictionDrafter(PREDICTION)
+    state = drafter.begin(PROMPT)
+    _next(drafter, state, answer[:10])
+    # off the prediction: nothing to draft from it (no drafter beside it)
+    assert _next(drafter, state, answer[:11]) == (SOURCE, ())
+    assert _next(drafter, state, answer) == (SOURCE, PREDICTION[rejoined:rejoined + 4])
+
+
+def test_a_run_that_recurs_rejoins_after_the_last_match_first() -> None:
+    repeated = (7, 8, 9)
+    prediction = (*repeated, 10, 11, 12, 13, *repeated, 20, 21, 22, *repeated, 30, 31)
+    drafter = PredictionDrafter(prediction)
+    state = drafter.begin(PROMPT)
+    # the answer has followed the prediction past its second (7, 8, 9), then left it
+    answer = [*prediction[:12], 99, *repeated]
+    assert _next(drafter, state, answer[:12])[1] == prediction[12:16]
+    assert _next(drafter, state, answer)[1] == (30, 31)  # the third (7, 8, 9), not the first
+    # with nothing after the last match, the nearest before it
+    state = drafter.begin(PROMPT)
+    late = [*prediction, 99, *repeated]
+    _next(drafter, state, prediction)
+    assert _next(drafter, state, late)[1] == (30, 31)
+
+
+def test_runs_shorter_than_three_tokens_do_not_rejoin() -> None:
+    drafter = PredictionDrafter(PREDICTION)
+    state = drafter.begin(PROMPT)
+    answer = (*PREDICTION[:10], 7, *PREDICTION[11:13])  # two tokens back on the prediction
+    _next(drafter, state, answer[:10])
+    assert _next(drafter, state, answer) == (SOURCE, ())
+
+
+def test_the_server_s_drafter_drafts_where_the_prediction_is_off() -> None:
+    repeating = (5, 6, 7, 8) * 6  # lookup finds it repeating
+    drafter = PredictionDrafter(PREDICTION, NgramDrafter())
+    state = drafter.begin(PROMPT)
+    source, tokens = _next(drafter, state, repeating)
+    assert source == "ngram" and tokens == (5, 6, 7, 8)
+    # back on the prediction (three tokens of it): the prediction drafts again
+    source, tokens = _next(drafter, state, (*repeating, *PREDICTION[30:33]))
+    assert (source, tokens) == (SOURCE, PREDICTION[33:37])
+    # and at its end lookup takes over once more
+    _, tokens = _next(drafter, state, (*repeating, *PREDICTION[30:]))
+    assert tokens == ()
+
+
+def test_an_unrelated_prediction_hands_its_rounds_to_the_server_s_drafter() -> None:
+    """A prediction whose runs the answer meets, but whose continuations it never
+    takes, drafts a round or two and then leaves them to lookup."""
+    prediction = tuple(t for run in range(12) for t in (40 + run, 41 + run, 42 + run, 90))
+    drafter = PredictionDrafter(prediction, NgramDrafter())
+    state = drafter.begin(PROMPT)
+    answer: list[int] = []
+    sources = []
+    for run in range(12):  # each of the prediction's runs, followed by other tokens
+        answer += [40 + run, 41 + run, 42 + run]
+        sources.append(_next(drafter, state, answer)[0])
+        answer += [70, 71]
+        _next(drafter, state, answer)
+    assert sources[0] == SOURCE
+    assert set(sources[4:]) == {"ngram"}, sources
+
+
+# -- the default model, through the engine ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> CausalLM:
+    """The default model as the server runs it: the GGUF's int4 weights on the native
+    kernels, batch-invariant, so a verify pass gives each position the logits of a
+    one-token step bitwise."""
+    return load_target("default", "bfloat16", "cpu", "auto", "auto", True)
+
+
+@pytest.fixture(scope="module")
+def engine(served: CausalLM) -> Iterator[Engine]:
+    engine = Engine(served, {"ngram": NgramDrafter()}, default_drafter="ngram",
+                    predicted=PredictionDrafter.around)
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+CODE = '''def mean(values):
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+'''
+QUESTION = ("Rename the variable total to running_sum in this Python function, and answer "
+            f"with the whole function in a code block.\n\n```python\n{CODE}```")
+
+
+def _events(engine: Engine, request: GenerationRequest) -> list[RoundEvent]:
+    return list(engine.submit(request))
+
+
+def _tokens(events: list[RoundEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def _logprobs(events: list[RoundEvent]) -> list[TokenLogprob]:
+    return [lp for e in events for lp in e.logprobs]
+
+
+def _request(served: CausalLM, sampling: SamplingParams, prediction: str | None,
+             **fields: object) -> GenerationRequest:
+    ids = tuple(encode_chat(served.tokenizer, [{"role": "user", "content": QUESTION}]))
+    predicted = tuple(encode_text(served.tokenizer, prediction)) if prediction else ()
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=96, sampling=sampling,
+                             prediction=predicted, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.8, seed=11),
+                                      SamplingParams(temperature=1.0, top_p=0.9, seed=3)],
+                         ids=["greedy", "seeded", "seeded-top-p"])
+def test_a_prediction_changes_no_token_and_no_logprob(
+        engine: Engine, served: CausalLM, sampling: SamplingParams) -> None:
+    """The answer with the original code, the answer itself, and unrelated text as the
+    prediction: each the same tokens and log-probabilities (bitwise) as without one,
+    with drafts from the prediction verified (and, from the answer, kept)."""
+    fields = {"logprobs": True, "top_logprobs": 3}
+    without = _events(engine, _request(served, sampling, None, **fields))
+    answer = str(served.tokenizer.decode(_tokens(without), skip_special_tokens=True))
+    for prediction in (CODE, answer, "SELECT name FROM users WHERE id = 1;\n" * 3):
+        events = _events(engine, _request(served, sampling, prediction, **fields))
+        assert _tokens(events) == _tokens(without), prediction
+        assert _logprobs(events) == _logprobs(without), prediction
+        predicted = [e for e in events if e.draft_source == SOURCE]
+        if prediction is answer:
+            assert sum(e.accepted_tokens for e in predicted) >= len(_tokens(without)) // 2
+        if prediction is CODE:
+            assert sum(e.draft_tokens for e in predicted) > 0
+
+
+@pytest.mark.real_model
+def test_several_choices_decoding_together_with_predictions(
+        engine: Engine, served: CausalLM) -> None:
+    """Two seeded choices decoding in one engine batch, each with its own answer's text
+    as the prediction, give the tokens they give without one."""
+    requests = [_request(served, SamplingParams(temperature=0.9, seed=5, choice=c), None)
+                for c in range(2)]
+    without = [_tokens(list(s)) for s in [engine.submit(r) for r in requests]]
+    predicted = [
+        _request(served, SamplingParams(temperature=0.9, seed=5, choice=c),
+                 str(served.tokenizer.decode(without[c], skip_special_tokens=True)))
+        for c in range(2)]
+    assert [_tokens(list(s)) for s in [engine.submit(r) for r in predicted]] == without
