@@ -18,9 +18,11 @@ summed over the prompts, where the server reports prompt tokens); and whether th
 servers' greedy outputs are identical, prompt by prompt.
 Completion tokens come from the ``usage`` of the stream's last chunk where the
 server sends one (``stream_options.include_usage``), else they are the chunks
-that carried text (one token each on most servers). Where a server reports its
-own ``timings`` (llama.cpp's server does, with the tokens it drafted and those
-accepted), the JSON keeps them, and the share of drafted tokens accepted.
+that carried text (one token each on most servers); a predicted output's rejected
+tokens, which OpenAI's usage counts as completion tokens, are not the answer's.
+Where a server reports its own ``timings`` (llama.cpp's server does, with the
+tokens it drafted and those accepted), the JSON keeps them, and the share of drafted
+tokens accepted.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Reply:
     seconds: float  # the stream's end
     finish_reason: str | None
     timings: dict[str, Any] | None = None  # the server's own, where it sends them
+    usage: dict[str, Any] | None = None  # the stream's usage chunk, where it sends one
 
     @property
     def itl_s(self) -> float | None:
@@ -136,12 +139,15 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
         raise PeerError(f"{peer.name} at {peer.url}: {type(exc).__name__}: {exc}") from None
     end = time.perf_counter() - start
     counted = usage.get("completion_tokens")
+    if counted is not None:  # a prediction's rejected tokens are counted apart from the answer
+        counted -= (usage.get("completion_tokens_details") or {}).get(
+            "rejected_prediction_tokens") or 0
     return Reply(text="".join(pieces), tokens=int(counted) if counted is not None else chunks,
                  tokens_from="usage" if counted is not None else "chunks",
                  prompt_tokens=usage.get("prompt_tokens"),
                  ttft_s=first if first is not None else end,
                  last_s=last if last is not None else end, seconds=end, finish_reason=finish,
-                 timings=timings)
+                 timings=timings, usage=usage or None)
 
 
 def _error_message(response: httpx.Response) -> str:
