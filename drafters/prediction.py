@@ -18,10 +18,15 @@ keeps exactly what the target alone would write, so a prediction changes the spe
 never the text.
 
 While the answer is away from the prediction, the server's drafter (lookup, the
-continuation cache, a model) drafts; where both could, the prediction does. Rounds
-drafted from the prediction name their source ``prediction``, so that it keeps its
-own draft-length policy (how far it drafts follows the acceptance it measures in this
-request against the target's verify curve) and its own figures in the metrics.
+continuation cache, a model) drafts. Where both could, the prediction does, unless
+lookup proposes another next token and has lately been the one right where the two
+differed (after a rename lookup has the new name from the answer itself), or the
+prediction's own guesses have lately kept less than a token a round (a prediction
+unrelated to the answer). A round drafts no further ahead than the answer has agreed
+with the prediction behind, as lookup's do. Rounds drafted from the prediction name
+their source ``prediction``, so that it keeps its own draft-length policy (how far it
+drafts follows the acceptance it measures in this request against the target's verify
+curve) and its own figures in the metrics.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from decoding.drafter import BaseDrafter, DraftContext, Drafter, DraftProposal
+from decoding.policy import MAX_DRAFT_TOKENS
 
 SOURCE = "prediction"  # the source a round drafted from the prediction names
 # the most and the fewest trailing tokens of the answer looked up in the prediction
@@ -43,6 +49,18 @@ SHORTEST_KEY = 3  # the fewest (shorter runs recur by chance: a newline and an i
 PROBE = 4
 RATE = 0.25
 TRUSTED = 1.0
+# The sources of the server's drafters that cost nothing to ask (n-gram lookup and the
+# continuation cache, alone or as a combined drafter's "lookup"): where the prediction
+# would draft, such a source is asked for its first token too, and where the two differ
+# the one that has lately been right in such disputes drafts (the prediction at first).
+# Lookup reads the answer's own text, so after a rename it knows the new name the
+# prediction does not.
+# A round drafts no further ahead than the answer has agreed with the prediction behind
+# (up to AGREEMENT tokens back), and at least SHORTEST_RUN tokens, as lookup does: a run
+# that has agreed for 20 tokens is likely to go on, one just rejoined is as likely to part.
+AGREEMENT = 32
+SHORTEST_RUN = 2
+CHEAP_SOURCES = frozenset({"lookup", "ngram", "cache"})
 
 
 @dataclass
@@ -55,6 +73,13 @@ class PredictionState:
     probe: tuple[int, ...] = ()  # what the prediction said would follow ``probe_from``
     probe_from: int = 0  # answer tokens when it was said
     kept: float | None = None  # its proposals' tokens the answer kept, on average (decayed)
+    # this round's choice: the answer's length it was made at, and the prediction position
+    # it drafts from (None: the server's drafter drafts)
+    chosen_at: int = -1
+    choice: int | None = None
+    dispute: tuple[int, int, int] | None = None  # (answer position, the prediction's token,
+    # lookup's) where they differed, until the answer decides it
+    lookup_right: float = 0.0  # who won the disputes, decayed: > 0 lookup, < 0 the prediction
     # index[n][ngram]: the positions right after each occurrence of an n-token run of the
     # prediction, in order
     index: dict[int, dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
@@ -86,29 +111,56 @@ class PredictionDrafter(BaseDrafter[PredictionState]):
             self.inner.warmup()
 
     def source(self, state: PredictionState, context: DraftContext) -> str:
-        if self.inner is None or self._leads(state, context.token_ids) is not None:
+        if self.inner is None or self._leads(state, context) is not None:
             return SOURCE
         return self.inner.source(state.inner, context) or self.inner.name
 
     def propose(self, state: PredictionState, context: DraftContext, k: int) -> DraftProposal:
-        at = self._leads(state, context.token_ids)
+        at = self._leads(state, context)
         if at is not None:
-            return DraftProposal(self.prediction[at : at + k]) if k > 0 else DraftProposal.empty()
+            run = min(k, max(self._agreement(context.token_ids, at), SHORTEST_RUN))
+            return DraftProposal(self.prediction[at : at + run]) if k > 0 else DraftProposal.empty()
         if self.inner is None:
             return DraftProposal.empty()
         return self.inner.propose(state.inner, context, k)
 
-    def _leads(self, state: PredictionState, committed: Sequence[int]) -> int | None:
-        """Where the prediction drafts this round from, if it does: where the answer
-        follows it, and its proposals have lately kept at least ``TRUSTED`` tokens (or
-        nothing else drafts)."""
+    def _leads(self, state: PredictionState, context: DraftContext) -> int | None:
+        """Where the prediction drafts this round from, if it does (decided once a round):
+        where the answer follows it, its proposals have lately kept at least ``TRUSTED``
+        tokens (or nothing else drafts), and lookup does not disagree having lately been
+        right where they disagreed."""
+        committed = context.token_ids
+        answer = len(committed) - state.prompt_length
+        if state.chosen_at == answer:
+            return state.choice
         at = self._follow(state, committed)
-        trusted = self.inner is None or state.kept is None or state.kept >= TRUSTED
-        return at if trusted else None
+        if at is not None and self.inner is not None and state.kept is not None and (
+                state.kept < TRUSTED):
+            at = None
+        if at is not None and self.inner is not None:
+            theirs = self._cheap_first(state, context)
+            if theirs is not None and theirs != self.prediction[at]:
+                state.dispute = (answer, self.prediction[at], theirs)
+                if state.lookup_right > 0:
+                    at = None
+        state.chosen_at, state.choice = answer, at
+        return at
+
+    def _cheap_first(self, state: PredictionState, context: DraftContext) -> int | None:
+        """The first token the server's drafter would draft, where asking costs nothing."""
+        assert self.inner is not None
+        source = self.inner.source(state.inner, context) or self.inner.name
+        if source not in CHEAP_SOURCES:
+            return None
+        # asked for as much as a round may take, as when it drafts: a combined drafter
+        # scores what it proposes against the answer, and a cut proposal would look short
+        tokens = self.inner.propose(state.inner, context, MAX_DRAFT_TOKENS).tokens
+        return tokens[0] if tokens else None
 
     def rollback(self, state: PredictionState, length: int) -> None:
         if length - state.prompt_length < state.followed:  # never in decoding: start over
             state.at, state.matched, state.followed, state.probe = 0, 0, 0, ()
+            state.chosen_at, state.dispute = -1, None
         if self.inner is not None:
             self.inner.rollback(state.inner, length)
 
@@ -135,6 +187,7 @@ class PredictionDrafter(BaseDrafter[PredictionState]):
         if state.followed == answer:
             return self._at(state)
         self._score(state, committed)
+        self._settle(state, committed)
         prediction = self.prediction
         for token in committed[state.prompt_length + state.followed :]:
             at = state.at
@@ -150,9 +203,31 @@ class PredictionDrafter(BaseDrafter[PredictionState]):
             state.probe, state.probe_from = prediction[at : at + PROBE], answer
         return at
 
+    def _agreement(self, committed: Sequence[int], at: int) -> int:
+        """How many of the answer's last tokens the prediction has right before ``at``
+        (up to AGREEMENT)."""
+        agree = 0
+        while (agree < min(at, AGREEMENT, len(committed))
+               and committed[len(committed) - 1 - agree] == self.prediction[at - 1 - agree]):
+            agree += 1
+        return agree
+
     def _at(self, state: PredictionState) -> int | None:
         at = state.at
         return at if at is not None and at < len(self.prediction) else None
+
+    def _settle(self, state: PredictionState, committed: Sequence[int]) -> None:
+        """Settle the pending dispute, once the answer has its token."""
+        if state.dispute is None:
+            return
+        position, ours, theirs = state.dispute
+        if state.prompt_length + position >= len(committed):
+            return
+        token = committed[state.prompt_length + position]
+        if token in (ours, theirs):
+            won = 1.0 if token == theirs else -1.0
+            state.lookup_right = (1 - RATE) * state.lookup_right + RATE * won
+        state.dispute = None
 
     def _score(self, state: PredictionState, committed: Sequence[int]) -> None:
         """Score the pending probe against the answer, once the answer decides it: how

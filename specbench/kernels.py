@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="default",
                         help="the target: a name, a model directory or a GGUF file")
     parser.add_argument("--precisions", default="gguf,bfloat16,float32")
-    parser.add_argument("--tokens", default="1,2,5,9", help="tokens a pass adds")
+    parser.add_argument("--tokens", default="1,2,4,5,8,16", help="tokens a pass adds")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per path")
     parser.add_argument("--repeats", type=int, default=10, help="passes timed per round")
     parser.add_argument("--threads", type=int, default=None)

@@ -269,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=DEFAULT_JSON)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per readiness poll else
     return run(args)
 
 

@@ -55,12 +55,16 @@ def _next(drafter: PredictionDrafter, state: PredictionState, answer: Sequence[i
     return drafter.source(state, context), drafter.propose(state, context, k).tokens
 
 
-def test_it_drafts_from_the_first_round() -> None:
+def test_it_drafts_from_the_first_round_as_far_as_the_answer_agrees() -> None:
+    """From the first token on, at least two tokens, and no further ahead than the
+    answer has agreed with the prediction behind (nor than asked)."""
     drafter = PredictionDrafter(PREDICTION)
     state = drafter.begin(PROMPT)
-    assert _next(drafter, state, PREDICTION[:1]) == (SOURCE, PREDICTION[1:5])
-    assert _next(drafter, state, PREDICTION[:3], k=2) == (SOURCE, PREDICTION[3:5])
-    assert _next(drafter, state, PREDICTION[:5], k=0) == (SOURCE, ())
+    assert _next(drafter, state, PREDICTION[:1]) == (SOURCE, PREDICTION[1:3])
+    assert _next(drafter, state, PREDICTION[:3]) == (SOURCE, PREDICTION[3:6])
+    assert _next(drafter, state, PREDICTION[:6], k=2) == (SOURCE, PREDICTION[6:8])
+    assert _next(drafter, state, PREDICTION[:12], k=8) == (SOURCE, PREDICTION[12:20])
+    assert _next(drafter, state, PREDICTION[:13], k=0) == (SOURCE, ())
 
 
 @pytest.mark.parametrize(("answer", "rejoined"), [
@@ -78,7 +82,8 @@ def test_it_finds_where_the_answer_rejoins_the_prediction(
     _next(drafter, state, answer[:10])
     # off the prediction: nothing to draft from it (no drafter beside it)
     assert _next(drafter, state, answer[:11]) == (SOURCE, ())
-    assert _next(drafter, state, answer) == (SOURCE, PREDICTION[rejoined:rejoined + 4])
+    # back on it three tokens after the edit: it drafts from there, three tokens ahead
+    assert _next(drafter, state, answer) == (SOURCE, PREDICTION[rejoined:rejoined + 3])
 
 
 def test_a_run_that_recurs_rejoins_after_the_last_match_first() -> None:
@@ -113,7 +118,7 @@ def test_the_server_s_drafter_drafts_where_the_prediction_is_off() -> None:
     assert source == "ngram" and tokens == (5, 6, 7, 8)
     # back on the prediction (three tokens of it): the prediction drafts again
     source, tokens = _next(drafter, state, (*repeating, *PREDICTION[30:33]))
-    assert (source, tokens) == (SOURCE, PREDICTION[33:37])
+    assert (source, tokens) == (SOURCE, PREDICTION[33:36])
     # and at its end lookup takes over once more
     _, tokens = _next(drafter, state, (*repeating, *PREDICTION[30:]))
     assert tokens == ()
@@ -134,6 +139,24 @@ def test_an_unrelated_prediction_hands_its_rounds_to_the_server_s_drafter() -> N
         _next(drafter, state, answer)
     assert sources[0] == SOURCE
     assert set(sources[4:]) == {"ngram"}, sources
+
+
+def test_where_lookup_disagrees_and_has_been_right_lookup_drafts() -> None:
+    """A name the answer changes everywhere (52 to 60): the prediction says the old name
+    where lookup, reading the answer's own text, says the new one; the prediction drafts
+    the first such dispute, and once lookup has been right in one, lookup drafts."""
+    s, t, old, new = 50, 51, 52, 60
+    prediction = (40, 41, 42, 43, s, t, old, 53, s, t, old, 54, s, t, old, 55)
+    answer = (40, 41, 42, 43, s, t, new, 53, s, t, new, 54, s, t, new, 55)
+    drafter = PredictionDrafter(prediction, NgramDrafter())
+    state = drafter.begin(PROMPT)
+    assert _next(drafter, state, answer[:4]) == (SOURCE, (s, t, old, 53))
+    assert _next(drafter, state, answer[:8])[0] == "ngram"  # off the prediction
+    # (53, s, t) rejoins it before its second old name, where lookup says the new one
+    assert _next(drafter, state, answer[:10]) == (SOURCE, (old, 54, s))
+    _next(drafter, state, answer[:12])  # the answer took lookup's
+    source, tokens = _next(drafter, state, answer[:14])
+    assert source == "ngram" and tokens[0] == new
 
 
 # -- the default model, through the engine ----------------------------------------------

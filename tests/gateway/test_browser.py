@@ -105,6 +105,21 @@ def test_a_streamed_answer_is_coloured_and_equals_the_api(server: str, page: Web
     assert len(rows) - 1 == int(figure(pane, "rounds"))  # one row per round, plus the header
 
 
+def test_a_prediction_s_tokens_have_their_own_colour(server: str, page: WebDriver) -> None:
+    """The answer itself as the predicted output: the text is the API's greedy answer,
+    drafts from the prediction are coloured as such, and the figures count its tokens
+    found in the answer."""
+    expected = api_answer(server, COPY, speculation={"enabled": False})
+    page.find_element(By.CSS_SELECTOR, "#prediction-box summary").click()
+    page.find_element(By.ID, "prediction").send_keys(expected)
+    (answer,) = ask(page, COPY)
+    pieces = spans(answer)
+    assert answer.get_attribute("textContent") == expected
+    assert any(origin == "prediction" for origin, _ in pieces), pieces
+    pane = page.find_element(By.CSS_SELECTOR, ".pane")
+    assert int(figure(pane, "prediction tokens in the answer")) > 0
+
+
 def test_model_output_is_text_never_html(server: str, page: WebDriver) -> None:
     (answer,) = ask(page, SCRIPT)
     expected = api_answer(server, SCRIPT)

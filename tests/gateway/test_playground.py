@@ -17,7 +17,7 @@ from gateway.server import build_engine, create_app
 from gateway.service.settings import Settings, add_settings_flags, settings_from_args
 from tests.gateway.conftest import TINY, in_process, tiny_settings
 
-ORIGINS = {"lookup", "cache", "model", "target", "prompt"}
+ORIGINS = {"lookup", "cache", "model", "prediction", "target", "prompt"}
 REPEATING = "one two three four one two three four one two three four one two"
 
 
