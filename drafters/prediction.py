@@ -31,6 +31,7 @@ curve) and its own figures in the metrics.
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,7 +83,24 @@ class PredictionState:
     lookup_right: float = 0.0  # who won the disputes, decayed: > 0 lookup, < 0 the prediction
     # index[n][ngram]: the positions right after each occurrence of an n-token run of the
     # prediction, in order
-    index: dict[int, dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
+    index: dict[int, dict[tuple[int, ...], list[int]]] = field(default_factory=dict)  # _runs
+
+
+Runs = dict[int, dict[tuple[int, ...], list[int]]]
+
+
+@functools.lru_cache(maxsize=4)  # a few requests' at once (8k tokens: about 10 MB)
+def _runs(prediction: tuple[int, ...]) -> Runs:
+    """Where each run of SHORTEST_KEY .. LONGEST_KEY tokens of ``prediction`` ends
+    (the positions right after its occurrences, in order); made once for all the choices
+    of a request, and only read."""
+    runs: Runs = {}
+    for n in range(SHORTEST_KEY, min(LONGEST_KEY, len(prediction)) + 1):
+        table: dict[tuple[int, ...], list[int]] = {}
+        for end in range(n, len(prediction) + 1):
+            table.setdefault(prediction[end - n : end], []).append(end)
+        runs[n] = table
+    return runs
 
 
 class PredictionDrafter(BaseDrafter[PredictionState]):
@@ -104,7 +122,7 @@ class PredictionDrafter(BaseDrafter[PredictionState]):
 
     def begin(self, prompt_ids: Sequence[int]) -> PredictionState:
         inner = self.inner.begin(prompt_ids) if self.inner is not None else None
-        return PredictionState(inner, len(prompt_ids), index=self._index())
+        return PredictionState(inner, len(prompt_ids), index=_runs(self.prediction))
 
     def warmup(self) -> None:
         if self.inner is not None:
@@ -165,19 +183,9 @@ class PredictionDrafter(BaseDrafter[PredictionState]):
             self.inner.rollback(state.inner, length)
 
     def release(self, state: PredictionState) -> None:
-        state.index.clear()
+        state.index = {}  # shared by the choices of a request: dropped, not cleared
         if self.inner is not None:
             self.inner.release(state.inner)
-
-    def _index(self) -> dict[int, dict[tuple[int, ...], list[int]]]:
-        tokens = self.prediction
-        index: dict[int, dict[tuple[int, ...], list[int]]] = {}
-        for n in range(SHORTEST_KEY, min(LONGEST_KEY, len(tokens)) + 1):
-            table: dict[tuple[int, ...], list[int]] = {}
-            for end in range(n, len(tokens) + 1):
-                table.setdefault(tokens[end - n : end], []).append(end)
-            index[n] = table
-        return index
 
     def _follow(self, state: PredictionState, committed: Sequence[int]) -> int | None:
         """The prediction position the answer's next token would take, after comparing
