@@ -367,7 +367,7 @@ def exit_on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specbench.compare import json_output, load_prompts
+    from specbench.compare import load_prompts
     from specbench.plots import write_plots
 
     wants_llama = any(s.strip().startswith("llama-server") for s in args.servers.split(","))
@@ -388,12 +388,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    json_path = json_output(args.json) or Path(DEFAULT_JSON)
-    logs = json_path.with_name(json_path.stem + "-logs")
-    logs.mkdir(parents=True, exist_ok=True)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, exit_on_signal)
-    machine = machine_record(args.threads)
+    json_path, logs, machine = prepare_run(args.json, DEFAULT_JSON, args.threads)
     try:
         report = measure(servers, args, prompt_sets, logs)
     except PeerError as exc:
@@ -412,6 +407,20 @@ def run(args: argparse.Namespace) -> int:
     log.info("wrote %s", json_path)
     write_plots("peer", report, json_path)
     return 0
+
+
+def prepare_run(json_arg: str | None, default_json: str, threads: int
+                ) -> tuple[Path, Path, dict[str, Any]]:
+    """Before servers start: where the JSON goes, the folder for the servers' logs beside
+    it, signals that unwind through the servers' stop, and the machine as it is now."""
+    from specbench.compare import json_output
+
+    json_path = json_output(json_arg) or Path(default_json)
+    logs = json_path.with_name(json_path.stem + "-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, exit_on_signal)
+    return json_path, logs, machine_record(threads)
 
 
 def close_machine_record(machine: dict[str, Any]) -> None:

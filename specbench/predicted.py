@@ -38,7 +38,6 @@ import json
 import logging
 import re
 import shutil
-import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -59,10 +58,9 @@ from specbench.peer_run import (
     THREADS,
     Server,
     close_machine_record,
-    exit_on_signal,
     gguf_file,
     locate,
-    machine_record,
+    prepare_run,
     running,
     versions,
 )
@@ -207,7 +205,7 @@ def _x(value: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specbench.compare import json_output, load_prompts
+    from specbench.compare import load_prompts
 
     wants_llama = any(s.strip().startswith("llama-server") for s in args.servers.split(","))
     try:
@@ -222,12 +220,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    json_path = json_output(args.json) or Path(DEFAULT_JSON)
-    logs = json_path.with_name(json_path.stem + "-logs")
-    logs.mkdir(parents=True, exist_ok=True)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, exit_on_signal)
-    machine = machine_record(args.threads)
+    json_path, logs, machine = prepare_run(args.json, DEFAULT_JSON, args.threads)
     try:
         with running(servers, logs, START_TIMEOUT_S) as up:
             if not up:
