@@ -35,6 +35,22 @@ def test_a_curve_grows_by_its_last_step_past_its_end() -> None:
     assert VerifyCost(curve=curve).steps(4) == pytest.approx(1.7)
 
 
+def test_the_first_steps_are_read_from_the_table() -> None:
+    """V(1), V(2), V(3) and the marginal cost between them come from the measured table,
+    not its tail's slope: a curve whose first draft token is nearly free and whose second
+    costs a sweep of the weights."""
+    curve = from_seconds([0.020, 0.021, 0.025, 0.026, 0.027])
+    assert curve.steps == pytest.approx((1.0, 1.05, 1.25, 1.3, 1.35))
+    assert [curve.at(k) for k in range(4)] == pytest.approx([1.0, 1.05, 1.25, 1.3])
+    cost = VerifyCost(curve=curve)
+    assert [cost.steps(k) for k in range(4)] == pytest.approx([1.0, 1.05, 1.25, 1.3])
+    assert [cost.marginal(k) for k in (1, 2, 3)] == pytest.approx([0.05, 0.2, 0.05])
+    # a drafter whose second token pays only where the second step is cheap
+    assert VerifyCurve((1.0, 1.0, 3.0, 5.0)).ceiling(0.5, 0.0) == (1, pytest.approx(1.5))
+    assert VerifyCurve((1.0, 1.0, 1.0, 5.0)).ceiling(0.5, 0.0) == (
+        2, pytest.approx((1 - 0.5 ** 3) / 0.5))
+
+
 def test_timings_make_a_monotone_curve_from_one() -> None:
     curve = from_seconds([0.04, 0.05, 0.048, 0.06])
     assert curve.steps == (1.0, 1.25, 1.25, 1.5)
