@@ -62,6 +62,21 @@ def test_ngram_follows_the_occurrence_that_shares_the_most_context() -> None:
     assert latest.propose(state, DraftContext(tokens, GREEDY, None), 3).tokens == (30, 31)
 
 
+def test_ngram_drafts_exactly_k_tokens_where_fewer_than_its_run_are_asked() -> None:
+    """The draft is as long as asked, never longer, for every k from 0 to 3: a match that
+    agrees on its n-gram alone (a run of SHORTEST_RUN) and one that agrees far behind."""
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2)
+    copied = list(range(100, 160))
+    short = [*copied, 7, *copied[38:40]]  # agrees on the n-gram alone: a run of 2
+    long = [*copied, 7, *copied[10:40]]  # agrees on 30 tokens behind
+    for k in range(4):
+        for tokens, run in ((short, 2), (long, 30)):
+            proposal = drafter.propose(drafter.begin(tokens), DraftContext(tokens, GREEDY, None),
+                                       k)
+            assert proposal.tokens == tuple(copied[40 : 40 + min(k, run)]), (k, run)
+            assert len(proposal.tokens) == min(k, run)
+
+
 def test_ngram_continues_a_repetition_past_the_end() -> None:
     drafter = NgramDrafter(max_ngram=2, min_ngram=2)
     tokens = [9, 1, 2, 3, 1, 2, 3, 1, 2]  # period 3: the latest "1 2" starts 3 back
