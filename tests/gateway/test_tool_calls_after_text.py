@@ -260,3 +260,27 @@ def test_calls_after_text_written_with_the_tag_token_are_taken_and_parsed(
             args[call.index] = args.get(call.index, "") + (call.function.arguments or "")
     assert [json.loads(a) for a in args.values()] == [{"city": "Paris"}, {"city": "Berlin"}]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_call_cut_by_the_length_limit_finishes_with_length(
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    """A call the length limit cuts mid-arguments (after text, or forced) finishes with
+    ``length``, never ``tool_calls``: its arguments are not whole JSON. Streamed and whole."""
+    for plan, answer in ((_plan(), TEXT + CALL), (_plan(tool_choice="required"), CALL)):
+        cut = _events(tokenizer, answer)[:-6]  # ends inside the arguments
+        cut[-1] = dataclasses.replace(cut[-1], finish_reason=FinishReason.LENGTH)
+        streamed = ToolChatFormat(_job(), TokenTexts(tokenizer), frozenset(), plan)
+        totals = ChoiceTotals(drafter=None)
+        chunks = []
+        for event in cut:
+            totals.add(event)
+            chunk = streamed.chunk(0, event, totals)
+            if chunk is not None:
+                chunks.append(chunk)
+        assert streamed.tool_calls() == 1 and not streamed.parsers[0].calls[0].done
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [
+            "length"]
+        body = ToolChatFormat(_job(), TokenTexts(tokenizer), frozenset(), plan).response(
+            [totals])
+        assert body.choices[0].message.tool_calls is not None
+        assert body.choices[0].finish_reason == "length"
