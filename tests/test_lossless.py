@@ -211,10 +211,10 @@ def test_tiny_keyed_sampling_is_the_same_text_with_every_drafter(
     policy alike), and a draft that is always right is accepted whole. (The random model's
     sampled text seldom repeats, so lookup's rounds are the real model's test below.)"""
     ids = tuple(encode_text(tiny_target.tokenizer, prompt))
-    request = GenerationRequest(prompt_ids=ids, max_new_tokens=32, sampling=KEYED)
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=24, sampling=KEYED)
     plain = _run(tiny_target, None, request)
-    assert len(plain[0]) == 32
-    greedy = _run(tiny_target, None, GenerationRequest(prompt_ids=ids, max_new_tokens=32,
+    assert len(plain[0]) == 24
+    greedy = _run(tiny_target, None, GenerationRequest(prompt_ids=ids, max_new_tokens=24,
                                                        sampling=GREEDY))
     assert plain[0] != greedy[0]  # the seed's draws, not the argmax
     for name, drafter in _drafters(tiny_target, tiny_draft).items():
