@@ -3,12 +3,15 @@ how the draft-length policy prices rounds by it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from decoding.policy import MAX_DRAFT_TOKENS, AdaptiveSpeculation, SpeculationPrior
 from decoding.policy.cost import VerifyCost, VerifyCurve
 from decoding.policy.curve import describe, from_seconds, measure
 from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 
 
 def _line(slope: float, most: int = MAX_DRAFT_TOKENS) -> VerifyCurve:
@@ -89,6 +92,54 @@ def test_a_real_target_measures_a_curve_and_its_ceilings(default_target: CausalL
     assert set(shown["ceiling"]) == {"lookup", "draft"}
     assert shown["ceiling"]["lookup"]["0.90"]["speedup"] >= shown["ceiling"]["draft"]["0.90"][
         "speedup"]
+
+
+class _Recorded:
+    """The real target, its passes recorded: (tokens, logits kept, length before)."""
+
+    def __init__(self, target: CausalLM) -> None:
+        self.target = target
+        self.vocab_size = target.vocab_size
+        self.passes: list[tuple[tuple[int, ...], int, int]] = []
+
+    def new_state(self) -> Any:
+        return self.target.new_state()
+
+    def forward_batch(self, items: list[BatchItem[Any]]) -> Any:
+        (item,) = items
+        self.passes.append((tuple(item.token_ids), item.keep, item.state.length))
+        return self.target.forward_batch(items)
+
+    def rollback(self, state: Any, length: int) -> None:
+        self.target.rollback(state, length)
+
+    def release(self, state: Any) -> None:
+        self.target.release(state)
+
+
+def test_measure_times_passes_of_1_to_k_plus_1_tokens_after_the_context(
+        tiny_target: CausalLM) -> None:
+    """Each timed pass appends k + 1 tokens to the same 256-token context (rolled back
+    before every repeat), keeps every position's logits, and the curve is each pass's
+    median time over the one-token pass's, from an injected clock."""
+    durations = {0: [0.020, 0.030, 0.020], 1: [0.021, 0.021, 0.5], 2: [0.025, 0.025, 0.025]}
+    readings: list[float] = []
+    now = 100.0
+    for k in range(3):
+        for d in durations[k]:
+            readings += [now, now + d]
+            now += 1.0
+    clock = iter(readings)
+    recorded = _Recorded(tiny_target)
+    curve = measure(recorded, most=2, repeats=3, clock=lambda: next(clock))  # type: ignore[arg-type]
+    assert curve.steps == pytest.approx((1.0, 1.05, 1.25))
+    assert curve.step_s == pytest.approx(0.020)
+    prefill, *timed = recorded.passes
+    assert len(prefill[0]) == 256 and prefill[1:] == (1, 0)
+    assert [(len(t), keep, before) for t, keep, before in timed] == [
+        (k + 1, k + 1, 256) for k in range(3) for _ in range(3)]
+    assert all(0 <= t < tiny_target.vocab_size for tokens, _, _ in recorded.passes
+               for t in tokens)
 
 
 def test_a_model_source_starts_from_its_measured_step() -> None:
