@@ -108,14 +108,14 @@ def run_module(module: str, tests: list[str], children: int) -> dict[str, object
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # fork-safe children
     start = time.monotonic()
     subprocess.run([*MUTMUT, "run", "--max-children", str(children)],
-                   cwd=work, env=env, check=False)
+                   cwd=work, env=env, stdin=subprocess.DEVNULL, check=False)
     meta = json.loads((work / "mutants" / f"{module}.meta").read_text())
     statuses = {name: STATUS.get(code, "suspicious")
                 for name, code in meta["exit_code_by_key"].items()}
     survivors = sorted(n for n, s in statuses.items() if s != "killed")
     diffs = {}
     for name in survivors:
-        shown = subprocess.run([*MUTMUT, "show", name], cwd=work,
+        shown = subprocess.run([*MUTMUT, "show", name], cwd=work, stdin=subprocess.DEVNULL,
                                env=env, capture_output=True, text=True, check=False)
         diffs[name] = shown.stdout.strip()
     return {"module": module, "tests": tests, "mutants": len(statuses),

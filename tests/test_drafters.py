@@ -121,6 +121,9 @@ def test_ngram_rolls_back_past_what_it_indexed() -> None:
     tokens = [1, 2, 3, 4, 1, 2]
     state = drafter.begin(tokens)
     assert drafter.propose(state, DraftContext(tokens, GREEDY, None), 2).tokens == (3, 4)
+    tokens = [*tokens, 3]
+    assert drafter.propose(state, DraftContext(tokens, GREEDY, None), 2).tokens == (4, 1)
+    assert state.occurrences[(1, 2)] == [2, 6]  # each once, though indexed in two calls
     drafter.rollback(state, len(tokens))  # nothing rolled back: the index stays
     assert state.indexed == len(tokens)
     drafter.rollback(state, 2)
