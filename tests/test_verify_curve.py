@@ -9,7 +9,7 @@ import pytest
 
 from decoding.policy import MAX_DRAFT_TOKENS, AdaptiveSpeculation, SpeculationPrior
 from decoding.policy.cost import VerifyCost, VerifyCurve
-from decoding.policy.curve import describe, from_seconds, measure
+from decoding.policy.curve import describe, draft_cost, from_seconds, measure
 from runtime.runner.causal_lm import CausalLM
 from runtime.runner.passes import BatchItem
 
@@ -138,8 +138,26 @@ def test_measure_times_passes_of_1_to_k_plus_1_tokens_after_the_context(
     assert len(prefill[0]) == 256 and prefill[1:] == (1, 0)
     assert [(len(t), keep, before) for t, keep, before in timed] == [
         (k + 1, k + 1, 256) for k in range(3) for _ in range(3)]
-    assert all(0 <= t < tiny_target.vocab_size for tokens, _, _ in recorded.passes
-               for t in tokens)
+    assert all(isinstance(t, int) and 0 <= t < tiny_target.vocab_size
+               for tokens, _, _ in recorded.passes for t in tokens)
+
+
+def test_the_profile_shows_its_figures_rounded_under_their_names() -> None:
+    """What ``/v1/models`` shows: the step in milliseconds to 3 places, the steps to 4, each
+    drafter's cost to 4, and per acceptance the best length and its speed-up to 3."""
+    curve = from_seconds([0.03, 0.031, 0.0315])
+    assert curve.steps == (1.0, 1.0333, 1.05)
+    shown = describe(curve, {"lookup": 0.0123456}, acceptances=(0.8,))
+    k, speedup = curve.ceiling(0.8, 0.0123456)
+    assert shown == {"step_ms": 30.0, "verify_steps": [1.0, 1.0333, 1.05],
+                     "draft_cost": {"lookup": 0.0123},
+                     "ceiling": {"lookup": {"0.80": {"k": k, "speedup": round(speedup, 3)}}}}
+    assert speedup != round(speedup, 3)  # so that the rounding shows
+    assert describe(VerifyCurve((1.0,), 0.0123456), {})["step_ms"] == 12.346
+    with pytest.raises(ValueError, match=r"^a verify curve needs a one-token pass of positive"):
+        from_seconds([])
+    with pytest.raises(ValueError, match=r"^the target's curve has no measured step$"):
+        draft_cost(None, VerifyCurve((1.0,)))  # type: ignore[arg-type]
 
 
 def test_a_model_source_starts_from_its_measured_step() -> None:
