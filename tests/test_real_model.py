@@ -111,7 +111,9 @@ def test_keyed_sampling_is_the_same_text_with_lookup_and_the_0_5b_draft(qwen: Ca
     plain, _, _ = _tokens(qwen, None, request)
     greedy, _, _ = _tokens(qwen, None, replace(request, sampling=SamplingParams(temperature=0)))
     assert plain != greedy  # the seed's draws, not the argmax
-    for drafter in (NgramDrafter(), load_drafter(DRAFT.name, qwen)):
+    draft = load_drafter(DRAFT.name, qwen)
+    assert draft is not None
+    for drafter in (NgramDrafter(), draft):
         tokens, drafted, accepted = _tokens(qwen, drafter, request)
         assert tokens == plain, drafter.name
         assert 0 < accepted < drafted, drafter.name
