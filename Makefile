@@ -8,7 +8,7 @@ TOOLS := $(VENV)/tools
 PYTEST_ARGS ?=
 IMAGE_ARGS ?=
 
-.PHONY: install kernels model model-gemma model-qwen run test test-stress lint typecheck pytest test-long bench bench-load bench-http reliability clean \
+.PHONY: install kernels model model-gemma model-qwen run test test-stress lint typecheck pytest test-long mutate bench bench-load bench-http reliability clean \
 	deploy-tools system-deps node-deps screenshot dashboard-picture soak \
 	image image-gpu
 
@@ -89,6 +89,13 @@ test: lint typecheck pytest
 test-long: model model-gemma model-qwen system-deps kernels deploy-tools node-deps
 	$(BIN)/pytest --runslow $(PYTEST_ARGS)
 
+# mutation testing of the Python modules changed since BASE (or MODULES=...), each with
+# only the tests that cover it (scripts/mutate.py); lists the mutants that survive
+BASE ?= origin/main
+MODULES ?=
+mutate: model kernels
+	$(PY) scripts/mutate.py --base $(BASE) $(if $(MODULES),--modules $(MODULES))
+
 bench: model kernels
 	$(BIN)/specserve bench --quick --json bench-results/bench.json
 
@@ -124,4 +131,4 @@ image-gpu:
 	docker build --target gpu -t specserve:0.1.0-gpu .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info .mutmut

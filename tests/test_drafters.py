@@ -62,6 +62,83 @@ def test_ngram_follows_the_occurrence_that_shares_the_most_context() -> None:
     assert latest.propose(state, DraftContext(tokens, GREEDY, None), 3).tokens == (30, 31)
 
 
+def test_ngram_drafts_exactly_k_tokens_where_fewer_than_its_run_are_asked() -> None:
+    """The draft is as long as asked, never longer, for every k from 0 to 3: a match that
+    agrees on its n-gram alone (a run of SHORTEST_RUN) and one that agrees far behind."""
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2)
+    copied = list(range(100, 160))
+    short = [*copied, 7, *copied[38:40]]  # agrees on the n-gram alone: a run of 2
+    long = [*copied, 7, *copied[10:40]]  # agrees on 30 tokens behind
+    for k in range(4):
+        for tokens, run in ((short, 2), (long, 30)):
+            proposal = drafter.propose(drafter.begin(tokens), DraftContext(tokens, GREEDY, None),
+                                       k)
+            assert proposal.tokens == tuple(copied[40 : 40 + min(k, run)]), (k, run)
+            assert len(proposal.tokens) == min(k, run)
+
+
+def test_ngram_compares_context_back_to_the_sequence_s_first_token() -> None:
+    """An occurrence's context is compared down to position 0: the occurrence that agrees
+    to the very start wins over a later one that agrees one token less."""
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2)
+    tokens = [1, 2, 3, 4, 10, 11, 12, 13, 9, 2, 3, 4, 20, 21, 22, 23, 4, 1, 2, 3, 4]
+    proposal = drafter.propose(drafter.begin(tokens), DraftContext(tokens, GREEDY, None), 16)
+    assert proposal.tokens == (10, 11, 12, 13)  # agrees on 4: "1 2 3 4", back to token 0
+
+
+def test_ngram_keeps_the_latest_16_occurrences_to_choose_from() -> None:
+    """Of the n-gram's occurrences the 16 latest are compared: the oldest of 16 is followed
+    where it shares the most context; as the oldest of 17 it is forgotten."""
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2)
+    for later in (15, 16):
+        head = [7, 8, 5, 6, 40, 41]  # the occurrence of "5 6" sharing "7 8" with the end
+        fillers = [t for i in range(later) for t in (30 + i, 5, 6, 100 + i, 90)]
+        tokens = [*head, *fillers, 7, 8, 5, 6]
+        state = drafter.begin(tokens)
+        drafter.propose(state, DraftContext(tokens[:-4], GREEDY, None), 4)  # indexed in two
+        proposal = drafter.propose(state, DraftContext(tokens, GREEDY, None), 4)
+        positions = state.occurrences[(5, 6)]
+        assert len(set(positions)) == len(positions) == 16  # each occurrence once
+        if later == 15:
+            assert proposal.tokens == (40, 41, 30, 5)
+        else:  # the latest of equals, agreeing on the n-gram alone
+            assert proposal.tokens == (100 + later - 1, 90)
+
+
+def test_ngram_falls_back_to_shorter_matches_in_a_short_sequence() -> None:
+    """A sequence shorter than the longest n-gram still matches a shorter one, the first
+    token included."""
+    drafter = NgramDrafter(max_ngram=4, min_ngram=1)
+    tokens = [5, 6, 5]
+    assert drafter.propose(drafter.begin(tokens), DraftContext(tokens, GREEDY, None),
+                           2).tokens == (6, 5)
+
+
+def test_ngram_rolls_back_past_what_it_indexed() -> None:
+    """A roll-back below what was indexed forgets it: an n-gram of tokens rolled back no
+    longer matches, and one written again does."""
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2)
+    tokens = [1, 2, 3, 4, 1, 2]
+    state = drafter.begin(tokens)
+    assert drafter.propose(state, DraftContext(tokens, GREEDY, None), 2).tokens == (3, 4)
+    tokens = [*tokens, 3]
+    assert drafter.propose(state, DraftContext(tokens, GREEDY, None), 2).tokens == (4, 1)
+    assert state.occurrences[(1, 2)] == [2, 6]  # each once, though indexed in two calls
+    drafter.rollback(state, len(tokens))  # nothing rolled back: the index stays
+    assert state.indexed == len(tokens)
+    drafter.rollback(state, 2)
+    assert (state.indexed, state.occurrences) == (0, {})
+    assert all(table == {} for table in state.index.values())
+    tokens = [1, 2, 7, 8, 1, 2]
+    assert drafter.propose(state, DraftContext(tokens, GREEDY, None), 2).tokens == (7, 8)
+
+
+def test_ngram_refuses_lengths_out_of_order() -> None:
+    for low, high in ((0, 2), (3, 2)):
+        with pytest.raises(ValueError, match=r"^need 1 <= min_ngram <= max_ngram$"):
+            NgramDrafter(max_ngram=high, min_ngram=low)
+
+
 def test_ngram_continues_a_repetition_past_the_end() -> None:
     drafter = NgramDrafter(max_ngram=2, min_ngram=2)
     tokens = [9, 1, 2, 3, 1, 2, 3, 1, 2]  # period 3: the latest "1 2" starts 3 back

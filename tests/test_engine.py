@@ -161,13 +161,20 @@ def test_shutdown_refuses_new_work(tiny_target: CausalLM) -> None:
         engine.submit(_request(tiny_target, "a"))
 
 
+ASYNC_STREAMS_CEILING_S = 120.0  # 30 tokens of the tiny model: only a hang takes this long
+
+
 async def test_async_consumption(engine: Engine, tiny_target: CausalLM) -> None:
     streams = [engine.submit(_request(tiny_target, f"async {i}", n=10)) for i in range(3)]
 
     async def collect(stream):  # type: ignore[no-untyped-def]
         return [t async for e in stream for t in e.token_ids]
 
-    results = await asyncio.gather(*(collect(s) for s in streams))
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)),
+                                         ASYNC_STREAMS_CEILING_S)
+    except TimeoutError:
+        pytest.fail(f"three 10-token streams did not end within {ASYNC_STREAMS_CEILING_S} s")
     assert [len(r) for r in results] == [10, 10, 10]
 
 

@@ -199,6 +199,33 @@ def test_seeded_sampling_is_reproducible(tiny_target: CausalLM, tiny_draft: Caus
         assert runs[0] != runs[2]
 
 
+KEYED = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=11)
+
+
+@pytest.mark.parametrize("prompt", [TINY_PROMPTS[0], TINY_PROMPTS[3]])  # lookup drafts on both
+def test_tiny_keyed_sampling_is_the_same_text_with_every_drafter(
+    tiny_target: CausalLM, tiny_draft: CausalLM, prompt: str
+) -> None:
+    """With a seed, sampling is keyed by position: the text is the one plain sampling with
+    that seed gives, token for token, whatever drafts (fixed lengths and the adaptive
+    policy alike), and a draft that is always right is accepted whole. (The random model's
+    sampled text seldom repeats, so lookup's rounds are the real model's test below.)"""
+    ids = tuple(encode_text(tiny_target.tokenizer, prompt))
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=24, sampling=KEYED)
+    plain = _run(tiny_target, None, request)
+    assert len(plain[0]) == 24
+    greedy = _run(tiny_target, None, GenerationRequest(prompt_ids=ids, max_new_tokens=24,
+                                                       sampling=GREEDY))
+    assert plain[0] != greedy[0]  # the seed's draws, not the argmax
+    for name, drafter in _drafters(tiny_target, tiny_draft).items():
+        spec = _run(tiny_target, drafter, request)
+        assert spec[:2] == plain[:2], name
+        assert spec[2] > 0 or name.startswith("ngram"), f"{name} drafted nothing"
+        assert _run(tiny_target, drafter, request, k=None)[:2] == plain[:2], f"{name}, adaptive"
+        if name == "model-self":  # the target's own keyed draws: all accepted
+            assert spec[3] == spec[2], name
+
+
 CHAT = [
     "Correct the grammar: 'She don't like apples and she go to school every days.'",
     "What is the capital of France? Answer in one sentence.",
@@ -216,6 +243,33 @@ def test_real_model_fp32_lossless(
     plain = _run(default_target, None, request)
     for drafter in (NgramDrafter(), ModelDrafter(tiny_draft, default_target)):
         assert _run(default_target, drafter, request)[:2] == plain[:2], drafter.name
+
+
+@pytest.mark.real_model
+def test_real_model_keyed_sampling_is_the_same_text_with_each_drafter(
+    default_target: CausalLM, tiny_draft: CausalLM
+) -> None:
+    """The real model sampling with a seed, asked to repeat a list: lookup's drafts are
+    accepted where they equal the keyed draws, and the text is plain sampling's with
+    lookup, with a draft model and with both."""
+    ids = tuple(encode_chat(default_target.tokenizer, [{"role": "user", "content": CHAT[2]}]))
+    # this seed's answer repeats the list and goes on freely: lookup has drafts to offer,
+    # and the free part has tokens whose draws depend on the position's noise
+    keyed = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=13)
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=32, sampling=keyed)
+    plain = _run(default_target, None, request)
+    greedy = _run(default_target, None, GenerationRequest(prompt_ids=ids, max_new_tokens=32,
+                                                          sampling=GREEDY))
+    assert plain[0] != greedy[0]  # the seed's draws, not the argmax
+    drafters: list[Drafter] = [
+        NgramDrafter(), ModelDrafter(tiny_draft, default_target),
+        CombinedDrafter([NgramDrafter()], ModelDrafter(tiny_draft, default_target))]
+    for drafter in drafters:
+        spec = _run(default_target, drafter, request)
+        assert spec[:2] == plain[:2], drafter.name
+        assert spec[2] > 0, f"{drafter.name} drafted nothing"
+        if isinstance(drafter, NgramDrafter):
+            assert spec[3] > 0, "lookup's drafts of the repeated list were all refused"
 
 
 @pytest.mark.real_model

@@ -172,3 +172,52 @@ def test_large_allocations_go_back_to_the_system_when_freed() -> None:
     assert kept_mib("mapped") <= 8
     with pytest.raises(subprocess.CalledProcessError):  # the operator's setting wins
         kept_mib("mapped", MALLOC_MMAP_THRESHOLD_="33554432")
+
+
+# In a fresh process: what `specserve serve` sets before it stops at a metrics port in use,
+# then whether blocks just below and at the threshold get mappings of their own (glibc marks
+# a mapped chunk in its size word), after a 24 MiB block freed (which raises glibc's own
+# threshold above both, where none was set). Prints the exit status and the two answers.
+_SERVE_PROBE = """
+import ctypes, socket, sys
+from specserve.cli import main
+busy = socket.socket()
+busy.bind(("127.0.0.1", 0))
+busy.listen()
+if sys.argv[1] == "serve":
+    code = main(["serve", "--host", "127.0.0.1", "--metrics-port",
+                 str(busy.getsockname()[1])])
+else:
+    code = 0
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+IS_MMAPPED = 2
+def mapped(size):
+    block = libc.malloc(size)
+    head = ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value
+    libc.free(block)
+    return int(bool(head & IS_MMAPPED))
+libc.free(libc.malloc(24 << 20))
+print(code, mapped((4 << 20) - (64 << 10)), mapped(4 << 20))
+"""
+
+
+def test_serve_maps_allocations_from_4_mib_apart() -> None:
+    """`specserve serve` sets glibc's mapping threshold to 4 MiB before anything else, as
+    glibc then holds it: a block of 4 MiB gets a mapping of its own, one 64 KiB smaller
+    comes from the heap, and freeing a larger mapped block leaves the threshold where it
+    was set. The control, with nothing set, shows glibc's own rising threshold."""
+    def probe(mode: str) -> list[int]:
+        clean = {k: v for k, v in os.environ.items()
+                 if k != "MALLOC_MMAP_THRESHOLD_" and not k.startswith("SPECSERVE_")}
+        out = subprocess.run([sys.executable, "-c", _SERVE_PROBE, mode], check=True,
+                             capture_output=True, text=True, timeout=300, env=clean)
+        return [int(word) for word in out.stdout.strip().splitlines()[-1].split()]
+
+    code, below, at = probe("serve")
+    assert code == 2  # stopped at the metrics port in use, after setting the threshold
+    assert (below, at) == (0, 1), "serve left glibc's mapping threshold unset or not at 4 MiB"
+    _, _, control_at = probe("control")
+    assert control_at == 0  # glibc's own threshold rose past 4 MiB

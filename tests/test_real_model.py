@@ -5,12 +5,17 @@ greedy speculation that is plain decoding token for token. Runs where both are p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from decoding.drafter import Drafter
+from decoding.policy import FixedSpeculation
 from decoding.prompting import encode_chat
 from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from drafters.model import ModelDrafter, TokenizerMismatchError
+from drafters.ngram import NgramDrafter
 from gateway.decode.params import SamplingDefaults, model_stops, sampling_defaults
 from runtime.files import model_store
 from runtime.loaders.loading import load_target
@@ -65,6 +70,53 @@ def test_greedy_with_the_0_5b_draft_is_plain_decoding(qwen: CausalLM) -> None:
     assert [t for event in events for t in event.token_ids] == plain
     assert len(plain) == 32 or plain[-1] in qwen.eos_token_ids
     assert sum(event.accepted_tokens for event in events) > 0
+
+
+CODE = ("def total(items):\n    result = 0\n    for item in items:\n"
+        "        result += item.price\n    return result\n")
+EDIT = [{"role": "user", "content": "Rename `result` to `amount` in this function, then say in "
+                                    f"a sentence what it does:\n```python\n{CODE}```"}]
+CODE_ONLY = [{"role": "user", "content": "Rename `result` to `amount` in this function and "
+                                         f"reply with the code only:\n```python\n{CODE}```"}]
+
+
+def _tokens(qwen: CausalLM, drafter: Drafter | None, request: GenerationRequest
+            ) -> tuple[list[int], int, int]:
+    """(tokens, drafted, accepted), four draft tokens a round where there is a drafter."""
+    policy = FixedSpeculation(4) if drafter is not None else None
+    events = list(decode(qwen, drafter, request, policy))
+    return ([t for e in events for t in e.token_ids], sum(e.draft_tokens for e in events),
+            sum(e.accepted_tokens for e in events))
+
+
+def test_greedy_with_lookup_is_plain_decoding(qwen: CausalLM) -> None:
+    """A code edit, which copies most of its prompt: lookup drafts and is accepted, and
+    the answer is plain greedy decoding's, token for token."""
+    request = GenerationRequest(prompt_ids=tuple(encode_chat(qwen.tokenizer, CODE_ONLY)),
+                                max_new_tokens=32, sampling=SamplingParams(temperature=0.0))
+    plain, _, _ = _tokens(qwen, None, request)
+    tokens, drafted, accepted = _tokens(qwen, NgramDrafter(), request)
+    assert tokens == plain
+    assert drafted > 0 and accepted > 0
+
+
+@needs_draft
+def test_keyed_sampling_is_the_same_text_with_lookup_and_the_0_5b_draft(qwen: CausalLM) -> None:
+    """With a seed, sampling is keyed by position: the 1.5B's sampled answer is the same
+    with no drafter, with lookup and with the 0.5B draft (this seed's answer copies the
+    code, so lookup's drafts are both accepted and refused)."""
+    keyed = SamplingParams(temperature=1.0, seed=2)
+    ids = tuple(encode_chat(qwen.tokenizer, EDIT))
+    request = GenerationRequest(prompt_ids=ids, max_new_tokens=48, sampling=keyed)
+    plain, _, _ = _tokens(qwen, None, request)
+    greedy, _, _ = _tokens(qwen, None, replace(request, sampling=SamplingParams(temperature=0)))
+    assert plain != greedy  # the seed's draws, not the argmax
+    draft = load_drafter(DRAFT.name, qwen)
+    assert draft is not None
+    for drafter in (NgramDrafter(), draft):
+        tokens, drafted, accepted = _tokens(qwen, drafter, request)
+        assert tokens == plain, drafter.name
+        assert 0 < accepted < drafted, drafter.name
 
 
 def test_a_draft_of_another_vocabulary_is_refused(qwen: CausalLM) -> None:

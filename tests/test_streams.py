@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from decoding.handoff import Outbox
 from decoding.streams import END, RequestStream
 from decoding.types import GenerationRequest
+
+CEILING_S = 60.0  # for 50 hand-overs and an END: only a hang reaches it
 
 
 def _request() -> GenerationRequest:
@@ -29,11 +33,20 @@ def test_a_hand_over_from_another_thread_reaches_each_stream_in_order() -> None:
             outbox.send(second, END)
             outbox.hand_over()
 
+        async def collect(stream: RequestStream) -> list[object]:
+            return [e async for e in stream]
+
         thread = threading.Thread(target=model_thread)
         thread.start()
-        got = ([e async for e in first], [e async for e in second])
-        thread.join()
-        return got
+        try:
+            got = await asyncio.wait_for(asyncio.gather(collect(first), collect(second)),
+                                         CEILING_S)
+        except TimeoutError:
+            pytest.fail(f"the streams did not end within {CEILING_S:.0f} s of the model "
+                        f"thread's start: a hand-over (or the END) never reached them")
+        thread.join(CEILING_S)
+        assert not thread.is_alive(), "the model thread did not finish its hand-overs"
+        return got[0], got[1]
 
     first, second = asyncio.run(main())
     assert first == list(range(50))

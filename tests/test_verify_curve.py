@@ -3,12 +3,15 @@ how the draft-length policy prices rounds by it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from decoding.policy import MAX_DRAFT_TOKENS, AdaptiveSpeculation, SpeculationPrior
 from decoding.policy.cost import VerifyCost, VerifyCurve
-from decoding.policy.curve import describe, from_seconds, measure
+from decoding.policy.curve import describe, draft_cost, from_seconds, measure
 from runtime.runner.causal_lm import CausalLM
+from runtime.runner.passes import BatchItem
 
 
 def _line(slope: float, most: int = MAX_DRAFT_TOKENS) -> VerifyCurve:
@@ -33,6 +36,22 @@ def test_a_curve_grows_by_its_last_step_past_its_end() -> None:
     assert [curve.at(k) for k in range(5)] == pytest.approx([1.0, 1.1, 1.3, 1.5, 1.7])
     assert VerifyCost(curve=curve).marginal(2) == pytest.approx(0.2)
     assert VerifyCost(curve=curve).steps(4) == pytest.approx(1.7)
+
+
+def test_the_first_steps_are_read_from_the_table() -> None:
+    """V(1), V(2), V(3) and the marginal cost between them come from the measured table,
+    not its tail's slope: a curve whose first draft token is nearly free and whose second
+    costs a sweep of the weights."""
+    curve = from_seconds([0.020, 0.021, 0.025, 0.026, 0.027])
+    assert curve.steps == pytest.approx((1.0, 1.05, 1.25, 1.3, 1.35))
+    assert [curve.at(k) for k in range(4)] == pytest.approx([1.0, 1.05, 1.25, 1.3])
+    cost = VerifyCost(curve=curve)
+    assert [cost.steps(k) for k in range(4)] == pytest.approx([1.0, 1.05, 1.25, 1.3])
+    assert [cost.marginal(k) for k in (1, 2, 3)] == pytest.approx([0.05, 0.2, 0.05])
+    # a drafter whose second token pays only where the second step is cheap
+    assert VerifyCurve((1.0, 1.0, 3.0, 5.0)).ceiling(0.5, 0.0) == (1, pytest.approx(1.5))
+    assert VerifyCurve((1.0, 1.0, 1.0, 5.0)).ceiling(0.5, 0.0) == (
+        2, pytest.approx((1 - 0.5 ** 3) / 0.5))
 
 
 def test_timings_make_a_monotone_curve_from_one() -> None:
@@ -73,6 +92,72 @@ def test_a_real_target_measures_a_curve_and_its_ceilings(default_target: CausalL
     assert set(shown["ceiling"]) == {"lookup", "draft"}
     assert shown["ceiling"]["lookup"]["0.90"]["speedup"] >= shown["ceiling"]["draft"]["0.90"][
         "speedup"]
+
+
+class _Recorded:
+    """The real target, its passes recorded: (tokens, logits kept, length before)."""
+
+    def __init__(self, target: CausalLM) -> None:
+        self.target = target
+        self.vocab_size = target.vocab_size
+        self.passes: list[tuple[tuple[int, ...], int, int]] = []
+
+    def new_state(self) -> Any:
+        return self.target.new_state()
+
+    def forward_batch(self, items: list[BatchItem[Any]]) -> Any:
+        (item,) = items
+        self.passes.append((tuple(item.token_ids), item.keep, item.state.length))
+        return self.target.forward_batch(items)
+
+    def rollback(self, state: Any, length: int) -> None:
+        self.target.rollback(state, length)
+
+    def release(self, state: Any) -> None:
+        self.target.release(state)
+
+
+def test_measure_times_passes_of_1_to_k_plus_1_tokens_after_the_context(
+        tiny_target: CausalLM) -> None:
+    """Each timed pass appends k + 1 tokens to the same 256-token context (rolled back
+    before every repeat), keeps every position's logits, and the curve is each pass's
+    median time over the one-token pass's, from an injected clock."""
+    durations = {0: [0.020, 0.030, 0.020], 1: [0.021, 0.021, 0.5], 2: [0.025, 0.025, 0.025]}
+    readings: list[float] = []
+    now = 100.0
+    for k in range(3):
+        for d in durations[k]:
+            readings += [now, now + d]
+            now += 1.0
+    clock = iter(readings)
+    recorded = _Recorded(tiny_target)
+    curve = measure(recorded, most=2, repeats=3, clock=lambda: next(clock))  # type: ignore[arg-type]
+    assert curve.steps == pytest.approx((1.0, 1.05, 1.25))
+    assert curve.step_s == pytest.approx(0.020)
+    prefill, *timed = recorded.passes
+    assert len(prefill[0]) == 256 and prefill[1:] == (1, 0)
+    assert [(len(t), keep, before) for t, keep, before in timed] == [
+        (k + 1, k + 1, 256) for k in range(3) for _ in range(3)]
+    assert all(isinstance(t, int) and 0 <= t < tiny_target.vocab_size
+               for tokens, _, _ in recorded.passes for t in tokens)
+
+
+def test_the_profile_shows_its_figures_rounded_under_their_names() -> None:
+    """What ``/v1/models`` shows: the step in milliseconds to 3 places, the steps to 4, each
+    drafter's cost to 4, and per acceptance the best length and its speed-up to 3."""
+    curve = from_seconds([0.03, 0.031, 0.0315])
+    assert curve.steps == (1.0, 1.0333, 1.05)
+    shown = describe(curve, {"lookup": 0.0123456}, acceptances=(0.8,))
+    k, speedup = curve.ceiling(0.8, 0.0123456)
+    assert shown == {"step_ms": 30.0, "verify_steps": [1.0, 1.0333, 1.05],
+                     "draft_cost": {"lookup": 0.0123},
+                     "ceiling": {"lookup": {"0.80": {"k": k, "speedup": round(speedup, 3)}}}}
+    assert speedup != round(speedup, 3)  # so that the rounding shows
+    assert describe(VerifyCurve((1.0,), 0.0123456), {})["step_ms"] == 12.346
+    with pytest.raises(ValueError, match=r"^a verify curve needs a one-token pass of positive"):
+        from_seconds([])
+    with pytest.raises(ValueError, match=r"^the target's curve has no measured step$"):
+        draft_cost(None, VerifyCurve((1.0,)))  # type: ignore[arg-type]
 
 
 def test_a_model_source_starts_from_its_measured_step() -> None:

@@ -3,6 +3,7 @@ ASGITransport) and on a real uvicorn server bound to a free loopback port."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -59,11 +60,29 @@ def tiny_engine(tiny_target: CausalLM, tiny_draft: CausalLM) -> Iterator[Engine]
     engine.shutdown()
 
 
+IN_PROCESS_CEILING_S = 300.0  # one whole in-process response, a stream's included: a hang
+
+
+class BoundedASGITransport(httpx.ASGITransport):
+    """httpx's ASGI transport, which ignores the client's timeouts and returns a response
+    once the app has sent all of it: each request gets a ceiling of its own, so a stream
+    that never ends fails its test saying so, not at the suite's timeout."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await asyncio.wait_for(super().handle_async_request(request),
+                                          IN_PROCESS_CEILING_S)
+        except TimeoutError:
+            pytest.fail(f"{request.method} {request.url.path}: the app sent no whole response "
+                        f"within {IN_PROCESS_CEILING_S:.0f} s (a stream that never ended?)",
+                        pytrace=False)
+
+
 @asynccontextmanager
 async def in_process(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     """The app with its lifespan running, reached through httpx's ASGI transport."""
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        transport = BoundedASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test",
                                      timeout=60) as client:
             yield client

@@ -15,15 +15,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from decoding.engine import Engine
 from drafters.ngram import NgramDrafter
+from gateway.decode.plan import plan_request
 from gateway.server import create_app
+from gateway.wire.requests import ChatCompletionRequest, CompletionRequest
 from runtime.runner.batched import BatchedLM
 from runtime.runner.passes import BLOCK
-from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings
+from tests.gateway.conftest import (
+    CHAT,
+    TINY,
+    in_process,
+    live_server,
+    openai_client,
+    tiny_settings,
+)
 
 DIGITS = 600
 SCHEMA = {"type": "string", "pattern": f"^[0-9]{{{DIGITS}}}$"}
@@ -130,3 +140,41 @@ def test_without_max_tokens_an_answer_runs_to_the_pool_s_end(small_pool: openai.
                                       max_tokens=4)
     assert refused.value.code == "context_length_exceeded"
     assert "--kv-cache-bytes" in refused.value.message
+
+
+async def test_without_max_tokens_the_limit_is_exactly_the_context_left(
+        long_engine: Engine) -> None:
+    """Without ``max_tokens`` each choice's limit is the model's context less its own
+    prompt's tokens, exactly: no silent cap anywhere below the 16k context, as the routes
+    plan it with the gateway's own limits."""
+    app = create_app(tiny_settings(), engine=long_engine)
+    context = long_engine.target.max_context
+    assert context == 16384
+    async with in_process(app):
+        state = app.state.gateway
+        completion = CompletionRequest.model_validate({
+            "model": TINY, "prompt": ["Digits:", "A longer prompt, of more tokens than one."],
+            "n": 2})
+        chat = ChatCompletionRequest.model_validate({"model": TINY, "messages": CHAT})
+        for request in (completion, chat):
+            plan = await plan_request(state, long_engine, request, "test", TINY)
+            lengths = [len(plan.job.prompt_of(i).ids) for i in range(len(plan.requests))]
+            assert len(set(lengths)) == (2 if request is completion else 1)
+            assert [r.max_new_tokens for r in plan.requests] == [context - n for n in lengths]
+            assert plan.operator_cap is None
+
+
+async def test_without_max_tokens_an_answer_ends_at_the_context_s_last_position(
+        client: httpx.AsyncClient, tiny_engine: Engine) -> None:
+    """An answer that would run on (600 digits) stops with ``length`` where prompt and
+    answer fill the 512-token context exactly."""
+    response = await client.post("/v1/completions", json={
+        "model": TINY, "prompt": "Digits:", "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "digits", "schema": SCHEMA}}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    usage = body["usage"]
+    assert tiny_engine.target.max_context == 512
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 512

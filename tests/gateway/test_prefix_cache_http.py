@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +20,14 @@ from gateway.service import redis_store
 from gateway.service.redis_store import RedisStore
 from observability.metrics import start_metrics_server
 from tests.conftest import RedisServer
-from tests.gateway.conftest import TINY, live_server, openai_client, tiny_settings, wait_until
+from tests.gateway.conftest import (
+    TINY,
+    in_process,
+    live_server,
+    openai_client,
+    tiny_settings,
+    wait_until,
+)
 
 PASSAGE = ("The harbour master kept a ledger of every vessel that entered the bay, noting its "
            "name, its cargo, the weather and the hour of arrival. ") * 4
@@ -160,3 +169,42 @@ def test_the_served_cache_size_gauge_is_the_in_process_store_s_size(
         assert isinstance(store, InProcessStore)
         assert 0 < store.size_bytes < store.max_bytes
         assert samples["specserve_prefix_cache_bytes"] == store.size_bytes
+
+
+async def test_cached_tokens_count_once_per_prompt_with_several_choices(
+        tiny_target_dir: Path) -> None:
+    """With ``n`` > 1 the prompt's cached tokens count once, as its prompt tokens do: a
+    request of 2 or 3 choices over a cached prompt reports what one choice does, whole and
+    streamed."""
+    settings = tiny_settings(target=str(tiny_target_dir), prefix_block_tokens=16,
+                             draft="ngram")
+    engine = build_engine(settings)
+    try:
+        async with in_process(create_app(settings, engine=engine)) as client:
+            async def usage(n: int, stream: bool = False) -> dict[str, Any]:
+                body = {"model": TINY, "prompt": PASSAGE, "max_tokens": 4, "temperature": 0,
+                        "n": n}
+                if not stream:
+                    response = await client.post("/v1/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    return dict(response.json()["usage"])
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+                response = await client.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                          if line.startswith("data: {")]
+                return dict(next(c["usage"] for c in chunks if c.get("usage")))
+
+            cold = await usage(1)
+            assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+            one = await usage(1)
+            cached = one["prompt_tokens_details"]["cached_tokens"]
+            assert 0 < cached <= one["prompt_tokens"]
+            assert cached % 16 == 0 and one["prompt_tokens"] - cached <= 16  # whole blocks
+            for n, stream in ((2, False), (3, False), (2, True)):
+                several = await usage(n, stream)
+                assert several["prompt_tokens"] == one["prompt_tokens"], (n, stream)
+                assert several["prompt_tokens_details"]["cached_tokens"] == cached, (n, stream)
+                assert several["completion_tokens"] == n * 4
+    finally:
+        engine.shutdown()

@@ -12,6 +12,7 @@ never for a time.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from runtime.runner.batched import BatchedLM
 from tests.gateway.conftest import CHAT, TINY, live_server, openai_client, tiny_settings
 
 HEARTBEAT_S = 0.05
+HEARTBEATS_CEILING_S = 60.0  # two heartbeats of 0.05 s: only a silent stream waits this long
 
 
 @pytest.fixture
@@ -43,12 +45,30 @@ def client(stopped_engine: Engine) -> Iterator[openai.OpenAI]:
 
 
 def _until_heartbeats(stream: Any, engine: Engine, is_heartbeat: Any) -> list[Any]:
-    """Every event of ``stream``; the engine starts once two heartbeats have come."""
+    """Every event of ``stream``; the engine starts once two heartbeats have come, or
+    after HEARTBEATS_CEILING_S without them (then the test fails saying so, where the
+    stream would otherwise wait for its first token to the suite's timeout)."""
     seen: list[Any] = []
-    for event in stream:
-        seen.append(event)
-        if sum(map(is_heartbeat, seen)) == 2:
-            engine.start()
+    started = threading.Lock()
+
+    def start() -> bool:
+        if not started.acquire(blocking=False):
+            return False
+        engine.start()
+        return True
+
+    watchdog = threading.Timer(HEARTBEATS_CEILING_S, start)
+    watchdog.start()
+    try:
+        for event in stream:
+            seen.append(event)
+            if sum(map(is_heartbeat, seen)) == 2:
+                start()
+    finally:
+        watchdog.cancel()
+    assert sum(map(is_heartbeat, seen)) >= 2, (
+        f"fewer than two heartbeats in the {HEARTBEATS_CEILING_S:.0f} s before the engine "
+        f"was started for them: {len(seen)} events")
     return seen
 
 

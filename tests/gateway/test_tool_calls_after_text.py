@@ -29,6 +29,7 @@ from gateway.encode.totals import ChoiceTotals
 from gateway.wire.requests import ChatCompletionRequest
 from gateway.wire.responses import ResponsesRequest
 from grammars.guidance import GrammarCompiler
+from runtime.files import model_store
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather",
@@ -213,3 +214,73 @@ def test_responses_give_a_message_item_then_function_call_items(
     assert output[0]["content"][0]["text"] == TEXT
     assert output[1]["name"] == "get_weather"
     assert json.loads(output[1]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer() -> PreTrainedTokenizerBase:
+    """Qwen2.5-Coder's tokenizer, where ``<tool_call>`` and ``</tool_call>`` are tokens."""
+    if not model_store.QWEN_CODER_1_5B.pulled():
+        pytest.skip(f"needs `specserve models pull {model_store.QWEN_CODER_1_5B.name}`")
+    return AutoTokenizer.from_pretrained(model_store.QWEN_CODER_1_5B.directory())
+
+
+def test_calls_after_text_written_with_the_tag_token_are_taken_and_parsed(
+        qwen_tokenizer: PreTrainedTokenizerBase) -> None:
+    """A call after text, where the tag is one token of its own (Qwen's ``<tool_call>``):
+    the grammar takes the text and then the tag token, and the answer comes back as the
+    text for content and the call for a tool call."""
+    tags = tag_tokens(qwen_tokenizer)
+    assert tags.open is not None and tags.close is not None
+    answer = TEXT + CALL + "\n" + BERLIN
+    ids = qwen_tokenizer.encode(answer, add_special_tokens=False)
+    assert ids.count(tags.open) == 2 and ids.count(tags.close) == 2  # the tags as tokens
+    eos = qwen_tokenizer.eos_token_id
+    compiler = GrammarCompiler(qwen_tokenizer, len(qwen_tokenizer), eos,
+                               stop_ids=frozenset({eos}))
+    auto = _grammar(compiler, _plan())
+    for taken in (TEXT, CALL, TEXT + CALL, answer):
+        assert _takes(auto, qwen_tokenizer, taken), taken
+    assert not _takes(auto, qwen_tokenizer, TEXT + CALL + " Done.")
+    assert not _takes(_grammar(compiler, _plan(tool_choice="required")), qwen_tokenizer,
+                      TEXT + CALL)
+
+    streamed = ToolChatFormat(_job(), TokenTexts(qwen_tokenizer), frozenset(), _plan())
+    totals = ChoiceTotals(drafter=None)
+    chunks = []
+    for event in _events(qwen_tokenizer, answer):
+        totals.add(event)
+        chunk = streamed.chunk(0, event, totals)
+        if chunk is not None:
+            chunks.append(chunk)
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == TEXT
+    args: dict[int, str] = {}
+    for d in deltas:
+        for call in d.tool_calls or ():
+            args[call.index] = args.get(call.index, "") + (call.function.arguments or "")
+    assert [json.loads(a) for a in args.values()] == [{"city": "Paris"}, {"city": "Berlin"}]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_call_cut_by_the_length_limit_finishes_with_length(
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    """A call the length limit cuts mid-arguments (after text, or forced) finishes with
+    ``length``, never ``tool_calls``: its arguments are not whole JSON. Streamed and whole."""
+    for plan, answer in ((_plan(), TEXT + CALL), (_plan(tool_choice="required"), CALL)):
+        cut = _events(tokenizer, answer)[:-6]  # ends inside the arguments
+        cut[-1] = dataclasses.replace(cut[-1], finish_reason=FinishReason.LENGTH)
+        streamed = ToolChatFormat(_job(), TokenTexts(tokenizer), frozenset(), plan)
+        totals = ChoiceTotals(drafter=None)
+        chunks = []
+        for event in cut:
+            totals.add(event)
+            chunk = streamed.chunk(0, event, totals)
+            if chunk is not None:
+                chunks.append(chunk)
+        assert streamed.tool_calls() == 1 and not streamed.parsers[0].calls[0].done
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [
+            "length"]
+        body = ToolChatFormat(_job(), TokenTexts(tokenizer), frozenset(), plan).response(
+            [totals])
+        assert body.choices[0].message.tool_calls is not None
+        assert body.choices[0].finish_reason == "length"
