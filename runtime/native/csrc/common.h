@@ -126,6 +126,17 @@ inline void prefetch_row(const void* p, int64_t bytes) {
     __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
 }
 
+// The share-th of `shares` equal parts of the cache lines of [p, p + bytes): a loop that
+// takes a long while over each part of a matrix's stream (a pass of many tokens) spreads
+// its prefetches over the part's steps rather than issuing them all at once, which the
+// core's queue of misses in flight would drop or stall on
+inline void prefetch_share(const void* p, int64_t bytes, int64_t share, int64_t shares) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t lo = (base + bytes * share / shares) & ~uintptr_t{63};
+  const uintptr_t hi = base + bytes * (share + 1) / shares;
+  for (uintptr_t a = lo; a < hi; a += 64) __builtin_prefetch(reinterpret_cast<const char*>(a), 0, 3);
+}
+
 inline void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [tokens, n] tensor");
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");

@@ -245,20 +245,23 @@ inline void kquant_tile(const uint8_t* w, int64_t supers, const int8_t* codes, c
   constexpr int64_t cb = code_bytes(TYPE), chunk = chunk_bytes(TYPE);
   // few tokens leave the core waiting on one chain of sums: C chains a token (added at
   // the end: integer sums, the same in any order); Q6_K's two halves are two chains
-  constexpr int C = TYPE == kQ6K ? 2 : R == 1 ? 4 : R == 2 ? 2 : 1;
+  // (at least about 8 chains in all, the VNNI unit's latency times its rate)
+  constexpr int C = TYPE == kQ6K ? 2 : R == 1 ? 4 : R == 2 ? 4 : R == 3 ? 3 : R == 4 ? 2 : 1;
   const int64_t blocks = supers * kSubBlocks, hk = k / 16;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < supers; ++s, w += chunk) {
-    prefetch_row(w + kPrefetchBytes, chunk);
     const uint8_t* sa = w + 8 * cb;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sa)));
     for (int j = 0; j < 8; ++j) {
       const uint8_t* cw = w + j * cb;
+      prefetch_share(w + kPrefetchBytes, chunk, j, 8);
       const int64_t b = s * kSubBlocks + j;
       __m512i dots[R][C];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) dots[r][c] = _mm512_setzero_si512();
+      // unrolled, so each group's chain is known and every sum stays in a register
+#pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const __m512i group = group_codes<TYPE>(cw, g);
         const int c = TYPE == kQ6K ? g / 4 : g % C;
@@ -372,11 +375,11 @@ inline void kquant_tile(const uint8_t* w0, int64_t supers, const int8_t* codes, 
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* w = w0;
     for (int64_t s = 0; s < supers; ++s, w += chunk) {
-      if (part == 0) prefetch_row(w + kPrefetchBytes, chunk);
       const uint8_t* sa = w + 8 * cb;
       const __m256 d = load8_half(sa + 16 * part);
       for (int j = 0; j < 8; ++j) {
         const uint8_t* cw = w + j * cb;
+        if (part == 0) prefetch_share(w + kPrefetchBytes, chunk, j, 8);
         const int64_t b = s * kSubBlocks + j;
         __m256i group[8];
         for (int g = 0; g < 8; ++g) group[g] = group_codes<TYPE>(cw, g, part);
