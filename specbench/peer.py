@@ -118,7 +118,7 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
             if response.status_code != 200:
                 response.read()
                 raise PeerError(f"{peer.name} answered {response.status_code}: "
-                                f"{_error_message(response)}", response.status_code)
+                                f"{error_message(response)}", response.status_code)
             for line in response.iter_lines():
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
@@ -150,7 +150,8 @@ def stream_chat(client: httpx.Client, peer: Peer, messages: Sequence[dict[str, s
                  timings=timings, usage=usage or None)
 
 
-def _error_message(response: httpx.Response) -> str:
+def error_message(response: httpx.Response) -> str:
+    """What an error answer says: OpenAI's ``error.message``, else the start of its body."""
     try:
         error = response.json().get("error")
         return str(error.get("message") if isinstance(error, dict) else error)
@@ -158,9 +159,8 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:300]
 
 
-def connect(client: httpx.Client, peer: Peer, extras: dict[str, Any],
-            messages: Sequence[dict[str, str]]) -> None:
-    """Find ``peer``'s model and warm it up; extras it refuses (a 400) are dropped."""
+def served_model(client: httpx.Client, peer: Peer) -> str:
+    """The id of the first model ``peer`` lists at ``/v1/models``."""
     try:
         response = client.get(f"{peer.url}/v1/models", timeout=10)
     except httpx.HTTPError as exc:
@@ -172,7 +172,13 @@ def connect(client: httpx.Client, peer: Peer, extras: dict[str, Any],
     models = response.json().get("data") or []
     if not models:
         raise PeerError(f"{peer.name} at {peer.url} serves no model")
-    peer.model = str(models[0]["id"])
+    return str(models[0]["id"])
+
+
+def connect(client: httpx.Client, peer: Peer, extras: dict[str, Any],
+            messages: Sequence[dict[str, str]]) -> None:
+    """Find ``peer``'s model and warm it up; extras it refuses (a 400) are dropped."""
+    peer.model = served_model(client, peer)
     peer.extras = dict(extras)
     try:
         stream_chat(client, peer, messages, WARMUP_TOKENS)

@@ -137,15 +137,28 @@ def llama_spec_types(binary: str) -> set[str]:
     return {t for t in (*LLAMA_SPEC_TYPES, "draft-simple") if t in text}
 
 
+def llama_command(binary: str, model: Path, threads: int, context: int) -> list[str]:
+    """llama-server on ``model`` with one slot of ``context`` tokens, ``threads`` threads for
+    both its token steps and its prompt batches, on the loopback interface (no port yet)."""
+    return [binary, "-m", str(model), "--host", "127.0.0.1", "-t", str(threads),
+            "-tb", str(threads), "-c", str(context), "-np", "1"]
+
+
+def specserve_command(target: str, threads: int) -> list[str]:
+    """specserve serving ``target`` as it was given (a catalogue name or a path) on
+    ``threads`` threads, on the loopback interface, its log as text (no drafter, no port
+    yet)."""
+    return [sys.executable, "-m", "specserve.cli", "serve", "--host", "127.0.0.1",
+            "--target", target, "--threads", str(threads), "--log-format", "text"]
+
+
 def plan_servers(args: argparse.Namespace, target: Path, draft: Path | None,
                  spec_types: set[str]) -> list[Server]:
     """The servers asked for, with their command lines and ports; llama-server is given
     the target's and the draft's GGUF files, specserve the names as they were given."""
     threads = str(args.threads)
-    llama = [args.llama_server, "-m", str(target), "--host", "127.0.0.1", "-t", threads,
-             "-tb", threads, "-c", str(args.context), "-np", "1"]
-    specserve = [sys.executable, "-m", "specserve.cli", "serve", "--host", "127.0.0.1",
-                 "--target", args.target, "--threads", threads, "--log-format", "text"]
+    llama = llama_command(args.llama_server, target, args.threads, args.context)
+    specserve = specserve_command(args.target, args.threads)
     alone, both = (target,), (target, *([draft] if draft else []))
     plans: dict[str, tuple[list[str], str, tuple[Path, ...]]] = {
         "llama-server": (llama, "/health", alone),

@@ -59,9 +59,11 @@ from specbench.peer_run import (
     Server,
     close_machine_record,
     gguf_file,
+    llama_command,
     locate,
     prepare_run,
     running,
+    specserve_command,
     versions,
 )
 
@@ -89,7 +91,6 @@ def edited_code(messages: Sequence[dict[str, Any]]) -> str:
 
 
 def plan(args: argparse.Namespace, target_gguf: Path | None) -> list[Server]:
-    threads = str(args.threads)
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = [w for w in wanted if w not in ROWS]
     if unknown:
@@ -100,15 +101,13 @@ def plan(args: argparse.Namespace, target_gguf: Path | None) -> list[Server]:
         port = args.base_port + len(servers)
         if name.startswith("llama-server"):
             assert target_gguf is not None
-            argv = [args.llama_server, "-m", str(target_gguf), "--host", "127.0.0.1", "-t",
-                    threads, "-tb", threads, "-c", str(CONTEXT), "-np", "1",
+            argv = [*llama_command(args.llama_server, target_gguf, args.threads, CONTEXT),
                     "--port", str(port)]
             if name != "llama-server":
                 argv += ["--spec-type", name.removeprefix("llama-server-")]
             servers.append(Server(name, argv, port, "/health", (target_gguf,)))
             continue
-        argv = [sys.executable, "-m", "specserve.cli", "serve", "--host", "127.0.0.1",
-                "--target", args.target, "--threads", threads, "--log-format", "text",
+        argv = [*specserve_command(args.target, args.threads),
                 "--draft", "none" if name == "specserve-none" else "auto",
                 "--port", str(port), "--metrics-port", str(metrics_port)]
         metrics_port += 1
