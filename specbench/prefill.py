@@ -242,7 +242,8 @@ def complete(client: httpx.Client, peer: Peer, prompt: str) -> Answer:
     usage = answer.get("usage") or {}
     choices = answer.get("choices") or [{}]
     counted = usage.get("prompt_tokens")
-    return Answer(prompt_tokens=int(counted) if counted is not None else None, seconds=seconds,
+    return Answer(prompt_tokens=int(counted) if counted is not None else None,
+                  seconds=round(seconds, 4),
                   finish_reason=choices[0].get("finish_reason"), timings=answer.get("timings"))
 
 
@@ -291,6 +292,7 @@ def summarise(names: Sequence[str], requests: Sequence[dict[str, Any]]
                 "seconds_median": round(statistics.median(r["seconds"] for r in mine), 3),
                 "prefill_tokens_per_s": _round(rates[name], 1),
                 "prefill_tokens_per_s_each": [round(rate, 1) for rate in per_request],
+                "server_prefill_tokens_per_s": _round(own_rate(mine), 1),
             })
         reference = rates.get(REFERENCE)
         for row in rows:
@@ -299,6 +301,15 @@ def summarise(names: Sequence[str], requests: Sequence[dict[str, Any]]
                 row["x_llama_server"] = (round(rate / reference, 3)
                                          if rate is not None and reference else None)
     return rows
+
+
+def own_rate(requests: Sequence[dict[str, Any]]) -> float | None:
+    """The median prompt rate a server reports itself (llama-server's
+    ``timings.prompt_per_second``), beside which the client's rate shows what the HTTP
+    round trip and the one answer token add; None where it reports none."""
+    rates = [float(t["prompt_per_second"]) for r in requests
+             if (t := r.get("timings")) and t.get("prompt_per_second")]
+    return statistics.median(rates) if rates else None
 
 
 def format_table(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> str:

@@ -181,8 +181,10 @@ def test_servers_take_turns_on_each_prompt_after_a_warm_up() -> None:
 
 def _request(server: str, length: int, tokens: int | None, seconds: float, round_: int = 0
              ) -> dict[str, Any]:
+    timings = ({"prompt_per_second": {0: 90.0, 1: 80.0, 2: 15.0}[round_]}
+               if server == "llama-server" and length == 1500 else None)
     return {"server": server, "round": round_, "length": length, "prompt_tokens": tokens,
-            "seconds": seconds, "finish_reason": "length", "timings": None}
+            "seconds": seconds, "finish_reason": "length", "timings": timings}
 
 
 def test_rows_give_the_median_rate_and_its_ratio_to_llama_server() -> None:
@@ -206,6 +208,8 @@ def test_rows_give_the_median_rate_and_its_ratio_to_llama_server() -> None:
     assert llama["x_llama_server"] == 1.0 and spec["x_llama_server"] == round(250 / 75.05, 3)
     assert llama_4k["prefill_tokens_per_s"] == 100.0 and llama_4k["requests"] == 1
     assert spec_4k["prefill_tokens_per_s"] is None and spec_4k["x_llama_server"] is None
+    assert llama["server_prefill_tokens_per_s"] == 80.0  # the median of its own 90, 80, 15
+    assert spec["server_prefill_tokens_per_s"] is None
     table = format_table(rows, ["llama-server", "specserve-none"])
     lines = table.splitlines()
     assert len(lines) == 4 and "specserve-none / llama-server" in lines[0]
