@@ -29,7 +29,7 @@ __all__ = ["tiny_dir"]  # a fixture, shared
 
 KINDS = (GT.Q4_K, GT.Q5_K, GT.Q6_K)
 SIZES = {kind: gguf.GGML_QUANT_SIZES[kind][1] for kind in KINDS}
-TOKENS = (1, 2, 3, 4, 5, 7, 8, 9, 17)  # each tile size, a full pass, passes evenly filled
+TOKENS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 17)  # each tile size, full passes, passes evenly filled
 
 
 @pytest.fixture(scope="module")

@@ -311,7 +311,10 @@ inline void kquant_tile(const uint8_t* w, int64_t supers, const int8_t* codes, c
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-constexpr int kBlockRows = 8;  // the most tokens a pass over the matrix serves
+// the most tokens a pass over the matrix serves: Q6_K's two chains a token hold 3 vectors a
+// token in registers, Q4_K's and Q5_K's one chain 2
+constexpr int kBlockRows = 12;
+constexpr int rows_of(int64_t type) { return type == kQ6K ? 8 : kBlockRows; }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // Half a tile (8 rows) at a time; vpmaddubsw and vpmaddwd sum four code x activation
 // products per int32 lane as vpdpbusd does (codes below 64: no 16-bit sum saturates)
@@ -427,6 +430,7 @@ inline void kquant_tile(const uint8_t* w0, int64_t supers, const int8_t* codes, 
 }
 
 constexpr int kBlockRows = 4;
+constexpr int rows_of(int64_t) { return kBlockRows; }
 #else
 template <int R, int64_t TYPE>
 inline void kquant_tile(const uint8_t* w, int64_t supers, const int8_t* codes, const float* scale,
@@ -473,6 +477,7 @@ inline void kquant_tile(const uint8_t* w, int64_t supers, const int8_t* codes, c
 }
 
 constexpr int kBlockRows = 4;
+constexpr int rows_of(int64_t) { return kBlockRows; }
 #endif
 
 // kquant_tile for a run-time type and number of rows (at most kBlockRows)
@@ -480,14 +485,15 @@ template <int64_t TYPE>
 void tile_rows(int rows, const uint8_t* w, int64_t supers, const int8_t* codes,
                const float* scale, const float* sum, const int32_t* halves, int64_t k, float* out,
                int64_t ldo) {
-  static_assert(kBlockRows <= 8, "a case per row count");
+  static_assert(kBlockRows <= 12, "a case per row count");
   switch (rows) {
 #define SPECSERVE_ROWS(R)          \
   case R:                         \
-    if constexpr (R <= kBlockRows) \
+    if constexpr (R <= rows_of(TYPE)) \
       return kquant_tile<R, TYPE>(w, supers, codes, scale, sum, halves, k, out, ldo);
     SPECSERVE_ROWS(1) SPECSERVE_ROWS(2) SPECSERVE_ROWS(3) SPECSERVE_ROWS(4)
     SPECSERVE_ROWS(5) SPECSERVE_ROWS(6) SPECSERVE_ROWS(7) SPECSERVE_ROWS(8)
+    SPECSERVE_ROWS(9) SPECSERVE_ROWS(10) SPECSERVE_ROWS(11) SPECSERVE_ROWS(12)
 #undef SPECSERVE_ROWS
   }
   TORCH_CHECK(false, "kquant tile: ", rows, " rows");
@@ -636,9 +642,6 @@ void kquant_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* 
       groups.push_back({&s, first, std::min(st, first + group_tiles)});
   }
   const Group* gp = groups.data();
-  const int64_t most = kBlockRows;
-  const int64_t passes = (tokens + most - 1) / most;
-  const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
   split(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t lo, int64_t hi) {
     if (!quantized) {
       quantize(0, tokens);
@@ -651,6 +654,9 @@ void kquant_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* 
       const int64_t first = gp[g].first, last = gp[g].last, chunk = chunk_bytes(seg.type);
       const int64_t col = seg.col + first * kTile;
       const int64_t width = std::min(seg.rows, last * kTile) - first * kTile;
+      // passes of at most rows_of(type) tokens, as even as they go
+      const int64_t passes = (tokens + rows_of(seg.type) - 1) / rows_of(seg.type);
+      const int64_t per_pass = (tokens + passes - 1) / passes;
       for (int64_t r = 0; r < tokens; r += per_pass) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
         for (int64_t t = first; t < last; ++t)
