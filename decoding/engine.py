@@ -209,23 +209,23 @@ class Engine:
         """Prepare the target and the drafters (``round.warm_up``), outside the thread."""
         warm_up(self.target, list(self.drafters.values()))
 
-    def measure_verify_curve(self, drafts: Mapping[str, Target[Any]] | None = None
-                             ) -> VerifyCurve:
+    def measure_verify_curve(self, drafts: Mapping[str, Target[Any]] | None = None,
+                             stored: tuple[VerifyCurve, Mapping[str, float]] | None = None
+                             ) -> tuple[VerifyCurve, dict[str, float]]:
         """Measure what verifying k draft tokens costs the target, and a step of each
         draft model in ``drafts`` (by drafter name) in target steps (``decoding.policy.
-        curve``), before the model thread starts: every draft-length policy prices rounds
-        by the curve from then on, and ``speculation_profile`` shows it with the ceiling
-        each drafter can reach."""
+        curve``), or take both from ``stored`` (an earlier measurement's), before the model
+        thread starts: every draft-length policy prices rounds by the curve from then on, and
+        ``speculation_profile`` shows it with the ceiling each drafter can reach."""
         if self._thread is not None:
             raise RuntimeError("the verify curve is measured before the engine starts")
-        curve = measure_curve(self.target)
+        curve = stored[0] if stored else measure_curve(self.target)
+        costs = dict(stored[1]) if stored else {
+            name: draft_cost(draft, curve) for name, draft in (drafts or {}).items()}
         self.scheduler.verify_curve = curve
-        costs = {"lookup": 0.0}
-        for name, draft in (drafts or {}).items():
-            costs[name] = draft_cost(draft, curve)
-            self.scheduler.draft_costs[name] = costs[name]
-        self.speculation_profile = describe_curve(curve, costs)
-        return curve
+        self.scheduler.draft_costs.update(costs)
+        self.speculation_profile = describe_curve(curve, {"lookup": 0.0, **costs})
+        return curve, costs
 
     def _drafter_name(self, request: GenerationRequest) -> str | None:
         spec = request.speculation

@@ -21,7 +21,6 @@ import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Any
 
 import torch
 import uvicorn
@@ -33,7 +32,6 @@ from decoding.drafter import Drafter
 from decoding.engine import Engine
 from decoding.invariance import InvarianceCheck
 from decoding.prefix_cache import InProcessStore, PrefixCache, PrefixStore
-from decoding.target import Target
 from decoding.threads import default_decode_threads
 from drafters.combined import CombinedDrafter
 from drafters.prediction import PredictionDrafter
@@ -43,6 +41,7 @@ from gateway.api.openapi import install_openapi
 from gateway.api.responses import router as responses_router
 from gateway.api.routes import router
 from gateway.api.tokenize import router as tokenizing_router
+from gateway.service.curve_store import set_verify_curve
 from gateway.service.redis_store import RedisStore, redacted
 from gateway.service.settings import Settings, add_settings_flags, settings_from_args
 from gateway.service.startup import CONFIG_ERRORS, StartupError, check_settings, fail, one_line
@@ -146,10 +145,10 @@ def build_drafters(settings: Settings, target: CausalLM, cache: PrefixCache | No
     return drafters, default.name, backend
 
 
-def draft_models(drafters: Mapping[str, Drafter]) -> dict[str, Target[Any]]:
+def draft_models(drafters: Mapping[str, Drafter]) -> dict[str, CausalLM]:
     """The draft models that run on this host's PyTorch or native runtime, by drafter
     name: their step is measured against the target's (another backend's is not)."""
-    models: dict[str, Target[Any]] = {}
+    models: dict[str, CausalLM] = {}
     for name, drafter in drafters.items():
         model = drafter.model if isinstance(drafter, CombinedDrafter) else drafter
         runner = getattr(model, "model", None)  # a ModelDrafter's draft model
@@ -205,11 +204,12 @@ def build_engine(settings: Settings, draft_loader: DraftLoader = torch_draft_loa
                                       if settings.check_invariance else None))
     log.info("warming up (%s, drafters %s, default %s)", target.name, sorted(drafters), default)
     engine.warmup()
-    engine.measure_verify_curve(draft_models(drafters))
+    origin = set_verify_curve(engine, target, draft_models(drafters), settings)
     profile = engine.speculation_profile
-    log.info("verify curve %s (one-token step %.1f ms); ceilings %s",
+    log.info("verify curve %s (one-token step %.1f ms; %s); ceilings %s",
              engine.scheduler.verify_curve.steps if engine.scheduler.verify_curve else None,
-             profile["step_ms"] if profile else 0.0, profile["ceiling"] if profile else None)
+             profile["step_ms"] if profile else 0.0, origin,
+             profile["ceiling"] if profile else None)
     release_freed_memory()
     engine.start()
     return engine

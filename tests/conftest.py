@@ -39,6 +39,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
 
 
+# what the tests keep of the caller's SPECSERVE_ variables: where models are, and where the
+# session's measured verify curves are (every other setting comes from each test)
+KEPT_VARIABLES = ("SPECSERVE_HOME", "SPECSERVE_VERIFY_CURVE_DIR")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _verify_curves_of_their_own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Servers the tests start, in process or not, keep their measured verify curves in
+    the session's own directory: a curve timed on a machine as busy as a test run makes
+    it is never read by a server started outside the tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECSERVE_VERIFY_CURVE_DIR", str(tmp_path_factory.mktemp("curves")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model (pulled once if missing; `make test` pulls it first)."""

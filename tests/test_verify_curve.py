@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from decoding.engine import Engine
 from decoding.policy import MAX_DRAFT_TOKENS, AdaptiveSpeculation, SpeculationPrior
 from decoding.policy.cost import VerifyCost, VerifyCurve
 from decoding.policy.curve import describe, draft_cost, from_seconds, measure
@@ -179,3 +180,19 @@ def test_a_model_source_starts_from_its_measured_step() -> None:
             k = max(policy.next_k(100), 1)
             policy.update(k, 1 if i % 5 < 3 else 0)
     assert model.best_k() == 0 and lookup.best_k() >= 1
+
+
+def test_a_stored_curve_reaches_the_scheduler_and_profile_as_a_measured_one(
+        tiny_target: CausalLM, tiny_draft: CausalLM) -> None:
+    """An engine given a curve and draft costs measured before prices rounds and shows its
+    profile exactly as the engine that measured them."""
+    measured = Engine(tiny_target, {})
+    curve, costs = measured.measure_verify_curve({"draft": tiny_draft})
+    assert set(costs) == {"draft"} and costs["draft"] > 0
+    taken = Engine(tiny_target, {})
+    assert taken.measure_verify_curve(stored=(curve, costs)) == (curve, costs)
+    assert taken.scheduler.verify_curve == measured.scheduler.verify_curve == curve
+    assert taken.scheduler.draft_costs == measured.scheduler.draft_costs == costs
+    assert taken.speculation_profile == measured.speculation_profile
+    assert taken.speculation_profile is not None
+    assert taken.speculation_profile["draft_cost"]["lookup"] == 0.0

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
+from decoding.engine import Engine
 from gateway.api.intake import gateway_state, parse_request, require_api_key
 from gateway.api.openapi import MODEL_ERRORS, completion_route, error_responses
 from gateway.decode.params import AnyRequest
 from gateway.decode.plan import plan_request
 from gateway.encode.tool_calls import format_for
 from gateway.predict.run import ResponseRun, request_trace
+from gateway.service.curve_store import MEASURED
 from gateway.service.state import GatewayState
 from gateway.wire.bodies import (
     ChatCompletion,
@@ -80,12 +82,22 @@ def _card(state: GatewayState) -> ModelCard:
             "draft_auto": engine.info.get("draft_auto"),  # with --draft auto: why that mix
             "kernels": engine.info.get("kernels", "torch"),
             "product_activations": engine.info.get("product_activations", settings.dtype),
-            # the measured verify curve, each drafter's cost and the ceilings they promise
-            "speculation": engine.speculation_profile,
+            "speculation": _speculation(engine),
             "aliases": sorted(state.aliases),
             "sampling_defaults": state.sampling.metadata(),
         },
     )
+
+
+def _speculation(engine: Engine) -> dict[str, Any] | None:
+    """The measured verify curve, each drafter's cost and the ceilings they promise, and
+    whether the curve was measured at this start or read from the store (and when it was
+    measured)."""
+    profile = engine.speculation_profile
+    if profile is None:
+        return None
+    return {**profile, "curve_source": engine.info.get("curve_source", MEASURED),
+            "measured_at": engine.info.get("curve_measured_at")}
 
 
 @v1.get("/models", responses=error_responses(*MODEL_ERRORS))

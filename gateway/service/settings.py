@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     batch_invariance: bool = True
     kernels: KernelChoice = "auto"
     int8_activations: bool = True
+    # the verify curve: "stored" (the one measured before for this target, CPU and threads,
+    # else measured now and stored), "measure" (measured now, replacing the stored one)
+    verify_curve: Literal["stored", "measure"] = "stored"
+    verify_curve_dir: str | None = None  # where measured curves are kept ($SPECSERVE_HOME/curves)
     api_keys: CommaList = Field(default_factory=list)
     max_queue: int = Field(default=64, ge=1)
     max_active: int = Field(default=16, ge=1)
@@ -186,6 +190,13 @@ _FLAGS: tuple[tuple[str, str] | tuple[str, str, dict[str, Any]], ...] = (
                               "the native kernels quantize them to int8 per block of 32 as "
                               "llama.cpp does, ~1.6x faster a step "
                               "(SPECSERVE_INT8_ACTIVATIONS=false; docs/quantization.md)"),
+    ("--verify-curve", "the target's verify curve and its draft models' steps: stored (those "
+                       "measured at an earlier start for this target, draft models, CPU and "
+                       "threads, else measured now and stored), measure (measured now, replacing "
+                       "the stored ones) (SPECSERVE_VERIFY_CURVE, default stored; "
+                       "docs/performance.md)"),
+    ("--verify-curve-dir", "where measured verify curves are kept, one JSON file each "
+                           "(SPECSERVE_VERIFY_CURVE_DIR, default $SPECSERVE_HOME/curves)"),
     ("--check-invariance", "debugging: on this fraction of rounds, recompute the last verified "
                            "position as a one-token step and count mismatches "
                            "(specserve_invariance_mismatches_total; SPECSERVE_CHECK_INVARIANCE, "

@@ -345,6 +345,7 @@ def test_configmap_carries_the_settings(full_render: Rendered) -> None:
     assert data["SPECSERVE_PREFILL_CHUNK"] == "256"
     assert data["SPECSERVE_KV_CACHE_BYTES"] == "8589934592"
     assert data["SPECSERVE_BATCH_SPECULATION"] == "adaptive"
+    assert data["SPECSERVE_VERIFY_CURVE"] == "measure"
     assert data["SPECSERVE_SAMPLING_DEFAULTS"] == "openai"
     assert data["SPECSERVE_MAX_PROMPT_TOKENS"] == "4096"
     assert data["SPECSERVE_MAX_TOKENS"] == "1024"
@@ -366,7 +367,7 @@ def test_unset_limits_keep_server_defaults(default_render: Rendered) -> None:
     for key in ("SPECSERVE_MAX_QUEUE", "SPECSERVE_MAX_ACTIVE", "SPECSERVE_MAX_TOKENS",
                 "SPECSERVE_PREFILL_CHUNK", "SPECSERVE_KV_CACHE_BYTES",
                 "SPECSERVE_BATCH_SPECULATION", "SPECSERVE_REDIS_URL", "SPECSERVE_CORS_ORIGINS",
-                "SPECSERVE_SAMPLING_DEFAULTS",
+                "SPECSERVE_SAMPLING_DEFAULTS", "SPECSERVE_VERIFY_CURVE",
                 "OTEL_EXPORTER_OTLP_ENDPOINT"):
         assert key not in data
 

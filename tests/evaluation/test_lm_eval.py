@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import pytest
 
-from tests.conftest import free_port, wait_for_status
+from tests.conftest import KEPT_VARIABLES, free_port, wait_for_status
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -42,7 +42,7 @@ def _read(log: IO[str]) -> str:
 def _env() -> dict[str, str]:
     """Nothing from the hub, and no SPECSERVE_ setting from the caller."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SPECSERVE_") or k == "SPECSERVE_HOME"}
+           if not k.startswith("SPECSERVE_") or k in KEPT_VARIABLES}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     return env

@@ -25,7 +25,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.conftest import free_port, http_status, stop_process
+from tests.conftest import KEPT_VARIABLES, free_port, http_status, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 ANSWER_SECONDS = 180  # a streamed answer of the default model on a small CPU
@@ -43,7 +43,7 @@ def serve(args: Sequence[str], timeout: float = 900) -> Iterator[str]:
     """``specserve serve ARGS`` on a free loopback port until ``/ready``; yields its URL."""
     port = free_port()
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SPECSERVE_", "OTEL_")) or k == "SPECSERVE_HOME"}
+           if not k.startswith(("SPECSERVE_", "OTEL_")) or k in KEPT_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryFile(mode="w+") as log:  # a file, not a pipe: never blocks
         process = subprocess.Popen(

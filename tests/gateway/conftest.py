@@ -28,6 +28,7 @@ from gateway.server import create_app
 from gateway.service.settings import Settings
 from observability.metrics import Metrics
 from runtime.runner.causal_lm import CausalLM
+from tests.conftest import KEPT_VARIABLES
 
 TINY = "tiny"
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -45,7 +46,7 @@ def _no_specserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     for name in list(os.environ):
-        if name.startswith("SPECSERVE_") and name != "SPECSERVE_HOME":
+        if name.startswith("SPECSERVE_") and name not in KEPT_VARIABLES:
             monkeypatch.delenv(name)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import free_port, wait_for_status
+from tests.conftest import KEPT_VARIABLES, free_port, wait_for_status
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _serve_and_poll(model_dir: Path, level: str) -> list[str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECSERVE_", "OTEL_"))
-           or k == "SPECSERVE_HOME"}
+           or k in KEPT_VARIABLES}
     with tempfile.TemporaryFile(mode="w+") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli", "serve", "--target", str(model_dir),

@@ -87,3 +87,20 @@ def test_served_name_from_a_model_directory(tmp_path: Path) -> None:
     model_dir = tmp_path / "My-Model-1B"
     model_dir.mkdir()
     assert Settings(target=str(model_dir)).model_name == "My-Model-1B"
+
+
+def test_the_verify_curve_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--verify-curve`` and where curves are kept: flags, variables, defaults."""
+    from gateway.service.curve_store import curve_dir
+    from runtime.files import model_store
+
+    monkeypatch.delenv("SPECSERVE_VERIFY_CURVE_DIR", raising=False)
+    assert (Settings().verify_curve, Settings().verify_curve_dir) == ("stored", None)
+    assert curve_dir(Settings()) == model_store.home() / "curves"
+    monkeypatch.setenv("SPECSERVE_VERIFY_CURVE", "measure")
+    monkeypatch.setenv("SPECSERVE_VERIFY_CURVE_DIR", "/srv/curves")
+    assert (Settings().verify_curve, curve_dir(Settings())) == ("measure", Path("/srv/curves"))
+    s = settings_from_args(_serve_args(["--verify-curve", "stored", "--verify-curve-dir", "/c"]))
+    assert (s.verify_curve, s.verify_curve_dir) == ("stored", "/c")
+    with pytest.raises(ValidationError, match="verify_curve"):
+        Settings(verify_curve="sometimes")

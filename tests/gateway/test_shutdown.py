@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import httpx
 
-from tests.conftest import free_port, wait_for_status
+from tests.conftest import KEPT_VARIABLES, free_port, wait_for_status
 from tests.gateway.conftest import CHAT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def run_server(model_dir: Path, shutdown_timeout: float, max_tokens: int = STREA
                ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")
-           or k == "SPECSERVE_HOME"}
+           or k in KEPT_VARIABLES}
     env["SPECSERVE_SHUTDOWN_TIMEOUT"] = str(shutdown_timeout)
     with tempfile.TemporaryFile(mode="w+") as log:  # a file, not a pipe: never blocks
         proc = subprocess.Popen(

@@ -12,14 +12,14 @@ import pytest
 
 from gateway.service.settings import Settings
 from gateway.service.startup import StartupError, check_settings
-from tests.conftest import free_port
+from tests.conftest import KEPT_VARIABLES, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECSERVE_", "OTEL_"))
-             or k == "SPECSERVE_HOME"}
+             or k in KEPT_VARIABLES}
     return subprocess.run([sys.executable, "-m", "specserve.cli", *args], cwd=REPO,
                           env={**clean, **(env or {})}, capture_output=True, text=True,
                           timeout=300)

@@ -23,7 +23,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port, wait_for_status
+from tests.conftest import KEPT_VARIABLES, free_port, wait_for_status
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = "tiny"
@@ -177,7 +177,7 @@ class ServeProcess:
 
 def serve_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SPECSERVE_") or k == "SPECSERVE_HOME"}
+           if not k.startswith("SPECSERVE_") or k in KEPT_VARIABLES}
     env.update(extra)
     return env
 

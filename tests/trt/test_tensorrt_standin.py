@@ -22,6 +22,7 @@ from decoding.round import decode
 from decoding.types import GenerationRequest, SamplingParams
 from gateway.server import build_engine, create_app
 from runtime.runner.causal_lm import CausalLM
+from tests.conftest import KEPT_VARIABLES
 from tests.gateway.conftest import in_process, tiny_settings
 from tests.trt import fake_tensorrt
 from trt import backends, tensorrt_build, tensorrt_drafter
@@ -229,7 +230,7 @@ async def test_models_metadata_says_why_auto_fell_back(
     """No stand-in here: on this machine TensorRT really is missing, and there is no export."""
     if tensorrt_build.tensorrt_unavailable_reason() is None:
         pytest.skip("TensorRT can run here, so auto does not fall back")
-    for name in [n for n in os.environ if n.startswith("SPECSERVE_") and n != "SPECSERVE_HOME"]:
+    for name in [n for n in os.environ if n.startswith("SPECSERVE_") and n not in KEPT_VARIABLES]:
         monkeypatch.delenv(name)  # the settings are this test's alone
     settings = tiny_settings(target=str(tiny_target_dir), draft=str(tiny_draft_dir),
                              draft_backend="auto", prefix_cache=False)
