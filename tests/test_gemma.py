@@ -39,6 +39,16 @@ NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_
 def gemma_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A random Gemma 3 with the default model's tokenizer: a window of 7 positions, its
     own query scale, the global layers' rotary scaled linearly, norms far from zero."""
+    return make_gemma(tmp_path_factory.mktemp("gemma3"), default_model_dir, 512)
+
+
+@pytest.fixture(scope="module")
+def long_gemma_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """The same model taking 2,048 positions: prompts past a whole block of keys."""
+    return make_gemma(tmp_path_factory.mktemp("gemma3-long"), default_model_dir, 2048)
+
+
+def make_gemma(out: Path, default_model_dir: Path, positions: int) -> Path:
     from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
@@ -46,7 +56,7 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path)
         vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=INTER,
         num_hidden_layers=len(LAYER_TYPES), num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=WINDOW,
-        layer_types=LAYER_TYPES, query_pre_attn_scalar=48, max_position_embeddings=512,
+        layer_types=LAYER_TYPES, query_pre_attn_scalar=48, max_position_embeddings=positions,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
         pad_token_id=0, tie_word_embeddings=True,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -57,7 +67,6 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.3 if name.endswith("norm.weight") else 0.06)
-    out = tmp_path_factory.mktemp("gemma3")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -108,6 +117,39 @@ def test_a_gemma3_model_speculates_losslessly_in_batches(gemma_dir: Path) -> Non
     served = _serve(target, {"model": draft}, requests, default_drafter="model")
     assert [_tokens(events) for events in served] == plain
     assert max(len(e.token_ids) for events in served for e in events) > 2
+
+
+def test_windowed_layers_leave_out_whole_blocks_of_keys_before_the_window(
+        long_gemma_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt read in chunks past a whole block of keys (``SPAN_ALIGN``): the windowed
+    layers read keys from the block their window starts in, and the logits are bitwise
+    those of reading every key, chunk by chunk and step by step, and transformers' to
+    float32's rounding."""
+    from runtime.runner.layout import SPAN_ALIGN, Group
+
+    ids = [(500 + 37 * i) % 40000 for i in range(1200)]
+    chunks = [ids[:600], ids[600:1100], *([t] for t in ids[1100:1104])]
+    starts: list[int] = []
+    window_start = Group.window_start
+
+    def recorded(group: Group, window: int) -> int:
+        starts.append(window_start(group, window))
+        return starts[-1]
+
+    def run() -> torch.Tensor:
+        own = BatchedLM.load(str(long_gemma_dir), dtype="float32")
+        state = own.new_state()
+        return torch.cat([own.score(state, chunk) for chunk in chunks])
+
+    monkeypatch.setattr(Group, "window_start", recorded)
+    cut = run()
+    assert max(starts) >= SPAN_ALIGN and set(starts) <= {0, 512, 1024}  # keys were left out
+    monkeypatch.setattr(Group, "window_start", lambda group, window: 0)
+    every = run()
+    assert torch.equal(cut, every)
+    reference = TransformersLM.load(str(long_gemma_dir), dtype="float32")
+    want = reference.score(reference.new_state(), ids[:1104])
+    torch.testing.assert_close(cut, want, rtol=1e-4, atol=1e-4)
 
 
 def test_an_alternative_sees_its_window_and_itself(gemma_dir: Path) -> None:

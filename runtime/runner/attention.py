@@ -85,10 +85,11 @@ class GroupedAttention:
 
     def attend_layer(self, batch: Layout, masks: list[torch.Tensor], q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor) -> torch.Tensor:
+                     values: torch.Tensor, firsts: list[int] | None = None) -> torch.Tensor:
         """Store a pass's keys and values in a layer's pools ``keys``/``values``
         ``[blocks, kv, BLOCK, D]`` through the pass's block tables and attend every group
-        of ``batch``; ``[T, h * D]``."""
+        of ``batch``, each from its key ``firsts[i]`` on (its mask cut to match; default
+        0); ``[T, h * D]``."""
         width = self.heads * self.head_dim
         block = keys.shape[2]
         tables, at = batch.tables, batch.cache_slots
@@ -97,7 +98,8 @@ class GroupedAttention:
         values[blocks, :, at % block] = v
         single = len(batch.groups) == 1
         out = q.new_empty((q.shape[0], width)) if not single else None
-        for group, mask in zip(batch.groups, masks, strict=True):
+        starts = firsts if firsts is not None else [0] * len(batch.groups)
+        for group, mask, first in zip(batch.groups, masks, starts, strict=True):
             group_q = q if single else q[group.tokens]
             if batch.contiguous:  # one sequence: no padding but the block's
                 n = q.shape[0]
@@ -109,8 +111,8 @@ class GroupedAttention:
             hi = group.lo + group.n_rows
             attended = self.attend(
                 padded.view(group.n_rows, group.width, self.heads, self.head_dim),
-                spans(keys, tables[group.lo : hi], group.span),
-                spans(values, tables[group.lo : hi], group.span), mask)  # [R, W, h, D]
+                spans(keys, tables[group.lo : hi], group.span, first),
+                spans(values, tables[group.lo : hi], group.span, first), mask)  # [R, W, h, D]
             attended = attended.reshape(-1, width)[group.slots]
             if out is None:
                 return attended
@@ -119,9 +121,11 @@ class GroupedAttention:
         return out
 
 
-def spans(pool: torch.Tensor, tables: torch.Tensor, span: int) -> torch.Tensor:
-    """The first ``span`` positions of each table row's blocks in ``pool`` ``[blocks, kv,
-    BLOCK, D]``, as ``[rows, kv, span, D]`` (a copy)."""
+def spans(pool: torch.Tensor, tables: torch.Tensor, span: int, first: int = 0) -> torch.Tensor:
+    """Positions ``first`` (a multiple of the block) to ``span`` of each table row's
+    blocks in ``pool`` ``[blocks, kv, BLOCK, D]``, as ``[rows, kv, span - first, D]`` (a
+    copy)."""
     block = pool.shape[2]
-    rows = pool[tables[:, : span // block]]  # [R, span / BLOCK, kv, BLOCK, D]
-    return rows.transpose(1, 2).reshape(rows.shape[0], pool.shape[1], span, pool.shape[3])
+    rows = pool[tables[:, first // block : span // block]]  # [R, n / BLOCK, kv, BLOCK, D]
+    return rows.transpose(1, 2).reshape(rows.shape[0], pool.shape[1], span - first,
+                                        pool.shape[3])

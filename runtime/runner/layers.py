@@ -35,11 +35,15 @@ def forward(stack: Stack, batch: Layout, inputs: torch.Tensor | None = None) -> 
 
     attention = stack.attention
     masks: dict[int | None, list[torch.Tensor]] = {}
+    firsts: dict[int | None, list[int]] = {}  # per group, the first key a layer reads
     for w in stack.weights:
         if w.window not in masks:
+            firsts[w.window] = [0 if w.window is None else g.window_start(w.window)
+                                for g in batch.groups]
             masks[w.window] = [
-                attention.mask(g.mask if w.window is None else g.window_mask(w.window),
-                               g.width, hidden.dtype) for g in batch.groups]
+                attention.mask((g.mask if w.window is None else g.window_mask(w.window))[
+                    ..., first:], g.width, hidden.dtype)
+                for g, first in zip(batch.groups, firsts[w.window], strict=True)]
     for index, w in enumerate(stack.weights):
         cos, sin = rotary[1 if w.window is not None and local is not None else 0]
         qkv = product(w.qkv, w.input_norm(hidden))  # [T, (h + 2 kv) D]
@@ -49,7 +53,8 @@ def forward(stack: Stack, batch: Layout, inputs: torch.Tensor | None = None) -> 
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv) * dim :].view(-1, kv, dim)
         out = product(w.o, attention.attend_layer(batch, masks[w.window], q, k, v,
-                                                  stack.keys[index], stack.values[index]))
+                                                  stack.keys[index], stack.values[index],
+                                                  firsts[w.window]))
         if w.out_norms is not None:
             out = w.out_norms[0](out)
         hidden = hidden + out

@@ -84,6 +84,15 @@ class Group:
                    mask=mask[:, None].to(device), query_positions=query_pos.to(device),
                    lo=lo, n_rows=n_rows, width=width, span=span)
 
+    def window_start(self, window: int) -> int:
+        """The first key a sliding-window layer's queries of this group may see, down to a
+        multiple of ``SPAN_ALIGN``: the keys before it are masked for every query, and whole
+        blocks of them left out change no query's result (PyTorch's attention reduces over
+        blocks of that many keys, and a block no query sees adds nothing to any), while a
+        long prompt's windowed layers no longer read every key before the window."""
+        first = int(self.query_positions.min()) - window + 1
+        return max(0, first // SPAN_ALIGN * SPAN_ALIGN)
+
     def window_mask(self, window: int) -> torch.Tensor:
         """``mask`` for a sliding-window layer: a query sees the keys of the ``window``
         positions up to its own (an alternative's own key, at a later slot, is within)."""
