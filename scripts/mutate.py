@@ -31,12 +31,13 @@ WORK = ROOT / ".mutmut"
 PACKAGES = ("gateway", "decoding", "drafters", "runtime", "wiring", "grammars", "trt",
             "observability", "specbench", "specdistill", "specserve")
 
-# module -> pytest arguments (files, then an optional -k expression), where the test file is
+# module -> pytest arguments (files, then an optional -k or -m expression), where the test file is
 # not named after the module or where a test file holds far more than the module's tests
 TESTS: dict[str, list[str]] = {
     "drafters/ngram.py": ["tests/test_drafters.py", "-k", "ngram"],
     "drafters/combined.py": ["tests/test_drafters.py", "-k", "combined or source"],
     "drafters/continuation.py": ["tests/test_prefix_cache.py", "-k", "continuation"],
+    "drafters/prediction.py": ["tests/test_prediction.py", "-m", "not real_model"],
     "decoding/policy/curve.py": ["tests/test_verify_curve.py"],
     "decoding/policy/cost.py": ["tests/test_verify_curve.py", "tests/test_policy.py"],
     "decoding/verify.py": ["tests/test_verify.py"],

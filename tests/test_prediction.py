@@ -6,11 +6,11 @@ sampled token and no log-probability; a prediction's usage counts are a diff's."
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from decoding.drafter import DraftContext
+from decoding.drafter import BaseDrafter, DraftContext, DraftProposal
 from decoding.engine import Engine
 from decoding.prompting import encode_chat, encode_text
 from decoding.types import GenerationRequest, RoundEvent, SamplingParams, TokenLogprob
@@ -157,6 +157,209 @@ def test_where_lookup_disagrees_and_has_been_right_lookup_drafts() -> None:
     _next(drafter, state, answer[:12])  # the answer took lookup's
     source, tokens = _next(drafter, state, answer[:14])
     assert source == "ngram" and tokens[0] == new
+
+
+def test_an_empty_prediction_is_refused() -> None:
+    with pytest.raises(ValueError, match="a prediction needs at least one token"):
+        PredictionDrafter(())
+
+
+class _Scripted(BaseDrafter[list]):
+    """The server's drafter beside the prediction: proposes what ``script`` says for the
+    answer so far, names ``source``, and records what it was asked."""
+
+    def __init__(self, script: Callable[[tuple[int, ...]], tuple[int, ...]],
+                 source: str = "model", reads_features: bool = False) -> None:
+        self.script = script
+        self.name = source
+        self.reads_features = reads_features
+        self.warmed = 0
+
+    def begin(self, prompt_ids: Sequence[int]) -> list:
+        return [("begin", tuple(prompt_ids))]
+
+    def source(self, state: list, context: DraftContext) -> str:
+        state.append(("source", len(context.token_ids)))
+        return self.name
+
+    def propose(self, state: list, context: DraftContext, k: int) -> DraftProposal:
+        return DraftProposal(self.script(tuple(context.token_ids[len(PROMPT):]))[:k])
+
+    def warmup(self) -> None:
+        self.warmed += 1
+
+    def rollback(self, state: list, length: int) -> None:
+        state.append(("rollback", length))
+
+    def release(self, state: list) -> None:
+        state.append(("release",))
+
+
+def test_it_names_and_reads_what_the_drafter_it_wraps_does() -> None:
+    alone = PredictionDrafter(PREDICTION)
+    assert (alone.name, alone.reads_features) == (SOURCE, False)
+    inner = _Scripted(lambda answer: (), source="eagle", reads_features=True)
+    wrapped = PredictionDrafter.around(PREDICTION, inner)
+    assert (wrapped.prediction, wrapped.inner) == (PREDICTION, inner)
+    assert (wrapped.name, wrapped.reads_features) == ("eagle", True)
+    assert PredictionDrafter(PREDICTION, _Scripted(lambda answer: ())).reads_features is False
+
+
+def test_the_wrapped_drafter_is_begun_warmed_rolled_back_and_released_with_it() -> None:
+    inner = _Scripted(lambda answer: (7,))
+    drafter = PredictionDrafter(PREDICTION, inner)
+    drafter.warmup()
+    assert inner.warmed == 1
+    state = drafter.begin(PROMPT)
+    assert state.inner == [("begin", PROMPT)]
+    assert _next(drafter, state, (5, 6)) == ("model", (7,))  # off the prediction
+    drafter.rollback(state, len(PROMPT) + 1)
+    drafter.release(state)
+    assert state.inner[-2:] == [("rollback", len(PROMPT) + 1), ("release",)]
+    assert state.index == {}  # the request's table dropped (it is shared, never cleared)
+
+
+def test_after_a_rollback_below_what_it_followed_it_follows_the_answer_afresh() -> None:
+    drafter = PredictionDrafter(PREDICTION)
+    state = drafter.begin(PROMPT)
+    assert _next(drafter, state, PREDICTION[:12])[1] == PREDICTION[12:16]
+    drafter.rollback(state, len(PROMPT))
+    # a new answer that opens with other text, then starts the prediction
+    assert _next(drafter, state, (5, 6, *PREDICTION[:2])) == (SOURCE, PREDICTION[2:4])
+    drafter.rollback(state, len(PROMPT))
+    assert _next(drafter, state, ()) == (SOURCE, PREDICTION[:2])
+    drafter.rollback(state, len(PROMPT))
+    assert _next(drafter, state, (5,) * 12) == (SOURCE, ())  # not the old answer's choice
+
+
+def test_before_anything_is_answered_it_drafts_the_prediction_s_start() -> None:
+    drafter = PredictionDrafter(PREDICTION)
+    assert _next(drafter, drafter.begin(PROMPT), ()) == (SOURCE, PREDICTION[:2])
+
+
+def test_it_follows_an_answer_given_one_token_a_round() -> None:
+    drafter = PredictionDrafter(PREDICTION)
+    state = drafter.begin(PROMPT)
+    for n in range(1, 6):
+        assert _next(drafter, state, PREDICTION[:n], k=1) == (SOURCE, PREDICTION[n:n + 1])
+
+
+def test_an_answer_opening_with_other_text_joins_the_prediction_at_its_first_token() -> None:
+    drafter = PredictionDrafter(PREDICTION)
+    state = drafter.begin(PROMPT)
+    assert _next(drafter, state, (5,)) == (SOURCE, ())
+    assert _next(drafter, state, (5, 6, PREDICTION[0])) == (SOURCE, PREDICTION[1:3])
+
+
+def test_a_round_drafts_at_most_thirty_two_tokens_past_an_agreeing_answer() -> None:
+    prediction = tuple(range(100, 200))
+    drafter = PredictionDrafter(prediction)
+    state = drafter.begin(PROMPT)
+    assert _next(drafter, state, prediction[:50], k=50)[1] == prediction[50:82]
+
+
+def test_agreement_counts_no_further_back_than_the_prediction_s_start() -> None:
+    """A prompt that ends with the prediction's last token does not lengthen the run the
+    answer has agreed for."""
+    prediction = (10, 11, 12, 13, 14, 15, 16, 17)
+    drafter = PredictionDrafter(prediction)
+    prompt = (1, 2, 17)
+    state = drafter.begin(prompt)
+    context = DraftContext((*prompt, 10, 11, 12), GREEDY, None)
+    assert drafter.propose(state, context, 8).tokens == (13, 14, 15)
+
+
+def test_a_prediction_shorter_than_the_longest_run_still_rejoins() -> None:
+    drafter = PredictionDrafter((10, 11, 12, 13, 14, 15))
+    state = drafter.begin(PROMPT)
+    _next(drafter, state, (10,))
+    assert _next(drafter, state, (10, 7, 8, 9, 11, 12, 13))[1] == (14, 15)
+
+
+def test_a_run_that_recurs_rejoins_at_its_first_occurrence_after_the_last_match() -> None:
+    run = (7, 8, 9)
+    prediction = (*run, 10, 11, *run, 20, 21, *run, 30, 31, *run, 40, 41)
+    drafter = PredictionDrafter(prediction)
+    state = drafter.begin(PROMPT)
+    _next(drafter, state, prediction[:5])
+    assert _next(drafter, state, (*prediction[:5], 99, *run))[1] == (20, 21, 7)
+
+
+def test_at_the_prediction_s_end_the_server_s_drafter_drafts() -> None:
+    drafter = PredictionDrafter(PREDICTION, _Scripted(lambda answer: (7,)))
+    state = drafter.begin(PROMPT)
+    assert _next(drafter, state, PREDICTION) == ("model", (7,))
+
+
+def test_a_one_token_round_drafts_the_prediction_s_next_token() -> None:
+    drafter = PredictionDrafter(PREDICTION)
+    state = drafter.begin(PROMPT)
+    assert _next(drafter, state, PREDICTION[:6], k=1) == (SOURCE, PREDICTION[6:7])
+
+
+def test_lookup_agreeing_with_the_prediction_is_no_dispute() -> None:
+    """Lookup proposing what the prediction says, round after round, earns it nothing:
+    at the first real dispute the prediction drafts."""
+    def lookup(answer: tuple[int, ...]) -> tuple[int, ...]:
+        return (999,) if len(answer) == 4 else PREDICTION[len(answer):len(answer) + 4]
+
+    drafter = PredictionDrafter(PREDICTION, _Scripted(lookup, source="lookup"))
+    state = drafter.begin(PROMPT)
+    for n in range(1, 5):
+        assert _next(drafter, state, PREDICTION[:n])[0] == SOURCE
+
+
+@pytest.mark.parametrize(("winners", "drafts"), [
+    ("p", SOURCE), ("l", "lookup"), ("lp", SOURCE), ("pl", "lookup"),
+], ids=["prediction-won", "lookup-won", "lookup-then-prediction", "prediction-then-lookup"])
+def test_the_latest_disputes_decide_who_drafts_the_next(winners: str, drafts: str) -> None:
+    """Disputes (lookup says 999, the prediction its next token) that the answer settles
+    one way then the other: the more recent winner drafts the next dispute."""
+    prediction = tuple(range(100, 140))
+    steps = [5 + 6 * i for i in range(len(winners) + 1)]  # a dispute at each of these
+    answer: list[int] = list(prediction[:steps[0]])
+    for step, winner in zip(steps, winners, strict=False):
+        answer = [*answer[:step], prediction[step] if winner == "p" else 999]
+        answer += list(prediction[step + 1:step + 6])  # back on the prediction after it
+    at = steps[len(winners)]
+    answer = answer[:at]
+
+    def lookup(now: tuple[int, ...]) -> tuple[int, ...]:
+        return (999,) if len(now) in steps else prediction[len(now):len(now) + 1]
+
+    drafter = PredictionDrafter(prediction, _Scripted(lookup, source="lookup"))
+    state = drafter.begin(PROMPT)
+    for n in range(1, at):
+        _next(drafter, state, answer[:n])
+    assert _next(drafter, state, answer)[0] == drafts
+
+
+def test_a_prediction_keeps_its_rounds_while_it_keeps_a_token_a_round() -> None:
+    """Probes the answer keeps whole, then one it keeps one token of, then ones it
+    leaves at once: the rounds go to the server's drafter once the decayed average of
+    kept tokens falls below one, and not before."""
+    prediction = tuple(range(100, 200))
+    drafter = PredictionDrafter(prediction, _Scripted(lambda answer: (7,)))
+    state = drafter.begin(PROMPT)
+    answer: list[int] = []
+    sources = []
+    for n in range(8):  # followed a token a round: two probes kept whole
+        sources.append(_next(drafter, state, prediction[:n])[0])
+    answer = list(prediction[:8])
+    at = 8
+    for keep in (1, 0, 0, 0, 0, 0, 0):
+        answer += [*prediction[at:at + keep], 99, *prediction[at + keep + 1:at + keep + 4]]
+        at += keep + 4
+        sources.append(_next(drafter, state, answer[:len(answer) - 3])[0])  # off it
+        sources.append(_next(drafter, state, answer)[0])  # back on it
+    # kept, decayed: 4, then 3.25 after the one-token probe, then 2.44, 1.83, 1.37, 1.03
+    # and 0.77 after the misses: the fifth miss hands the rounds over
+    assert sources == [SOURCE] * 8 + ["model", SOURCE] * 5 + ["model"] * 4, sources
+    # exactly one token a round is enough
+    state = drafter.begin(PROMPT)
+    _next(drafter, state, prediction[:1])
+    _next(drafter, state, (*prediction[:2], 99))
+    assert _next(drafter, state, (*prediction[:2], 99, *prediction[3:6]))[0] == SOURCE
 
 
 # -- the default model, through the engine ----------------------------------------------
