@@ -196,3 +196,50 @@ def test_a_stored_curve_reaches_the_scheduler_and_profile_as_a_measured_one(
     assert taken.speculation_profile == measured.speculation_profile
     assert taken.speculation_profile is not None
     assert taken.speculation_profile["draft_cost"]["lookup"] == 0.0
+
+
+class _Counted:
+    """A model-free target of a given vocabulary: its passes recorded as (tokens, logits
+    kept, length before), its state the sequence's length."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.passes: list[tuple[tuple[int, ...], int, int]] = []
+
+    def new_state(self) -> list[int]:
+        return [0]
+
+    def forward_batch(self, items: list[BatchItem[Any]]) -> list[Any]:
+        (item,) = items
+        self.passes.append((tuple(item.token_ids), item.keep, item.state[0]))
+        item.state[0] += len(item.token_ids)
+        return []
+
+    def rollback(self, state: list[int], length: int) -> None:
+        state[0] = length
+
+    def release(self, state: list[int]) -> None:
+        pass
+
+
+def test_a_two_token_vocabulary_is_fed_only_its_own_tokens() -> None:
+    target = _Counted(vocab_size=2)
+    ticks = iter(range(1, 1000))
+    measure(target, most=3, repeats=1, clock=lambda: float(next(ticks)))  # type: ignore[arg-type]
+    fed = [t for tokens, _, _ in target.passes for t in tokens]
+    assert set(fed) == {0, 1}
+
+
+def test_a_draft_cost_times_one_token_passes_in_the_target_steps() -> None:
+    """The draft is timed as a target with no draft of its own: after the context,
+    ``repeats`` one-token passes, each from the context's end; its step is then divided by
+    the target's, so the same draft costs more steps beside a faster target."""
+    draft = _Counted(vocab_size=50)
+    draft_cost(draft, VerifyCurve((1.0,), 1.0), repeats=2)  # type: ignore[arg-type]
+    prefill, *timed = draft.passes
+    assert len(prefill[0]) == 256 and prefill[1:] == (1, 0)
+    assert [(len(tokens), keep, before) for tokens, keep, before in timed] == [
+        (1, 1, 256), (1, 1, 256)]
+    beside_slow = draft_cost(draft, VerifyCurve((1.0,), 1e9))  # type: ignore[arg-type]
+    beside_fast = draft_cost(draft, VerifyCurve((1.0,), 1e-9))  # type: ignore[arg-type]
+    assert 0 < beside_slow < beside_fast
