@@ -70,7 +70,10 @@ def test_greedy_alternative_is_taken_when_the_target_picks_it() -> None:
                      after_alternative=after)
     assert (verdict.alternative_taken, verdict.next_token, verdict.after_alternative) == (
         True, 3, 5)
-    assert verdict.committed([1, 2]) == [3, 5]
+    assert verdict.committed([1, 2]) == [3, 5] and verdict.accepted == 0
+    verdict = verify([1, 3], None, _one_hot_logits([3, 2, 4]), None, alternative=3,
+                     after_alternative=after)  # the alternative is the draft's second token
+    assert verdict.alternative_taken and verdict.committed([1, 3]) == [3, 5]
     verdict = verify([1, 2], None, _one_hot_logits([1, 2, 4]), None, alternative=3,
                      after_alternative=after)
     assert not verdict.alternative_taken and verdict.committed([1, 2]) == [1, 2, 4]
@@ -204,6 +207,7 @@ def test_keyed_verdict_is_plain_decoding_whatever_was_drafted() -> None:
         draft += [0] * (8 - len(draft))  # whatever follows a mismatch
         verdict = verify(draft, None, target, key, position=40)
         assert verdict.committed(draft) == plain[: accepted + 1]
+        assert verdict.accepted == accepted
         assert verdict.bonus == (accepted == 8)
     assert _keyed_chain(target, SamplingKey(seed=21, choice=1), 40) == plain  # a fresh key
     assert _keyed_chain(target, SamplingKey(seed=21, choice=0), 40) != plain
