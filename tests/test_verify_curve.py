@@ -230,16 +230,23 @@ def test_a_two_token_vocabulary_is_fed_only_its_own_tokens() -> None:
     assert set(fed) == {0, 1}
 
 
-def test_a_draft_cost_times_one_token_passes_in_the_target_steps() -> None:
+def test_a_draft_cost_times_one_token_passes_in_the_target_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The draft is timed as a target with no draft of its own: after the context,
     ``repeats`` one-token passes, each from the context's end; its step is then divided by
-    the target's, so the same draft costs more steps beside a faster target."""
+    the target's, so the same draft costs more steps beside a faster target (a clock that
+    ticks once a call: every timed pass takes exactly 1 s)."""
+    from decoding.policy import curve
+
+    ticks = iter(range(1, 10_000))
+    timed_measure = curve.measure
+    monkeypatch.setattr(curve, "measure", lambda *args, **kwargs: timed_measure(
+        *args, **kwargs, clock=lambda: float(next(ticks))))
     draft = _Counted(vocab_size=50)
-    draft_cost(draft, VerifyCurve((1.0,), 1.0), repeats=2)  # type: ignore[arg-type]
+    assert curve.draft_cost(draft, VerifyCurve((1.0,), 1.0), repeats=2) == 1.0  # type: ignore[arg-type]
     prefill, *timed = draft.passes
     assert len(prefill[0]) == 256 and prefill[1:] == (1, 0)
     assert [(len(tokens), keep, before) for tokens, keep, before in timed] == [
         (1, 1, 256), (1, 1, 256)]
-    beside_slow = draft_cost(draft, VerifyCurve((1.0,), 1e9))  # type: ignore[arg-type]
-    beside_fast = draft_cost(draft, VerifyCurve((1.0,), 1e-9))  # type: ignore[arg-type]
-    assert 0 < beside_slow < beside_fast
+    assert curve.draft_cost(draft, VerifyCurve((1.0,), 4.0)) == 0.25  # type: ignore[arg-type]
+    assert curve.draft_cost(draft, VerifyCurve((1.0,), 0.5)) == 2.0  # type: ignore[arg-type]
