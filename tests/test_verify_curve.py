@@ -240,8 +240,12 @@ def test_a_draft_cost_times_one_token_passes_in_the_target_steps(
 
     ticks = iter(range(1, 10_000))
     timed_measure = curve.measure
-    monkeypatch.setattr(curve, "measure", lambda *args, **kwargs: timed_measure(
-        *args, **kwargs, clock=lambda: float(next(ticks))))
+
+    def ticking(target: Any, most: int, repeats: int) -> VerifyCurve:
+        return timed_measure(target, most=most, repeats=repeats,
+                             clock=lambda: float(next(ticks)))
+
+    monkeypatch.setattr(curve, "measure", ticking)
     draft = _Counted(vocab_size=50)
     assert curve.draft_cost(draft, VerifyCurve((1.0,), 1.0), repeats=2) == 1.0  # type: ignore[arg-type]
     prefill, *timed = draft.passes
