@@ -199,6 +199,15 @@ def test_a_token_s_result_depends_on_nothing_else(native: Any) -> None:
             assert torch.equal(m(x[start : start + size]), results[0][start : start + size])
 
 
+def test_a_product_of_no_tokens_is_empty(native: Any) -> None:
+    """A pass with no tokens (nothing of a type's segment to multiply) returns no rows
+    rather than dividing its passes by zero."""
+    m = matrix(native, [(GT.Q4_K, random_rows(GT.Q4_K, 20, 256, 3)),
+                        (GT.Q6_K, random_rows(GT.Q6_K, 16, 256, 4))])
+    out = m(torch.zeros(0, 256, dtype=torch.bfloat16))
+    assert out.shape == (0, 36) and out.dtype == torch.bfloat16
+
+
 def test_bad_calls_raise_instead_of_reading_out_of_bounds(native: Any) -> None:
     m = matrix(native, [(GT.Q4_K, random_rows(GT.Q4_K, 32, 512, 0))])
     x = torch.randn(2, 512)

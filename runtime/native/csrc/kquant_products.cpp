@@ -656,7 +656,7 @@ void kquant_product_rows(const T* xp, int64_t tokens, int64_t k, const uint8_t* 
       const int64_t width = std::min(seg.rows, last * kTile) - first * kTile;
       // passes of at most rows_of(type) tokens, as even as they go
       const int64_t passes = (tokens + rows_of(seg.type) - 1) / rows_of(seg.type);
-      const int64_t per_pass = (tokens + passes - 1) / passes;
+      const int64_t per_pass = passes > 0 ? (tokens + passes - 1) / passes : 1;
       for (int64_t r = 0; r < tokens; r += per_pass) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, tokens - r));
         for (int64_t t = first; t < last; ++t)
