@@ -413,11 +413,7 @@ def run(args: argparse.Namespace) -> int:
               "draft": {"given": args.draft, "file": str(draft) if draft else None},
               "launch": [s.record() for s in servers], **report}
     write_table(report, sys.stdout)
-    failed = [s for s in servers if s.failure]
-    for server in failed:
-        print(f"{server.name} did not start: {server.failure} (log: {server.log_path})")
-    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    log.info("wrote %s", json_path)
+    write_report(json_path, report, servers)
     write_plots("peer", report, json_path)
     return 0
 
@@ -434,6 +430,15 @@ def prepare_run(json_arg: str | None, default_json: str, threads: int
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, exit_on_signal)
     return json_path, logs, machine_record(threads)
+
+
+def write_report(json_path: Path, report: dict[str, Any], servers: Sequence[Server]) -> None:
+    """After the table: each server that did not start, with its log, and the report as
+    JSON at ``json_path``."""
+    for server in (s for s in servers if s.failure):
+        print(f"{server.name} did not start: {server.failure} (log: {server.log_path})")
+    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    log.info("wrote %s", json_path)
 
 
 def close_machine_record(machine: dict[str, Any]) -> None:

@@ -34,7 +34,6 @@ verify curve (``/v1/models`` ``metadata.speculation``), for the ceiling.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import shutil
@@ -65,6 +64,7 @@ from specbench.peer_run import (
     running,
     specserve_command,
     versions,
+    write_report,
 )
 
 log = logging.getLogger(__name__)
@@ -239,10 +239,7 @@ def run(args: argparse.Namespace) -> int:
               "speculation": curve, "launch": [s.record() for s in servers], "rows": rows,
               "replies": replies}
     print(format_table(rows))
-    for server in (s for s in servers if s.failure):
-        print(f"{server.name} did not start: {server.failure} (log: {server.log_path})")
-    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    log.info("wrote %s", json_path)
+    write_report(json_path, report, servers)
     return 0
 
 

@@ -41,7 +41,6 @@ configuration, a row per length and server, and every request with its timing.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import re
@@ -72,6 +71,7 @@ from specbench.peer_run import (
     running,
     specserve_command,
     versions,
+    write_report,
 )
 
 if TYPE_CHECKING:
@@ -409,10 +409,7 @@ def run(args: argparse.Namespace) -> int:
                             "the same prompt, the servers' order reversed every other round"},
         "launch": [s.record() for s in servers], "rows": rows, "requests": requests}
     print(format_table(rows, names), end="")
-    for server in (s for s in servers if s.failure):
-        print(f"{server.name} did not start: {server.failure} (log: {server.log_path})")
-    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    log.info("wrote %s", json_path)
+    write_report(json_path, report, servers)
     return 0
 
 
