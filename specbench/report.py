@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import torch
 import transformers
 
+from runtime.native import kernels
 from specbench.methods import PLAIN, Generation
 
 MS = 1000.0
@@ -161,7 +162,7 @@ def write_table(runs: Sequence[dict[str, Any]], stream: TextIO) -> None:
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     return {
-        "cpu": _cpu_model(),
+        "cpu": kernels.cpu_name(),
         "logical_cpus": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "load_average_1m_start": load_average(),
@@ -171,17 +172,6 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "cuda": torch.cuda.is_available(),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_average() -> float | None:

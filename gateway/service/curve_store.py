@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import platform
 import re
 import tempfile
 from collections.abc import Mapping
@@ -81,18 +80,6 @@ def model_identity(model: CausalLM) -> dict[str, Any]:
     }
 
 
-def cpu_name() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (elsewhere, the platform's)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            label, _, value = line.partition(":")
-            if label.strip().lower() in ("model name", "processor name") and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def curve_key(target: CausalLM, drafts: Mapping[str, CausalLM], threads: int) -> CurveKey:
     """Everything a measured curve depends on: the target, each draft model by drafter
     name, the CPU and the best instruction-set level it runs, the native kernels' level
@@ -102,7 +89,7 @@ def curve_key(target: CausalLM, drafts: Mapping[str, CausalLM], threads: int) ->
     return {
         "target": model_identity(target),
         "drafts": {name: model_identity(draft) for name, draft in sorted(drafts.items())},
-        "cpu": cpu_name(),
+        "cpu": kernels.cpu_name(),
         "cpu_level": kernels.host_levels()[-1],
         "native_kernels": ({"level": kernels.capability(),
                             "sources": kernels.source_digest()[:16]} if native else None),

@@ -106,6 +106,18 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (elsewhere, the platform's)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            label, _, value = line.partition(":")
+            if label.strip().lower() in ("model name", "processor name") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _x86_64() -> bool:
     return platform.machine().lower() in {"x86_64", "amd64"}
 

@@ -95,7 +95,7 @@ def test_a_saved_curve_loads_back_exactly(tiny_target: CausalLM, tiny_draft: Cau
     assert store.load(key) == stored
     record = json.loads(path.read_text())
     assert record["key"] == key  # what it was measured on, readable
-    assert record["key"]["threads"] == 3 and record["key"]["cpu"] == curve_store.cpu_name()
+    assert record["key"]["threads"] == 3 and record["key"]["cpu"] == kernels.cpu_name()
     assert record["steps"] == list(stored.curve.steps)
     assert record["step_s"] == stored.curve.step_s
     assert record["measured_at"] == "2025-01-02T03:04:05+00:00"
